@@ -1,0 +1,1 @@
+"""Serving and kernel benchmarks."""

@@ -1,0 +1,1 @@
+"""Triton kernels with plain-torch references. Imports only torch and triton."""

@@ -1,0 +1,3 @@
+from onespark.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""The one CLI: `onespark COMMAND ...`.
+
+Each command lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`.
+Modules are imported only when their command runs, so `onespark --help` stays instant and
+a host without torch can run every checkpoint command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from onespark import __version__
+from onespark.errors import UserError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("onespark.doctor", "preflight: GPU, driver, Docker, NVIDIA runtime, disk, memory, Hugging Face"),
+    "synth": ("onespark.synth", "write a small checkpoint in the real Intel INT4 / Qwen FP8 formats"),
+    "download": ("onespark.download", "step 0: the INT4 checkpoint, and the FP8 shared experts by byte range"),
+    "hybrid": ("onespark.hybrid", "step 1: splice FP8 shared-expert weights into the INT4 checkpoint"),
+    "mtp": ("onespark.mtp", "step 2: make every mtp.* tensor loadable"),
+    "verify": ("onespark.verify", "check a checkpoint against its index, config and manifest"),
+    "bench": ("onespark.bench.cli", "benchmark an OpenAI-compatible endpoint (published, depth, concurrency, ...)"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"onespark {__version__}", "", "usage: onespark COMMAND [options]   (onespark COMMAND --help)", ""]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        print(__version__)
+        return 0
+    name = argv[0]
+    if name not in COMMANDS:
+        print(f"onespark: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module_name, help_ = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"onespark {name}", description=help_)
+    module.add_arguments(parser)
+    args = parser.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except UserError as e:
+        print(f"onespark {name}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"onespark {name}: interrupted; re-run the same command to resume", file=sys.stderr)
+        return 130

@@ -1,0 +1,1 @@
+"""The onespark vLLM plugin (entry point group `vllm.general_plugins`)."""
