@@ -1,0 +1,247 @@
+"""`onespark bench`: benchmark an OpenAI-compatible endpoint; `onespark bench compare A.json B.json`.
+
+  onespark bench --suite published                      # the public recipe's five prompt classes
+  onespark bench --suite depth,concurrency,capacity --server-log server.log
+  onespark bench --suite quality --b-base-url http://127.0.0.1:8001   # greedy A/B against a second server
+  onespark bench compare results/A.json results/B.json
+
+Writes NAME.json (every request), NAME.md (tables for a README) and NAME.png under --out, prints the tables,
+and exits 1 when any request failed (failed requests never enter a summary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from onespark import __version__
+from onespark.bench import report
+from onespark.bench.client import Endpoint, detect_model, make_client, server_version
+from onespark.bench.suites import SUITES, Progress, Runner, Settings, published_classes
+from onespark.errors import UserError
+
+ALL = SUITES + ("quality",)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x.strip().lower().replace("k", "")) * (1024 if x.strip().lower().endswith("k") else 1)
+                for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 0,4k,16k") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("expected at least one number")
+    return vals
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = __doc__
+    sub = p.add_subparsers(dest="action", metavar="[compare]")
+    c = sub.add_parser("compare", help="B vs A: per-metric deltas with their noise")
+    c.add_argument("a", help="result JSON (the reference, A)")
+    c.add_argument("b", help="result JSON (the candidate, B)")
+    c.add_argument("--markdown", action="store_true", help="print a Markdown table")
+
+    g = p.add_argument_group("endpoint")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
+    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token (default: $OPENAI_API_KEY); never written to results")
+    g.add_argument("--model", help="served model name (default: the first one /v1/models lists)")
+    g.add_argument("--api", choices=["chat", "completions"], default="chat", help="default: %(default)s")
+    g.add_argument("--no-think", action="store_true",
+                   help="send chat_template_kwargs.enable_thinking=false (the published figures keep thinking on)")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
+
+    g = p.add_argument_group("suites")
+    g.add_argument("--suite", default="published",
+                   help=f"comma-separated: {', '.join(ALL)}, or all (default: %(default)s)")
+    g.add_argument("--runs", type=int, default=3, help="measured runs per point (default: %(default)s)")
+    g.add_argument("--warmup", type=int, default=1, help="warm-up runs, reported apart (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, help="cap every request's max_tokens (quick runs)")
+    g.add_argument("--classes", help="published classes to run, e.g. Q&A,Math (default: all five)")
+    g.add_argument("--depths", type=_ints, default=Settings().depths, help="default: 0,4k,16k,64k,128k,256k")
+    g.add_argument("--depth-max-tokens", type=int, default=128, help="default: %(default)s")
+    g.add_argument("--concurrency", type=_ints, default=Settings().concurrency, help="default: 1,2,4,8")
+    g.add_argument("--concurrency-max-tokens", type=int, default=256, help="default: %(default)s")
+    g.add_argument("--capacity-contexts", type=_ints, default=Settings().capacity_contexts,
+                   help="context lengths to size users for (default: 32k,128k,256k and the server's max)")
+    g.add_argument("--capacity-streams", type=int, default=0,
+                   help="also load the server with this many streams and watch /metrics (default: off)")
+    g.add_argument("--capacity-context", type=int, default=4096, help="context of each load stream")
+    g.add_argument("--server-log", help="server start-up log, for the KV cache size (docker logs NAME > FILE)")
+    g.add_argument("--b-base-url", help="quality: the second endpoint (B)")
+    g.add_argument("--b-model", help="quality: B's model name (default: its first)")
+    g.add_argument("--b-api-key", default=os.environ.get("OPENAI_API_KEY"), help="quality: B's bearer token")
+    g.add_argument("--top-k", type=int, default=5, help="quality: top logprobs per position (default: %(default)s)")
+
+    g = p.add_argument_group("output")
+    g.add_argument("--out", default="bench-results", help="output directory (default: %(default)s)")
+    g.add_argument("--name", help="file stem (default: SUITES-UTCDATE)")
+    g.add_argument("--hardware", help="what it ran on, stated in every table, e.g. 'DGX Spark GB10'")
+    g.add_argument("--gpu", help="GPU name for the record")
+    g.add_argument("--image", help="container image for the record, e.g. onespark:v2")
+    g.add_argument("--no-png", action="store_true", help="skip the plot")
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _git_sha() -> str | None:
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--", "."], capture_output=True,
+                               text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (sha + ("-dirty" if dirty else "")) if sha else None
+
+
+def _suites(text: str) -> list[str]:
+    names = list(ALL) if text.strip() == "all" else [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in ALL]
+    if bad or not names:
+        raise UserError(f"unknown suite {', '.join(bad) or repr(text)}: choose from {', '.join(ALL)} or all")
+    return names
+
+
+def settings_from(args) -> Settings:
+    s = Settings(runs=args.runs, warmup=args.warmup, max_tokens_cap=args.max_tokens,
+                 classes=[c.strip() for c in args.classes.split(",")] if args.classes else None,
+                 depths=args.depths, depth_max_tokens=args.depth_max_tokens, concurrency=args.concurrency,
+                 concurrency_max_tokens=args.concurrency_max_tokens, capacity_contexts=args.capacity_contexts,
+                 capacity_streams=args.capacity_streams, capacity_context=args.capacity_context,
+                 server_log=args.server_log)
+    s.check()
+    return s
+
+
+async def _bench(args, names: list[str], settings: Settings) -> dict:
+    extra = {"chat_template_kwargs": {"enable_thinking": False}} if args.no_think else {}
+    ep = Endpoint(args.base_url, args.api_key, args.model, args.api, args.timeout, extra)
+    concurrency = max(settings.concurrency + [settings.capacity_streams, 1])
+    progress = Progress(not args.no_progress)
+    result: dict = {"suites": {}}
+    async with make_client(ep, concurrency) as client:
+        card = await detect_model(client, ep)
+        ep.model = card["id"]
+        result.update(model=ep.model, max_model_len=card.get("max_model_len"),
+                      server_version=await server_version(client))
+        runner = Runner(client, ep, settings, card.get("max_model_len"), progress)
+        for name in names:
+            if name == "quality":
+                result["quality"] = await _quality(args, ep, client, settings, progress)
+            else:
+                result["suites"][name] = await getattr(runner, name)()
+    return result
+
+
+async def _quality(args, ep_a: Endpoint, client_a, settings: Settings, progress: Progress) -> dict:
+    from onespark.bench.quality import run_ab
+
+    if not args.b_base_url:
+        raise UserError("--suite quality needs --b-base-url: the second endpoint to compare against")
+    ep_b = Endpoint(args.b_base_url, args.b_api_key, args.b_model, args.api, args.timeout, dict(ep_a.extra_body))
+    classes = published_classes()["classes"]
+    if settings.classes:
+        classes = [c for c in classes if c["name"] in settings.classes]
+    prompts = [(c["name"], c["prompt"]) for c in classes]
+    async with make_client(ep_b) as client_b:
+        ep_b.model = (await detect_model(client_b, ep_b))["id"]
+        progress.start("quality", len(prompts))
+        try:
+            q = await run_ab(ep_a, ep_b, client_a, client_b, prompts, settings.max_tokens_cap or 256, args.top_k,
+                             progress)
+        finally:
+            progress.close()
+    q["model_b"] = ep_b.model
+    return q
+
+
+def run(args) -> int:
+    if args.action == "compare":
+        a, b = report.load_result(args.a), report.load_result(args.b)
+        for path, r in ((args.a, a), (args.b, b)):
+            if r.get("failed_requests"):
+                raise UserError(f"{path} has {r['failed_requests']} failed requests: its figures are incomplete; "
+                                "re-run that benchmark")
+        rows = report.compare(a, b)
+        if not rows:
+            raise UserError(f"{args.a} and {args.b} share no suite and group to compare")
+        print(report.compare_table(rows, args.a, args.b, md=args.markdown))
+        return 0
+
+    names = _suites(args.suite)
+    settings = settings_from(args)
+    if "quality" in names and not args.b_base_url:
+        raise UserError("--suite quality needs --b-base-url: the second endpoint to compare against")
+    if args.top_k < 1 or args.top_k > 20:
+        raise UserError("--top-k must be 1..20 (vLLM's default max_logprobs is 20)")
+    created = dt.datetime.now(dt.timezone.utc)
+    body = asyncio.run(_bench(args, names, settings))
+    rows = [r for s in body["suites"].values() for r in s["rows"]]
+    failed = [r for r in rows if not r["ok"]]
+    settings_record = {k: v for k, v in vars(settings).items()}
+    settings_record.update(api=args.api, no_think=args.no_think, timeout_s=args.timeout, suites=names)
+    result = {
+        "kind": "onespark-bench",
+        "schema_version": report.SCHEMA_VERSION,
+        "created_utc": created.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "onespark_version": __version__,
+        "git_sha": _git_sha(),
+        "command": _command(),
+        "hardware": args.hardware,
+        "gpu": args.gpu,
+        "image": args.image,
+        "endpoint": Endpoint(args.base_url).base_url,
+        "endpoint_b": args.b_base_url,
+        **body,
+        "settings": settings_record,
+        "requests": len(rows),
+        "failed_requests": len(failed),
+    }
+    stem = args.name or f"{'-'.join(names)}-{created.strftime('%Y%m%dT%H%M%SZ')}"
+    out = Path(args.out)
+    report.write_atomic(out / f"{stem}.json", json.dumps(result, indent=1) + "\n")
+    report.write_atomic(out / f"{stem}.md", report.markdown(result) + "\n")
+    wrote = [out / f"{stem}.json", out / f"{stem}.md"]
+    if not args.no_png and report.plot(result, out / f"{stem}.png"):
+        wrote.append(out / f"{stem}.png")
+    print(report.console(result))
+    print("wrote " + ", ".join(map(str, wrote)))
+    if failed:
+        print(f"onespark bench: error: {len(failed)} of {len(rows)} requests failed (first: {failed[0]['error']}); "
+              "their figures are left out of every summary", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _command() -> str:
+    argv = sys.argv[1:]
+    if argv[:1] != ["bench"]:  # called from Python (tests): the settings below are the record
+        return "(called from Python; see settings)"
+    return "onespark " + shlex.join(_redacted(argv))
+
+
+def _redacted(argv: list[str]) -> list[str]:
+    """The command line for the record, without API keys."""
+    out, hide = [], False
+    for a in argv:
+        if hide:
+            out.append("***")
+            hide = False
+        elif a in ("--api-key", "--b-api-key"):
+            out.append(a)
+            hide = True
+        elif a.startswith(("--api-key=", "--b-api-key=")):
+            out.append(a.split("=", 1)[0] + "=***")
+        else:
+            out.append(a)
+    return out

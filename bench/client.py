@@ -1,0 +1,183 @@
+"""OpenAI-compatible HTTP client for benchmarking: streamed requests timed on the client, tokens from `usage`.
+
+Every request asks for `stream_options.include_usage`, so the server's last chunk carries the exact token
+counts. Chunks are only timestamps: with speculative decoding one chunk can carry several tokens, and a
+client that counts chunks as tokens reports MTP at half its speed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from onespark.bench.stats import RequestTiming
+from onespark.errors import UserError
+
+
+@dataclass
+class Endpoint:
+    base_url: str  # e.g. http://127.0.0.1:8000 (a trailing /v1 is accepted and dropped)
+    api_key: str | None = None
+    model: str | None = None  # None: the first model /v1/models lists
+    api: str = "chat"  # "chat" (/v1/chat/completions) or "completions" (/v1/completions)
+    timeout_s: float = 600.0
+    extra_body: dict = field(default_factory=dict)  # e.g. {"chat_template_kwargs": {"enable_thinking": False}}
+
+    def __post_init__(self) -> None:
+        url = self.base_url.rstrip("/")
+        if url.endswith("/v1"):
+            url = url[: -len("/v1")]
+        if not url.startswith(("http://", "https://")):
+            raise UserError(f"--base-url {self.base_url!r} is not an http(s) URL: use e.g. http://127.0.0.1:8000")
+        self.base_url = url
+        if self.api not in ("chat", "completions"):
+            raise UserError(f"--api {self.api!r}: use chat or completions")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+def make_client(ep: Endpoint, concurrency: int = 1) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=max(4, concurrency + 2), max_keepalive_connections=max(4, concurrency + 2))
+    return httpx.AsyncClient(base_url=ep.base_url, headers=ep.headers(), limits=limits,
+                             timeout=httpx.Timeout(ep.timeout_s, connect=10.0))
+
+
+def _http_error(ep: Endpoint, path: str, e: Exception) -> UserError:
+    return UserError(f"cannot reach {ep.base_url}{path} ({type(e).__name__}: {e}): is the server up? "
+                     "check --base-url, or start it with `onespark serve`")
+
+
+async def detect_model(client: httpx.AsyncClient, ep: Endpoint) -> dict:
+    """The model card /v1/models lists for ep.model (or the first one). Raises UserError when there is none."""
+    try:
+        r = await client.get("/v1/models")
+    except httpx.HTTPError as e:
+        raise _http_error(ep, "/v1/models", e) from e
+    if r.status_code in (401, 403):
+        raise UserError(f"{ep.base_url}/v1/models answered {r.status_code}: pass the server's key with --api-key")
+    if r.status_code != 200:
+        raise UserError(f"{ep.base_url}/v1/models answered {r.status_code}: {r.text[:200]}")
+    cards = r.json().get("data") or []
+    if not cards:
+        raise UserError(f"{ep.base_url}/v1/models lists no model: is the server still loading?")
+    if ep.model is None:
+        return cards[0]
+    for card in cards:
+        if card.get("id") == ep.model:
+            return card
+    names = ", ".join(c.get("id", "?") for c in cards)
+    raise UserError(f"model {ep.model!r} is not served at {ep.base_url} (it serves: {names}): fix --model")
+
+
+async def get_text(client: httpx.AsyncClient, path: str) -> str | None:
+    """GET path; None when the server does not offer it (metrics and version are optional)."""
+    try:
+        r = await client.get(path)
+    except httpx.HTTPError:
+        return None
+    return r.text if r.status_code == 200 else None
+
+
+async def server_version(client: httpx.AsyncClient) -> str | None:
+    text = await get_text(client, "/version")
+    try:
+        return json.loads(text)["version"] if text else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+async def count_prompt_tokens(client: httpx.AsyncClient, ep: Endpoint, prompt: str) -> int | None:
+    """Prompt tokens as the server will count them (vLLM's /tokenize, chat template included); None if absent."""
+    body: dict = {"model": ep.model}
+    if ep.api == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    try:
+        r = await client.post("/tokenize", json=body)
+    except httpx.HTTPError:
+        return None
+    if r.status_code != 200:
+        return None
+    return r.json().get("count")
+
+
+def request_body(ep: Endpoint, prompt: str, max_tokens: int, stream: bool = True,
+                 temperature: float = 0.0, extra: dict | None = None) -> tuple[str, dict]:
+    path = "/v1/chat/completions" if ep.api == "chat" else "/v1/completions"
+    body: dict = {"model": ep.model, "max_tokens": max_tokens, "temperature": temperature}
+    if ep.api == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    body.update(ep.extra_body)
+    if extra:
+        body.update(extra)
+    return path, body
+
+
+def _chunk_has_text(chunk: dict) -> bool:
+    for choice in chunk.get("choices") or []:
+        if "text" in choice and choice["text"]:  # /v1/completions
+            return True
+        delta = choice.get("delta") or {}
+        # vLLM streams thinking as `reasoning` (0.19) or `reasoning_content` (older); both are generated tokens.
+        if delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content"):
+            return True
+    return False
+
+
+async def stream_request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, max_tokens: int,
+                         temperature: float = 0.0, extra: dict | None = None) -> RequestTiming:
+    """One streamed request. Never raises for server-side failures: they land in `error`."""
+    path, body = request_body(ep, prompt, max_tokens, stream=True, temperature=temperature, extra=extra)
+    t = RequestTiming(t_start=time.perf_counter(), t_end=0.0)
+    try:
+        async with client.stream("POST", path, json=body) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                t.error = f"HTTP {r.status_code}: {text[:300]}"
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[len("data:"):].strip()
+                    if data == "[DONE]":
+                        break
+                    now = time.perf_counter()
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        t.error = f"server error in stream: {json.dumps(chunk['error'])[:300]}"
+                        break
+                    if _chunk_has_text(chunk):
+                        t.chunk_times.append(now)
+                    usage = chunk.get("usage")
+                    if usage:
+                        t.prompt_tokens = usage.get("prompt_tokens")
+                        t.completion_tokens = usage.get("completion_tokens")
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        t.error = f"{type(e).__name__}: {e}"
+    t.t_end = time.perf_counter()
+    if t.error is None and t.completion_tokens is None:
+        t.error = "stream ended without usage: the server ignored stream_options.include_usage"
+    return t
+
+
+async def complete(client: httpx.AsyncClient, ep: Endpoint, prompt: str, max_tokens: int,
+                   extra: dict | None = None) -> dict:
+    """One non-streamed request; returns the response JSON. Raises UserError on failure."""
+    path, body = request_body(ep, prompt, max_tokens, stream=False, extra=extra)
+    try:
+        r = await client.post(path, json=body)
+    except httpx.HTTPError as e:
+        raise _http_error(ep, path, e) from e
+    if r.status_code != 200:
+        raise UserError(f"{ep.base_url}{path} answered {r.status_code}: {r.text[:300]}")
+    return r.json()

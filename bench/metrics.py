@@ -1,0 +1,155 @@
+"""Read what vLLM 0.19.1 says about itself: Prometheus `/metrics` text and the server log. Pure functions.
+
+Metric names are vLLM 0.19.1's (vllm/v1/spec_decode/metrics.py `SpecDecodingProm`, vllm/v1/metrics/loggers.py);
+prometheus_client exposes each Counter `X` as `X_total`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+
+SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
+SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+GENERATION_TOKENS = "vllm:generation_tokens_total"
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+REQUEST_SUCCESS = "vllm:request_success_total"
+KV_USAGE = "vllm:kv_cache_usage_perc"  # gauge, a fraction in [0, 1] despite the name
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"  # tokens looked up in the prefix cache
+PREFIX_HITS = "vllm:prefix_cache_hits_total"  # tokens found there
+E2E_SUM = "vllm:e2e_request_latency_seconds_sum"  # histogram: server-side request latency, summed
+E2E_COUNT = "vllm:e2e_request_latency_seconds_count"
+CACHE_INFO = "vllm:cache_config_info"  # gauge = 1, the CacheConfig as labels (num_gpu_blocks, block_size, ...)
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(\s+\S+)?$")
+_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
+
+
+def _unescape(v: str) -> str:
+    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), v)
+
+
+def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) for every sample line of the Prometheus text format; comments skipped."""
+    samples = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            raise ValueError(f"/metrics line {lineno} is not a Prometheus sample: {line[:120]!r}")
+        name, label_text, value = m.group(1), m.group(2), m.group(3)
+        labels: dict[str, str] = {}
+        if label_text:
+            body = label_text[1:-1]
+            pos = 0
+            while pos < len(body):
+                lm = _LABEL.match(body, pos)
+                if not lm:
+                    raise ValueError(f"/metrics line {lineno}: bad labels {label_text[:120]!r}")
+                labels[lm.group(1)] = _unescape(lm.group(2))
+                pos = lm.end()
+        samples.append((name, labels, float(value)))
+    return samples
+
+
+_SUMMED = {SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, GENERATION_TOKENS, PROMPT_TOKENS, REQUEST_SUCCESS,
+           KV_USAGE, RUNNING, WAITING, PREFIX_QUERIES, PREFIX_HITS, E2E_SUM, E2E_COUNT}
+
+
+def snapshot(text: str) -> dict:
+    """The counters and gauges the benchmark uses, summed over engines (and models) where that is meaningful."""
+    totals: dict[str, float] = defaultdict(float)
+    per_pos: dict[int, float] = defaultdict(float)
+    cache_info: dict[str, str] = {}
+    seen: set[str] = set()
+    for name, labels, value in parse_prometheus(text):
+        seen.add(name)
+        if name == SPEC_ACCEPTED_PER_POS:
+            per_pos[int(labels.get("position", "0"))] += value
+        elif name == CACHE_INFO:
+            cache_info = {k: v for k, v in labels.items()}
+        elif name in _SUMMED:
+            totals[name] += value
+    return {
+        "counters": dict(totals),
+        "accepted_per_pos": [per_pos[i] for i in sorted(per_pos)],
+        "cache_info": cache_info,
+        "spec_decode": SPEC_DRAFTS in seen,
+    }
+
+
+def spec_decode_delta(before: dict, after: dict) -> dict | None:
+    """Acceptance over the interval between two snapshots; None when the server runs no speculative decoding.
+
+    acceptance_rate       = accepted / drafted tokens
+    mean_acceptance_length = 1 + accepted / drafts      (tokens per target forward pass, bonus token included;
+                                                         vLLM's own definition, SpecDecodingProm docstring)
+    per_position          = accepted at draft position i / drafts
+    """
+    if not (before.get("spec_decode") and after.get("spec_decode")):
+        return None
+    b, a = before["counters"], after["counters"]
+    drafts = a.get(SPEC_DRAFTS, 0.0) - b.get(SPEC_DRAFTS, 0.0)
+    draft_tokens = a.get(SPEC_DRAFT_TOKENS, 0.0) - b.get(SPEC_DRAFT_TOKENS, 0.0)
+    accepted = a.get(SPEC_ACCEPTED, 0.0) - b.get(SPEC_ACCEPTED, 0.0)
+    pos_b, pos_a = before["accepted_per_pos"], after["accepted_per_pos"]
+    per_pos_acc = [pa - (pos_b[i] if i < len(pos_b) else 0.0) for i, pa in enumerate(pos_a)]
+    return {
+        "drafts": drafts,
+        "draft_tokens": draft_tokens,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / draft_tokens if draft_tokens > 0 else None,
+        "mean_acceptance_length": 1.0 + accepted / drafts if drafts > 0 else None,
+        "per_position": [x / drafts for x in per_pos_acc] if drafts > 0 else None,
+    }
+
+
+def counter_delta(before: dict, after: dict, name: str) -> float:
+    return after["counters"].get(name, 0.0) - before["counters"].get(name, 0.0)
+
+
+_KV_TOKENS = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+_MAX_CONC = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+
+
+def parse_server_log(text: str) -> dict:
+    """KV-cache capacity lines vLLM 0.19.1 logs at start-up (vllm/v1/core/kv_cache_utils.py). Last one wins."""
+    out: dict = {}
+    for m in _KV_TOKENS.finditer(text):
+        out["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
+    for m in _MAX_CONC.finditer(text):
+        out["max_model_len"] = int(m.group(1).replace(",", ""))
+        out["max_concurrency_at_max_model_len"] = float(m.group(2))
+    return out
+
+
+def capacity_estimate(kv_cache_tokens: int | None, num_gpu_blocks: int | None, block_size: int | None,
+                      context_len: int) -> dict:
+    """Concurrent users that fit at `context_len` tokens each, from the KV cache size.
+
+    Prefers the log's token count (vLLM divides blocks among KV-cache groups for hybrid models); falls back to
+    blocks x block size from /metrics, which over-counts when the model has several KV-cache groups.
+    Each request holds whole blocks, so it needs ceil(context / block) blocks.
+    """
+    if context_len <= 0:
+        raise ValueError("context length must be positive")
+    source, tokens = None, None
+    if kv_cache_tokens:
+        source, tokens = "server log", kv_cache_tokens
+    elif num_gpu_blocks and block_size:
+        source, tokens = "/metrics cache_config_info (blocks x block_size)", num_gpu_blocks * block_size
+    if tokens is None:
+        return {"kv_cache_tokens": None, "users": None, "source": None}
+    if block_size:
+        per_request = math.ceil(context_len / block_size) * block_size
+    else:
+        per_request = context_len
+    return {"kv_cache_tokens": tokens, "users": tokens // per_request, "tokens_per_request": per_request,
+            "source": source}

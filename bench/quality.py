@@ -1,0 +1,106 @@
+"""Quality A/B: the same greedy prompts against two endpoints (e.g. BF16 vs INT8 LM head, v2 vs v2-tq).
+
+Per prompt: the fraction of positions where both generated the same token, the first position where they
+differ, and the KL divergence KL(A || B) of the top-k next-token distributions at each position *before* the
+first divergence (after it the two contexts differ and the distributions are not comparable).
+
+KL from top-k only is an estimate. Each side's top-k leaves a remaining mass r = 1 - sum(top-k probs); tokens
+one side lists and the other does not get an equal share r / (m + 1) of the other side's remainder (m such
+tokens), the last share going to an "everything else" bucket on both sides. With k = the whole vocabulary
+this is the exact KL; a larger k gives a tighter estimate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+
+from onespark.bench.client import Endpoint, complete
+from onespark.bench.stats import summarize
+
+EPS = 1e-12
+
+
+def parse_logprobs(response: dict) -> tuple[list[str], list[dict[str, float]]]:
+    """(generated tokens, top-k {token: logprob} per position) from a chat or completions response."""
+    choice = response["choices"][0]
+    lp = choice.get("logprobs")
+    if not lp:
+        raise ValueError("response has no logprobs: does the server support logprobs / top_logprobs?")
+    if "content" in lp:  # chat: [{token, logprob, top_logprobs: [{token, logprob}]}]
+        entries = lp["content"] or []
+        tokens = [e["token"] for e in entries]
+        tops = [{t["token"]: t["logprob"] for t in (e.get("top_logprobs") or [])} for e in entries]
+        return tokens, tops
+    tokens = list(lp.get("tokens") or [])  # completions: tokens, top_logprobs: [{token: logprob}]
+    tops = [dict(t or {}) for t in (lp.get("top_logprobs") or [])]
+    return tokens, tops
+
+
+def topk_kl(a: dict[str, float], b: dict[str, float]) -> float:
+    """KL(A || B) in nats from two top-k logprob dicts (see the module docstring for the missing mass)."""
+    union = set(a) | set(b)
+
+    def complete_dist(top: dict[str, float]) -> dict[str, float]:
+        p = {t: math.exp(lp) for t, lp in top.items()}
+        rest = max(0.0, 1.0 - math.fsum(p.values()))
+        missing = [t for t in union if t not in p]
+        share = rest / (len(missing) + 1)
+        for t in missing:
+            p[t] = share
+        p[None] = share  # everything outside the union
+        return p
+
+    pa, pb = complete_dist(a), complete_dist(b)
+    return math.fsum(pa[t] * math.log(max(pa[t], EPS) / max(pb[t], EPS)) for t in pa if pa[t] > 0)
+
+
+def compare_sequences(tokens_a: list[str], tops_a: list[dict], tokens_b: list[str], tops_b: list[dict]) -> dict:
+    n_max = max(len(tokens_a), len(tokens_b))
+    n_min = min(len(tokens_a), len(tokens_b))
+    first_div = next((i for i in range(n_min) if tokens_a[i] != tokens_b[i]), None)
+    if first_div is None and len(tokens_a) != len(tokens_b):
+        first_div = n_min  # one stopped earlier
+    same = sum(1 for i in range(n_min) if tokens_a[i] == tokens_b[i])
+    upto = n_min if first_div is None else first_div
+    # position first_div itself still has identical contexts: its distributions are comparable too
+    kl_positions = range(min(upto + (first_div is not None), n_min, len(tops_a), len(tops_b)))
+    kls = [topk_kl(tops_a[i], tops_b[i]) for i in kl_positions if tops_a[i] and tops_b[i]]
+    return {
+        "tokens_a": len(tokens_a),
+        "tokens_b": len(tokens_b),
+        "identical_token_frac": same / n_max if n_max else 1.0,
+        "first_divergence": first_div,  # None: identical
+        "kl_mean": math.fsum(kls) / len(kls) if kls else None,
+        "kl_max": max(kls) if kls else None,
+        "kl_positions": len(kls),
+    }
+
+
+async def run_ab(ep_a: Endpoint, ep_b: Endpoint, client_a: httpx.AsyncClient, client_b: httpx.AsyncClient,
+                 prompts: list[tuple[str, str]], max_tokens: int, top_k: int, progress=None) -> dict:
+    """Greedy requests with top-k logprobs to both endpoints, prompt by prompt (same order, one at a time)."""
+    extra = {"logprobs": True, "top_logprobs": top_k, "return_tokens_as_token_ids": True}
+    rows = []
+    for name, prompt in prompts:
+        ra, rb = await asyncio.gather(complete(client_a, ep_a, prompt, max_tokens, dict(extra)),
+                                      complete(client_b, ep_b, prompt, max_tokens, dict(extra)))
+        ta, pa = parse_logprobs(ra)
+        tb, pb = parse_logprobs(rb)
+        rows.append({"group": name, **compare_sequences(ta, pa, tb, pb)})
+        if progress is not None:
+            progress.step()
+    kl_all = [r["kl_mean"] for r in rows if r["kl_mean"] is not None]
+    return {
+        "rows": rows,
+        "identical_token_frac": summarize(r["identical_token_frac"] for r in rows),
+        "all_identical": all(r["first_divergence"] is None for r in rows),
+        "first_divergence_min": min((r["first_divergence"] for r in rows if r["first_divergence"] is not None),
+                                    default=None),
+        "kl_mean": summarize(kl_all),
+        "top_k": top_k,
+        "max_tokens": max_tokens,
+    }
+

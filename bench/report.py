@@ -1,0 +1,281 @@
+"""Writers: JSON (atomic), console and Markdown tables, PNG plots, and the A-vs-B comparison of two results."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import textwrap
+from pathlib import Path
+
+from onespark.bench.stats import welch
+from onespark.errors import UserError
+
+SCHEMA_VERSION = 1
+
+
+def write_atomic(path: str | Path, data: bytes | str) -> None:
+    """Write to a temp file in the same directory, then rename: a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_result(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror}") from e
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path} is not JSON ({e}): pass a result written by `onespark bench`") from e
+    if not isinstance(data, dict) or data.get("kind") != "onespark-bench":
+        raise UserError(f"{path} is not an `onespark bench` result (no kind: onespark-bench)")
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(f"{path} has schema_version {data.get('schema_version')}, this onespark reads "
+                        f"{SCHEMA_VERSION}: re-run the benchmark with this version")
+    return data
+
+
+# ------------------------------------------------------------------ tables
+def _f(x, digits=1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _ms(summary: dict | None, key="mean", digits=1, scale=1.0) -> str:
+    if not summary:
+        return "-"
+    return _f(summary[key] * scale, digits)
+
+
+def _pm(summary: dict | None, digits=1, scale=1.0) -> str:
+    """mean ± std (n)"""
+    if not summary:
+        return "-"
+    return f"{summary['mean'] * scale:.{digits}f} ± {summary['std'] * scale:.{digits}f}"
+
+
+def _accept(sd: dict | None) -> str:
+    if not sd or sd.get("mean_acceptance_length") is None:
+        return "off" if sd is None else "-"
+    return f"{sd['mean_acceptance_length']:.2f} ({100 * sd['acceptance_rate']:.0f}%)"
+
+
+def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, headers, rows) for every suite in a result."""
+    out = []
+    suites = result.get("suites", {})
+    if "published" in suites:
+        s = suites["published"]
+        headers = ["class", "max tok", "n", "e2e tok/s (published method)", "median", "decode tok/s", "TTFT s",
+                   "tokens", "accept len"]
+        rows = []
+        for g in s["groups"]:
+            m = g["summary"]
+            rows.append([str(g["group"]), str(g["max_tokens"]), str(m["e2e_tok_s"]["n"] if m["e2e_tok_s"] else 0),
+                         _pm(m["e2e_tok_s"]), _ms(m["e2e_tok_s"], "median"), _pm(m["decode_tok_s"]),
+                         _ms(m["ttft_s"], "median", 3), _ms(m["completion_tokens"], "mean", 0),
+                         _accept(g.get("spec_decode") if s.get("spec_decode") else None)])
+        cc = s["cross_class"]
+        rows.append(["cross-class", "", str(cc["classes_measured"]), _pm(cc["e2e_tok_s"]),
+                     _ms(cc["e2e_tok_s"], "median"), _pm(cc["decode_tok_s"]), "", "", _accept(s.get("spec_decode"))])
+        out.append(("published: five prompt classes, single stream, temperature 0", headers, rows))
+    if "depth" in suites:
+        s = suites["depth"]
+        headers = ["depth", "prompt tok", "n", "TTFT s", "prefill tok/s", "decode tok/s", "e2e tok/s"]
+        rows = [[str(g["group"]), _ms(g["summary"]["prompt_tokens"], "mean", 0),
+                 str(g["summary"]["requests"] - g["summary"]["failed"]), _ms(g["summary"]["ttft_s"], "median", 3),
+                 _pm(g["summary"]["prefill_tok_s"], 0), _pm(g["summary"]["decode_tok_s"]),
+                 _pm(g["summary"]["e2e_tok_s"])] for g in s["groups"]]
+        rows += [[str(k["depth"]), "skipped", "", k["reason"], "", "", ""] for k in s.get("skipped", [])]
+        out.append((f"depth: context depth vs rates, {s['max_tokens']} new tokens, accept len "
+                    f"{_accept(s.get('spec_decode'))}", headers, rows))
+    if "concurrency" in suites:
+        s = suites["concurrency"]
+        headers = ["streams", "n", "per-stream decode tok/s", "per-stream e2e tok/s", "aggregate tok/s",
+                   "TTFT p50 s", "TTFT p99 s"]
+        rows = [[str(g["group"]), str(g["summary"]["requests"] - g["summary"]["failed"]),
+                 _pm(g["summary"]["decode_tok_s"]), _pm(g["summary"]["e2e_tok_s"]), _pm(g["aggregate_tok_s"]),
+                 _ms(g["summary"]["ttft_s"], "p50", 3), _ms(g["summary"]["ttft_s"], "p99", 3)] for g in s["groups"]]
+        out.append((f"concurrency: {s['max_tokens']} new tokens per stream, accept len "
+                    f"{_accept(s.get('spec_decode'))}", headers, rows))
+    if "capacity" in suites:
+        s = suites["capacity"]
+        headers = ["context", "KV cache tokens", "concurrent users", "source"]
+        rows = [[str(e["context"]), str(e["kv_cache_tokens"] or "-"), str(e["users"] if e["users"] is not None else "-"),
+                 e["source"] or "no log and no cache_config_info"] for e in s["estimates"]]
+        if s.get("load"):
+            ld = s["load"]
+            rows.append([str(ld["context"]), f"peak use {_f(100 * ld['peak_kv_usage'] if ld['peak_kv_usage'] is not None else None)}%",
+                         str(ld["users_at_context_measured"] or "-"),
+                         f"measured: {ld['streams']} streams, peak {ld['peak_running']} running"])
+        out.append(("capacity: KV cache and concurrent users per context length", headers, rows))
+    if "quality" in result:
+        q = result["quality"]
+        headers = ["prompt", "tokens A/B", "identical tokens", "first divergence", "KL mean (nats)", "KL max"]
+        rows = [[str(r["group"]), f"{r['tokens_a']}/{r['tokens_b']}", f"{100 * r['identical_token_frac']:.1f}%",
+                 "none" if r["first_divergence"] is None else str(r["first_divergence"]),
+                 _f(r["kl_mean"], 5), _f(r["kl_max"], 5)] for r in q["rows"]]
+        out.append((f"quality A/B: greedy, top-{q['top_k']} logprobs, A={result['endpoint']} "
+                    f"B={result['endpoint_b']}", headers, rows))
+    return out
+
+
+def console(result: dict) -> str:
+    lines = [_provenance(result), ""]
+    for title, headers, rows in tables(result):
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+        lines.append(title)
+        lines.append("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
+        lines.append("  ".join("-" * w for w in widths))
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _provenance(result: dict) -> str:
+    return (f"{result.get('hardware') or 'hardware not given'} | model {result.get('model')} | "
+            f"server vLLM {result.get('server_version') or '?'} | image {result.get('image') or '-'} | "
+            f"gpu {result.get('gpu') or '-'} | {result.get('created_utc')} | onespark {result.get('git_sha') or '?'}")
+
+
+def markdown(result: dict) -> str:
+    lines = [f"**{_provenance(result)}**", "", f"Command: `{result.get('command')}`", ""]
+    for title, headers, rows in tables(result):
+        lines.append(f"*{title}*")
+        lines.append("")
+        lines.append("| " + " | ".join(headers) + " |")
+        lines.append("|" + "|".join("---" for _ in headers) + "|")
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ plots
+def plot(result: dict, path: str | Path) -> bool:
+    """One PNG with a panel per suite that has something to draw. False when there is nothing to draw."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise UserError("PNG output needs matplotlib: pip install 'onespark[bench]', or pass --no-png") from e
+    suites = result.get("suites", {})
+    panels = [k for k in ("published", "depth", "concurrency") if k in suites and suites[k]["groups"]]
+    if not panels:
+        return False
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
+    for ax, name in zip(axes[0], panels):
+        groups = suites[name]["groups"]
+        if name == "published":
+            labels = [str(g["group"]) for g in groups] + ["cross-class"]
+            series = [("end-to-end (published method)", "e2e_tok_s"), ("decode", "decode_tok_s")]
+            width = 0.38
+            for j, (lab, key) in enumerate(series):
+                means = [g["summary"][key]["mean"] if g["summary"][key] else 0 for g in groups]
+                stds = [g["summary"][key]["std"] if g["summary"][key] else 0 for g in groups]
+                cc = suites[name]["cross_class"][key]
+                means.append(cc["mean"] if cc else 0)
+                stds.append(cc["std"] if cc else 0)
+                xs = [i + (j - 0.5) * width for i in range(len(labels))]
+                ax.bar(xs, means, width, yerr=stds, capsize=3, label=lab)
+            ax.set_xticks(range(len(labels)), labels, rotation=20)
+            ax.set_ylabel("tok/s (mean ± std over runs)")
+            ax.set_title("published prompt classes")
+        elif name == "depth":
+            xs = [g["group"] for g in groups]
+            for lab, key in (("decode", "decode_tok_s"), ("end-to-end", "e2e_tok_s")):
+                ok = [(x, g["summary"][key]) for x, g in zip(xs, groups) if g["summary"][key]]
+                ax.errorbar([x for x, _ in ok], [s["mean"] for _, s in ok], yerr=[s["std"] for _, s in ok],
+                            marker="o", capsize=3, label=lab)
+            ax.set_xlabel("context depth (tokens)")
+            ax.set_ylabel("tok/s")
+            ax2 = ax.twinx()
+            ok = [(x, g["summary"]["prefill_tok_s"]) for x, g in zip(xs, groups) if g["summary"]["prefill_tok_s"]]
+            ax2.plot([x for x, _ in ok], [s["mean"] for _, s in ok], "s--", color="gray", label="prefill")
+            ax2.set_ylabel("prefill tok/s", color="gray")
+            ax.set_title("rate vs context depth")
+        else:
+            xs = [g["group"] for g in groups]
+            for lab, key in (("per-stream decode", "decode_tok_s"), ("per-stream end-to-end", "e2e_tok_s")):
+                ok = [(x, g["summary"][key]) for x, g in zip(xs, groups) if g["summary"][key]]
+                ax.errorbar([x for x, _ in ok], [s["mean"] for _, s in ok], yerr=[s["std"] for _, s in ok],
+                            marker="o", capsize=3, label=lab)
+            ok = [(x, g["aggregate_tok_s"]) for x, g in zip(xs, groups) if g["aggregate_tok_s"]]
+            ax.errorbar([x for x, _ in ok], [s["mean"] for _, s in ok], yerr=[s["std"] for _, s in ok],
+                        marker="s", capsize=3, label="aggregate")
+            ax.set_xticks(xs)
+            ax.set_xlabel("concurrent streams")
+            ax.set_ylabel("tok/s")
+            ax.set_title("rate vs concurrency")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(textwrap.fill(_provenance(result), width=95 * len(panels)), fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True
+
+
+# ------------------------------------------------------------------ compare
+def compare(a: dict, b: dict) -> list[dict]:
+    """B vs A for every (suite, group, metric) both results have. Deltas with their noise (Welch SE)."""
+    out = []
+    metrics = ("e2e_tok_s", "decode_tok_s", "ttft_s", "prefill_tok_s")
+
+    def add(suite, group, metric, sa, sb):
+        if not sa or not sb:
+            return
+        w = welch(sa["mean"], sa["std"], sa["n"], sb["mean"], sb["std"], sb["n"])
+        out.append({"suite": suite, "group": group, "metric": metric, "a": sa["mean"], "b": sb["mean"],
+                    "n_a": sa["n"], "n_b": sb["n"], **w})
+
+    for suite in ("published", "depth", "concurrency"):
+        sa, sb = a.get("suites", {}).get(suite), b.get("suites", {}).get(suite)
+        if not sa or not sb:
+            continue
+        gb = {str(g["group"]): g for g in sb["groups"]}
+        for ga in sa["groups"]:
+            g2 = gb.get(str(ga["group"]))
+            if g2 is None:
+                continue
+            for m in metrics:
+                add(suite, ga["group"], m, ga["summary"].get(m), g2["summary"].get(m))
+            if suite == "concurrency":
+                add(suite, ga["group"], "aggregate_tok_s", ga.get("aggregate_tok_s"), g2.get("aggregate_tok_s"))
+        if suite == "published":
+            for m in ("e2e_tok_s", "decode_tok_s"):
+                add(suite, "cross-class", m, sa["cross_class"].get(m), sb["cross_class"].get(m))
+    return out
+
+
+def compare_table(rows: list[dict], path_a: str, path_b: str, md: bool = False) -> str:
+    headers = ["suite", "group", "metric", "A", "B", "delta", "delta %", "± 2 SE", "verdict"]
+    body = []
+    for r in rows:
+        verdict = "n<2: noise unknown" if r["significant"] is None else ("beyond noise" if r["significant"] else "within noise")
+        body.append([r["suite"], str(r["group"]), r["metric"], _f(r["a"], 3), _f(r["b"], 3), _f(r["delta"], 3),
+                     _f(r["delta_pct"], 1), _f(2 * r["se"], 3) if r["se"] is not None else "-", verdict])
+    title = f"B = {path_b} vs A = {path_a}"
+    if md:
+        lines = [f"*{title}*", "", "| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in body]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in body]
+    return "\n".join(lines)

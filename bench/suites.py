@@ -1,0 +1,378 @@
+"""The benchmark suites: published, depth, concurrency, capacity. Each returns a plain dict (JSON-ready).
+
+Rows: one per request, with the metrics of `stats.request_metrics` plus suite, group, run and `warmup`.
+Warm-up requests are kept in the result, flagged, and left out of every summary.
+Speculative-decoding acceptance comes from /metrics counter deltas around the measured requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from importlib import resources
+
+import httpx
+
+from onespark.bench import metrics as prom
+from onespark.bench.client import Endpoint, count_prompt_tokens, get_text, stream_request
+from onespark.bench.stats import request_metrics, summarize, summarize_rows
+from onespark.errors import UserError
+
+SUITES = ("published", "depth", "concurrency", "capacity")
+
+DEPTH_TASK = "\n\nThe text above is filler. Ignore it and write a long story about a lighthouse keeper."
+
+
+@dataclass
+class Settings:
+    runs: int = 3
+    warmup: int = 1
+    max_tokens_cap: int | None = None  # caps every class's max_tokens (small runs, tests)
+    classes: list[str] | None = None  # published classes to run; None = all five
+    depths: list[int] = field(default_factory=lambda: [0, 4096, 16384, 65536, 131072, 262144])
+    depth_max_tokens: int = 128
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    concurrency_max_tokens: int = 256
+    capacity_contexts: list[int] = field(default_factory=lambda: [32768, 131072, 262144])
+    capacity_streams: int = 0  # > 0: also load the server with this many streams and watch /metrics
+    capacity_context: int = 4096  # context of each of those streams
+    capacity_max_tokens: int = 64
+    server_log: str | None = None  # a file with the server's start-up log (e.g. `docker logs NAME > f`)
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.runs < 1:
+            raise UserError("--runs must be at least 1")
+        if self.warmup < 0:
+            raise UserError("--warmup must be 0 or more")
+        if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
+            raise UserError("--max-tokens must be at least 1")
+        if any(d < 0 for d in self.depths):
+            raise UserError("--depths must be 0 or more")
+        if not self.concurrency or any(c < 1 for c in self.concurrency):
+            raise UserError("--concurrency needs levels of at least 1, e.g. 1,2,4,8")
+        if any(c < 1 for c in self.capacity_contexts) or self.capacity_context < 1:
+            raise UserError("capacity context lengths must be positive")
+
+
+def published_classes() -> dict:
+    return json.loads(resources.files("onespark.bench").joinpath("prompts/published.json").read_text())
+
+
+class Progress:
+    """tqdm over the requests of one suite; a no-op when disabled."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+
+    def start(self, desc: str, total: int) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="req", leave=True, dynamic_ncols=True)
+
+    def step(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+class Runner:
+    def __init__(self, client: httpx.AsyncClient, ep: Endpoint, settings: Settings, max_model_len: int | None,
+                 progress: Progress):
+        self.client, self.ep, self.s, self.max_model_len, self.progress = client, ep, settings, max_model_len, progress
+        self.rng = random.Random(settings.seed)
+
+    async def metrics(self) -> dict | None:
+        text = await get_text(self.client, "/metrics")
+        return prom.snapshot(text) if text else None
+
+    async def one(self, prompt: str, max_tokens: int, extra: dict | None = None, **labels) -> dict:
+        timing = await stream_request(self.client, self.ep, prompt, max_tokens, extra=extra)
+        row = {**labels, "max_tokens": max_tokens, **request_metrics(timing), "t_start": timing.t_start,
+               "t_end": timing.t_end}
+        self.progress.step()
+        return row
+
+    def _cap(self, max_tokens: int) -> int:
+        return min(max_tokens, self.s.max_tokens_cap) if self.s.max_tokens_cap else max_tokens
+
+    async def _with_server_check(self, name: str, body) -> dict:
+        """Run a suite body; record spec-decode acceptance and the server's own token count around it."""
+        before = await self.metrics()
+        result = await body()
+        after = await self.metrics()
+        result["suite"] = name
+        result["spec_decode"] = prom.spec_decode_delta(before, after) if before and after else None
+        client_tokens = sum(r["completion_tokens"] or 0 for r in result["rows"] if r["ok"])
+        result["tokens_check"] = {
+            "client_usage_completion_tokens": client_tokens,
+            # Equal to the client's sum when nothing else used the server meanwhile.
+            "server_generation_tokens": prom.counter_delta(before, after, prom.GENERATION_TOKENS)
+            if before and after else None,
+        }
+        if before and after:
+            result["server"] = {
+                # vLLM's own view of the same interval: a check on the client, and on prefix-cache reuse
+                "requests": prom.counter_delta(before, after, prom.E2E_COUNT),
+                "e2e_latency_sum_s": prom.counter_delta(before, after, prom.E2E_SUM),
+                "prefix_cache_queries": prom.counter_delta(before, after, prom.PREFIX_QUERIES),
+                "prefix_cache_hits": prom.counter_delta(before, after, prom.PREFIX_HITS),
+            }
+        return result
+
+    # ---------------------------------------------------------------- published
+    async def published(self) -> dict:
+        spec = published_classes()
+        classes = spec["classes"]
+        if self.s.classes:
+            known = {c["name"] for c in classes}
+            unknown = [c for c in self.s.classes if c not in known]
+            if unknown:
+                raise UserError(f"unknown class {', '.join(unknown)}: choose from {', '.join(sorted(known))}")
+            classes = [c for c in classes if c["name"] in self.s.classes]
+
+        async def body() -> dict:
+            rows, per_class_spec = [], {}
+            self.progress.start("published", (self.s.warmup + self.s.runs) * len(classes))
+            try:
+                for run in range(self.s.warmup + self.s.runs):
+                    warm = run < self.s.warmup
+                    for c in classes:
+                        before = None if warm else await self.metrics()
+                        row = await self.one(c["prompt"], self._cap(c["max_tokens"]), group=c["name"],
+                                             run=run - self.s.warmup if not warm else run, warmup=warm)
+                        rows.append(row)
+                        if before is not None:
+                            after = await self.metrics()
+                            d = prom.spec_decode_delta(before, after) if after else None
+                            if d:
+                                acc = per_class_spec.setdefault(c["name"], {"drafts": 0.0, "draft_tokens": 0.0,
+                                                                            "accepted_tokens": 0.0})
+                                for k in acc:
+                                    acc[k] += d[k]
+            finally:
+                self.progress.close()
+            groups = []
+            for c in classes:
+                measured = [r for r in rows if r["group"] == c["name"] and not r["warmup"]]
+                g = {"group": c["name"], "max_tokens": self._cap(c["max_tokens"]), "summary": summarize_rows(measured)}
+                sd = per_class_spec.get(c["name"])
+                if sd:
+                    g["spec_decode"] = {
+                        **sd,
+                        "acceptance_rate": sd["accepted_tokens"] / sd["draft_tokens"] if sd["draft_tokens"] else None,
+                        "mean_acceptance_length": 1 + sd["accepted_tokens"] / sd["drafts"] if sd["drafts"] else None,
+                    }
+                groups.append(g)
+            # The published single figure: the mean over classes of each class's mean end-to-end rate.
+            class_means = {g["group"]: g["summary"]["e2e_tok_s"]["mean"] for g in groups if g["summary"]["e2e_tok_s"]}
+            class_decode = {g["group"]: g["summary"]["decode_tok_s"]["mean"]
+                            for g in groups if g["summary"]["decode_tok_s"]}
+            cross = {
+                "e2e_tok_s": summarize(class_means.values()),
+                "decode_tok_s": summarize(class_decode.values()),
+                "classes_measured": len(class_means),
+            }
+            return {"rows": rows, "groups": groups, "cross_class": cross, "source": spec["source"]}
+
+        return await self._with_server_check("published", body)
+
+    # ---------------------------------------------------------------- depth
+    async def _filler_prompt(self, target: int, seed: int) -> tuple[str, int | None]:
+        """A prompt of about `target` tokens: numbered nonsense words after a per-request nonce.
+
+        The nonce comes first, so no two requests share even their first KV block: vLLM's prefix cache chains
+        block hashes from the start and cannot reuse anything. Sized with the server's /tokenize when offered.
+        """
+        rng = random.Random(seed)
+        syll = ["ka", "lo", "mi", "ra", "te", "su", "no", "ve", "di", "pa", "gu", "shi", "bo", "ze", "ty"]
+
+        def text(n_words: int) -> str:
+            words = ("".join(rng.choice(syll) for _ in range(rng.randint(2, 3))) for _ in range(n_words))
+            return " ".join(words)
+
+        base_count = await count_prompt_tokens(self.client, self.ep, "Document 0000000000. " + DEPTH_TASK)
+        if target == 0 or (base_count is not None and target <= base_count):
+            return "", base_count
+        per_word = 2.5  # first guess; refined from the server's count
+        n_words = max(1, int((target - (base_count or 0)) / per_word))
+        body = text(n_words)
+        count = None
+        for _ in range(4):
+            count = await count_prompt_tokens(self.client, self.ep, "Document 0000000000. " + body + DEPTH_TASK)
+            if count is None or base_count is None:
+                break
+            if abs(count - target) <= max(8, target // 200):
+                break
+            per_word = max(0.5, (count - base_count) / n_words)
+            n_words = max(1, int((target - base_count) / per_word))
+            rng.seed(seed)
+            body = text(n_words)
+        return body, count
+
+    async def depth(self) -> dict:
+        depths = sorted(set(self.s.depths))
+        max_tokens = self._cap(self.s.depth_max_tokens)
+        extra = {"ignore_eos": True}  # vLLM: generate exactly max_tokens, so decode is timed over equal lengths
+
+        async def body() -> dict:
+            rows, groups, skipped = [], [], []
+            usable = []
+            for d in depths:
+                if self.max_model_len is not None and d + max_tokens > self.max_model_len:
+                    # 256K on a server started with --max-model-len 262144 still leaves room for a few
+                    # tokens short of it: measure there instead of skipping the deepest point.
+                    clamped = self.max_model_len - max_tokens - 64
+                    if clamped > (usable[-1] if usable else 0) and d <= self.max_model_len:
+                        usable.append(clamped)
+                    else:
+                        skipped.append({"depth": d, "reason": f"depth + {max_tokens} new tokens > max_model_len "
+                                                              f"{self.max_model_len}"})
+                else:
+                    usable.append(d)
+            self.progress.start("depth", self.s.warmup + self.s.runs * len(usable))
+            try:
+                for w in range(self.s.warmup if usable else 0):
+                    prompt = f"Document {self.rng.randrange(10**10):010d}. {DEPTH_TASK}"
+                    rows.append(await self.one(prompt, max_tokens, extra, group=0, run=w, warmup=True))
+                for d in usable:
+                    filler, counted = await self._filler_prompt(d, self.s.seed + d)
+                    for run in range(self.s.runs):
+                        prompt = f"Document {self.rng.randrange(10**10):010d}. {filler}{DEPTH_TASK}"
+                        rows.append(await self.one(prompt, max_tokens, extra, group=d, run=run, warmup=False))
+                    measured = [r for r in rows if r["group"] == d and not r["warmup"]]
+                    groups.append({"group": d, "tokenized_prompt": counted, "summary": summarize_rows(measured)})
+            finally:
+                self.progress.close()
+            return {"rows": rows, "groups": groups, "skipped": skipped, "max_tokens": max_tokens}
+
+        return await self._with_server_check("depth", body)
+
+    # ---------------------------------------------------------------- concurrency
+    async def concurrency(self) -> dict:
+        levels = sorted(set(self.s.concurrency))
+        max_tokens = self._cap(self.s.concurrency_max_tokens)
+        extra = {"ignore_eos": True}
+        task = published_classes()["classes"][1]["prompt"]  # the Code prompt: long, ordinary output
+
+        async def round_(c: int, run: int, warm: bool) -> list[dict]:
+            prompts = [f"Request {self.rng.randrange(10**10):010d}. {task}" for _ in range(c)]
+            return list(await asyncio.gather(*(self.one(p, max_tokens, extra, group=c, run=run, stream=i,
+                                                        warmup=warm) for i, p in enumerate(prompts))))
+
+        async def body() -> dict:
+            rows, groups = [], []
+            self.progress.start("concurrency", sum(levels[0] for _ in range(self.s.warmup))
+                                + sum(c * self.s.runs for c in levels))
+            try:
+                for w in range(self.s.warmup):
+                    rows += await round_(levels[0], w, True)
+                for c in levels:
+                    aggregates = []
+                    for run in range(self.s.runs):
+                        rr = await round_(c, run, False)
+                        rows += rr
+                        ok = [r for r in rr if r["ok"]]
+                        if len(ok) == len(rr):
+                            span = max(r["t_end"] for r in rr) - min(r["t_start"] for r in rr)
+                            aggregates.append(sum(r["completion_tokens"] for r in rr) / span)
+                    measured = [r for r in rows if r["group"] == c and not r["warmup"]]
+                    groups.append({"group": c, "summary": summarize_rows(measured),
+                                   # all streams' tokens over the round's wall time (first start to last end)
+                                   "aggregate_tok_s": summarize(aggregates)})
+            finally:
+                self.progress.close()
+            return {"rows": rows, "groups": groups, "max_tokens": max_tokens}
+
+        return await self._with_server_check("concurrency", body)
+
+    # ---------------------------------------------------------------- capacity
+    async def capacity(self) -> dict:
+        log_info = {}
+        if self.s.server_log:
+            try:
+                with open(self.s.server_log, encoding="utf-8", errors="replace") as f:
+                    log_info = prom.parse_server_log(f.read())
+            except OSError as e:
+                raise UserError(f"cannot read --server-log {self.s.server_log}: {e.strerror}") from e
+            if not log_info:
+                raise UserError(f"--server-log {self.s.server_log} has no 'GPU KV cache size' line: pass the "
+                                "server's start-up log (e.g. `docker logs vllm-qwen35 > server.log`)")
+
+        async def body() -> dict:
+            snap = await self.metrics()
+            info = snap["cache_info"] if snap else {}
+
+            def as_int(v):
+                try:
+                    return int(float(v))
+                except (TypeError, ValueError):
+                    return None
+
+            blocks, block_size = as_int(info.get("num_gpu_blocks")), as_int(info.get("block_size"))
+            estimates = []
+            for ctx in sorted(set(self.s.capacity_contexts + ([self.max_model_len] if self.max_model_len else []))):
+                est = prom.capacity_estimate(log_info.get("kv_cache_tokens"), blocks, block_size, ctx)
+                estimates.append({"context": ctx, **est})
+            rows, load = [], None
+            if self.s.capacity_streams > 0:
+                rows, load = await self._load(self.s.capacity_streams, self.s.capacity_context)
+            return {"rows": rows, "groups": [], "server_log": log_info, "num_gpu_blocks": blocks,
+                    "block_size": block_size, "kv_cache_dtype": info.get("cache_dtype"), "estimates": estimates,
+                    "load": load}
+
+        return await self._with_server_check("capacity", body)
+
+    async def _load(self, streams: int, context: int) -> tuple[list[dict], dict]:
+        """`streams` concurrent requests of `context` tokens; /metrics sampled while they run."""
+        max_tokens = self._cap(self.s.capacity_max_tokens)
+        if self.max_model_len is not None and context + max_tokens > self.max_model_len:
+            raise UserError(f"--capacity-context {context} + {max_tokens} new tokens exceeds the server's "
+                            f"max_model_len {self.max_model_len}: lower it")
+        filler, _ = await self._filler_prompt(context, self.s.seed + 7)
+        samples: list[dict] = []
+        done = asyncio.Event()
+
+        async def sample() -> None:
+            while not done.is_set():
+                snap = await self.metrics()
+                if snap:
+                    c = snap["counters"]
+                    samples.append({"t": time.perf_counter(), "kv_usage": c.get(prom.KV_USAGE),
+                                    "running": c.get(prom.RUNNING), "waiting": c.get(prom.WAITING)})
+                try:
+                    await asyncio.wait_for(done.wait(), 0.2)
+                except asyncio.TimeoutError:
+                    pass
+
+        self.progress.start("capacity", streams)
+        sampler = asyncio.create_task(sample())
+        try:
+            rows = list(await asyncio.gather(*(
+                self.one(f"Document {self.rng.randrange(10**10):010d}. {filler}{DEPTH_TASK}", max_tokens,
+                         {"ignore_eos": True}, group=context, run=0, stream=i, warmup=False)
+                for i in range(streams))))
+        finally:
+            done.set()
+            await sampler
+            self.progress.close()
+        usage = [s["kv_usage"] for s in samples if s["kv_usage"] is not None]
+        running = [s["running"] for s in samples if s["running"] is not None]
+        peak_usage = max(usage) if usage else None
+        peak_running = max(running) if running else None
+        users = None
+        if peak_usage and peak_running:
+            # KV share per running request at the peak, extrapolated to a full cache.
+            users = int(peak_running / peak_usage)
+        return rows, {"streams": streams, "context": context, "samples": len(samples), "peak_kv_usage": peak_usage,
+                      "peak_running": peak_running, "peak_waiting": max((s["waiting"] or 0) for s in samples)
+                      if samples else None, "users_at_context_measured": users}
