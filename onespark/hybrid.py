@@ -1,0 +1,340 @@
+"""Step 1, `onespark hybrid --int4 DIR --fp8 DIR_OR_REPO --out DIR`: FP8 shared experts in the INT4 checkpoint.
+
+Replaces the 3 x num_hidden_layers BF16 `mlp.shared_expert.{gate,up,down}_proj.weight` tensors of the
+Intel INT4 checkpoint (144 for the 122B) by the FP8 weights of the Qwen FP8 checkpoint and adds each one's
+`weight_scale_inv`. Every other tensor, `mtp.*` included, is copied byte for byte with os.copy_file_range;
+no shard is ever read into memory. Each output file is written under a temporary name and renamed; an
+interrupted run resumes (files already written are kept when their size and the inputs still match).
+The input directories are only read.
+
+What config.json says afterwards (the vLLM plugin reads this; nothing else changes in the config):
+
+    config["quantization_config"]["onespark_fp8"] = {
+        "layers": ["model.language_model.layers.0.mlp.shared_expert.gate_proj", ...],  # HF module names,
+                     # without ".weight"; vLLM's hf_to_vllm_mapper maps them like extra_config's keys
+        "weight_block_size": [128, 128],    # from the FP8 source's quantization_config
+        "activation_scheme": "dynamic",     # idem
+        "fmt": "e4m3",                      # weight dtype F8_E4M3
+        "scale_name": "weight_scale_inv",   # per-block scale, dequant = weight * scale_inv
+        "scale_dtype": "BF16",              # as stored (BF16 in Qwen's release)
+        "source": {"repo": ..., "revision": ...},
+    }
+    config["onespark"] = {"schema_version": 1, "step": "hybrid", "tool_version": "...",
+                          "manifest": "onespark-manifest.json"}
+
+quantization_config keeps quant_method "auto-round" and its extra_config (which already says these layers
+are not INT4: bits 16); `quantization_config.json`, when present, gets the same dict.
+The manifest (onespark-manifest.json) records inputs, revisions, what changed, the sha256 of every output
+file and the tool version; it is written last, so its presence means the step finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime as dt
+import hashlib
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+from onespark import __version__, qwen35
+from onespark.checkpoint import (DOWNLOAD_RECORD, INDEX_FILE, MANIFEST_FILE, Checkpoint, is_inside, load_json,
+                                 open_checkpoint, sha256_file)
+from onespark.errors import UserError
+from onespark.safetensors_io import (Range, copy_file_atomic, encode_header, write_json_atomic,
+                                     write_safetensors)
+
+PROGRESS_FILE = ".onespark-hybrid-progress.json"
+CONFIG_FILES = ("config.json", "quantization_config.json")  # rewritten, not copied
+SCALE_SUFFIX = "weight_scale_inv"
+
+
+def _scale_name(weight: str) -> str:
+    return weight[: -len("weight")] + SCALE_SUFFIX
+
+
+def _check_dirs(int4: Path, fp8: Path | None, out: Path) -> None:
+    for name, src in (("--int4", int4), ("--fp8", fp8)):
+        if src is None:
+            continue
+        if is_inside(out, src):
+            raise UserError(f"--out {out} is inside {name} {src}: write the output somewhere else "
+                            f"(inputs are never modified)")
+        if is_inside(src, out):
+            raise UserError(f"{name} {src} is inside --out {out}: choose an --out that does not contain the input")
+
+
+def _dims(config: dict) -> dict:
+    tc = qwen35.text_config(config)
+    return {k: tc.get(k) for k in ("hidden_size", "num_hidden_layers", "shared_expert_intermediate_size")}
+
+
+class Plan:
+    """Everything step 1 will write, decided before writing a byte."""
+
+    def __init__(self, int4: Checkpoint, fp8: Checkpoint, fp8_source: dict):
+        self.int4, self.fp8 = int4, fp8
+        qc = int4.config.get("quantization_config") or {}
+        if qc.get("quant_method") not in ("auto-round", "intel/auto-round"):
+            raise UserError(f"{int4.path}: quantization_config.quant_method is {qc.get('quant_method')!r}, "
+                            f"not auto-round: --int4 must be the Intel AutoRound checkpoint")
+        if qc.get(qwen35.HYBRID_KEY):
+            raise UserError(f"{int4.path}: already a hybrid checkpoint (its config lists FP8 layers): "
+                            f"give the original INT4 download as --int4")
+        fqc = fp8.config.get("quantization_config") or {}
+        if fqc.get("quant_method") != "fp8":
+            raise UserError(f"{fp8.path}: quantization_config.quant_method is {fqc.get('quant_method')!r}, "
+                            f"not fp8: --fp8 must be the Qwen FP8 checkpoint (or what step 0 fetched of it)")
+        if _dims(int4.config) != _dims(fp8.config):
+            raise UserError(f"the two checkpoints are different models: INT4 {_dims(int4.config)} vs "
+                            f"FP8 {_dims(fp8.config)}")
+        if int4.duplicates:
+            n, fs = next(iter(int4.duplicates.items()))
+            raise UserError(f"{int4.path}: tensor {n} is in {len(fs)} files ({', '.join(fs)}): "
+                            f"the download is inconsistent; download it again")
+        for name, fname in int4.weight_map.items():
+            if name not in int4.headers[fname].tensors:
+                raise UserError(f"{int4.path / fname}: lacks {name}, which the index puts there: "
+                                f"download that shard again")
+        self.block = tuple(fqc.get("weight_block_size") or (128, 128))
+        self.targets = qwen35.shared_expert_weights(int4.config)
+        self.fp8_source = fp8_source
+        self.replace: dict[str, tuple] = {}  # int4 weight name -> (fp8 weight info, fp8 scale info)
+        for name in self.targets:
+            if name not in int4.where:
+                raise UserError(f"{int4.path}: has no {name}: not the Intel INT4 layout this step expects")
+            old = int4.info(name)
+            if old.dtype == "F8_E4M3":
+                raise UserError(f"{int4.path}: {name} is already FP8: give the original INT4 download as --int4")
+            if old.dtype not in qwen35.FLOAT_DTYPES:
+                raise UserError(f"{int4.path}: {name} is {old.dtype}, expected a 16-bit weight")
+            sname = _scale_name(name)
+            for n in (name, sname):
+                if n not in fp8.where:
+                    raise UserError(f"{fp8.path}: has no {n}: the FP8 source is incomplete; run step 0 again")
+            w, s = fp8.info(name), fp8.info(sname)
+            want_s = (math.ceil(old.shape[0] / self.block[0]), math.ceil(old.shape[1] / self.block[1]))
+            if w.dtype != "F8_E4M3" or w.shape != old.shape:
+                raise UserError(f"FP8 source shapes do not match: {name} is {w.dtype}{list(w.shape)} in "
+                                f"{fp8.path}, expected F8_E4M3{list(old.shape)}; wrong --fp8 checkpoint?")
+            if s.dtype not in ("BF16", "F32") or s.shape != want_s:
+                raise UserError(f"FP8 source shapes do not match: {sname} is {s.dtype}{list(s.shape)}, expected "
+                                f"BF16{list(want_s)} for block {list(self.block)}; wrong --fp8 checkpoint?")
+            self.replace[name] = (w, s)
+        # What the FP8 checkpoint offers that we leave alone, counted by family (not 400 warnings).
+        used = set(self.replace) | {_scale_name(n) for n in self.replace}
+        self.unmatched: dict[str, int] = {}
+        for name in sorted(set(fp8.where) | set(fp8.weight_map)):
+            if name in used:
+                continue
+            cat = qwen35.category(name)
+            if cat == "other" or cat == "shared experts":
+                raise UserError(f"{fp8.path}: unexpected tensor {name}: neither a splice target nor a known "
+                                f"family; refusing to guess (is --fp8 the Qwen3.5 FP8 checkpoint?)")
+            self.unmatched[cat] = self.unmatched.get(cat, 0) + 1
+        # Output files: the same names as the input's safetensors files, tensors in the same order.
+        self.files: dict[str, list[tuple]] = {}
+        for fname, h in int4.headers.items():
+            items = []
+            for t in h.tensors.values():
+                if t.name in self.replace:
+                    w, s = self.replace[t.name]
+                    items.append((t.name, w.dtype, w.shape, Range(fp8.headers[fp8.where[t.name]].path, w.begin, w.nbytes)))
+                    items.append((_scale_name(t.name), s.dtype, s.shape,
+                                  Range(fp8.headers[fp8.where[_scale_name(t.name)]].path, s.begin, s.nbytes)))
+                else:
+                    items.append((t.name, t.dtype, t.shape, Range(h.path, t.begin, t.nbytes)))
+            self.files[fname] = items
+        self.sizes = {f: len(encode_header([(n, d, s) for n, d, s, _ in items], h.metadata)) + sum(r.length for *_, r in items)
+                      for (f, items), h in zip(self.files.items(), int4.headers.values())}
+        self.aux = [p for p in sorted(int4.path.iterdir()) if p.is_file() and not p.name.startswith(".")
+                    and p.suffix != ".safetensors" and p.name not in CONFIG_FILES + (INDEX_FILE, MANIFEST_FILE, DOWNLOAD_RECORD)]
+
+    def fingerprint(self) -> str:
+        """Changes whenever an input or this tool changes, so a resumed run never mixes two inputs."""
+        h = hashlib.sha256(__version__.encode())
+        for ck in (self.int4, self.fp8):
+            for fname, hd in sorted(ck.headers.items()):
+                h.update(f"{fname}:{hd.file_size}:{hd.data_start}:{len(hd.tensors)}".encode())
+                for t in hd.tensors.values():
+                    h.update(f"{t.name}:{t.dtype}:{t.shape}:{t.begin}".encode())
+        return h.hexdigest()
+
+
+def _resolve_fp8(arg: str, out: Path, revision: str | None) -> tuple[Path, dict]:
+    """--fp8 is a local directory, or a Hub repo id whose needed tensors are fetched by byte range."""
+    p = Path(arg)
+    if p.exists():
+        rec = load_json(p / DOWNLOAD_RECORD, "download record") if (p / DOWNLOAD_RECORD).is_file() else {}
+        return p, {"path": str(p.resolve()), "repo": rec.get("repo"), "revision": rec.get("revision")}
+    if arg.count("/") != 1 or arg.startswith((".", "/")):
+        raise UserError(f"--fp8 {arg}: no such directory (and not a Hub repo id like Qwen/Qwen3.5-122B-A10B-FP8)")
+    from onespark import download  # imports huggingface_hub only when needed
+    dest = out.parent / f".{out.name}.fp8-fetch"
+    rec = download.fetch_fp8(arg, revision or download.FP8_REVISION, dest)
+    return dest, {"path": None, "repo": rec["repo"], "revision": rec["revision"]}
+
+
+def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None = None,
+           hash_outputs: bool = True, log=print) -> dict:
+    int4_dir, out = Path(int4_dir), Path(out)
+    fp8_local = Path(fp8_arg) if Path(fp8_arg).exists() else None
+    _check_dirs(int4_dir, fp8_local, out)
+    int4 = open_checkpoint(int4_dir)
+    # Already done? A finished output carries a manifest whose fingerprint matches these inputs.
+    if (out / MANIFEST_FILE).is_file():
+        man = load_json(out / MANIFEST_FILE, "manifest")
+        if man.get("steps", {}).get("hybrid", {}).get("int4_fingerprint") == _int4_fingerprint(int4):
+            log(f"step 1 already done: {out} (manifest present; `onespark verify {out}` checks it)")
+            return man
+        raise UserError(f"{out} holds a different finished checkpoint: choose a new --out (nothing was changed)")
+    progress = load_json(out / PROGRESS_FILE, "progress") if (out / PROGRESS_FILE).is_file() else None
+    if out.exists() and progress is None and any(p for p in out.iterdir()):
+        raise UserError(f"{out} exists, is not empty and was not written by `onespark hybrid`: choose a new --out "
+                        f"(nothing was changed)")
+    fp8_dir, fp8_source = _resolve_fp8(fp8_arg, out, fp8_revision)
+    fp8 = open_checkpoint(fp8_dir)
+    plan = Plan(int4, fp8, fp8_source)
+    fingerprint = plan.fingerprint()
+    done: dict = {}
+    if progress and progress.get("fingerprint") == fingerprint:
+        done = {f: v for f, v in progress.get("done", {}).items()
+                if (out / f).is_file() and (out / f).stat().st_size == v["size"]}
+        if done:
+            log(f"resuming: {len(done)} of {len(plan.files) + len(plan.aux)} files already written")
+    elif progress:
+        log("inputs changed since the interrupted run: starting over")
+        for p in out.iterdir():
+            if p.is_file():
+                p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    for p in out.glob(".*.tmp-*"):  # temp files of a killed run: never renamed, so never trusted
+        p.unlink()
+    need = sum(sz for f, sz in plan.sizes.items() if f not in done)
+    need += sum(p.stat().st_size for p in plan.aux if p.name not in done) + 10 * 1024 * 1024
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise UserError(f"not enough free disk for {out}: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free "
+                        f"(checked before writing; free space or choose another --out)")
+    write_json_atomic(out / PROGRESS_FILE, {"fingerprint": fingerprint, "done": done})
+    log(f"splicing {len(plan.replace)} shared-expert weights (FP8 + {SCALE_SUFFIX}) into {len(plan.files)} "
+        f"files -> {out}")
+    pool = cf.ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) - 1)))
+    hashes: dict[str, cf.Future] = {}
+
+    def finished(fname: str, size: int) -> None:
+        done[fname] = {"size": size}
+        write_json_atomic(out / PROGRESS_FILE, {"fingerprint": fingerprint, "done": done})
+        if hash_outputs:  # hashed from the page cache while the next file is copied
+            hashes[fname] = pool.submit(sha256_file, out / fname)
+
+    try:
+        for fname, items in plan.files.items():
+            if fname in done:
+                continue
+            size = write_safetensors(out / fname, items, int4.headers[fname].metadata)
+            assert size == plan.sizes[fname], (fname, size, plan.sizes[fname])
+            finished(fname, size)
+            log(f"  {fname}: {size / 1e6:.1f} MB")
+        for p in plan.aux:
+            if p.name not in done:
+                finished(p.name, copy_file_atomic(p, out / p.name))
+        # Index: scales live beside their weights; every other entry (mtp.* included) is kept as it was.
+        index = json.loads(json.dumps(int4.index))
+        wm = index["weight_map"]
+        for name in plan.replace:
+            wm[_scale_name(name)] = int4.where[name]
+        index["weight_map"] = dict(sorted(wm.items()))
+        # total_size: bytes of the tensors the index lists (the Hugging Face convention)
+        index.setdefault("metadata", {})["total_size"] = sum(
+            r.length for f, items in plan.files.items() for (n, _, _, r) in items if wm.get(n) == f)
+        write_json_atomic(out / INDEX_FILE, index)
+        config = _hybrid_config(int4.config, plan)
+        write_json_atomic(out / "config.json", config)
+        if (int4.path / "quantization_config.json").is_file():
+            write_json_atomic(out / "quantization_config.json", config["quantization_config"])
+        for f in (INDEX_FILE, "config.json", "quantization_config.json"):
+            if (out / f).is_file():
+                finished(f, (out / f).stat().st_size)
+        files = {f: {"size": v["size"], "sha256": None} for f, v in done.items()}
+        if hash_outputs:
+            for f in files:
+                fut = hashes.get(f) or pool.submit(sha256_file, out / f)
+                files[f]["sha256"] = fut.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    bytes_before = sum(plan.int4.info(n).nbytes for n in plan.replace)
+    bytes_after = sum(w.nbytes + s.nbytes for w, s in plan.replace.values())
+    manifest = {
+        "schema_version": 1,
+        "tool": "onespark", "tool_version": __version__,
+        "created_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "inputs": {"int4": {"path": str(int4.path.resolve()), "repo": int4.record.get("repo"),
+                            "revision": int4.record.get("revision")},
+                   "fp8": fp8_source},
+        "steps": {"hybrid": {
+            "int4_fingerprint": _int4_fingerprint(int4),
+            "replaced": sorted(plan.replace), "added": sorted(_scale_name(n) for n in plan.replace),
+            "fp8_weight_block_size": list(plan.block),
+            "bytes_before": bytes_before, "bytes_after": bytes_after,
+            "unmatched_fp8_by_category": dict(sorted(plan.unmatched.items())),
+            "mtp_tensors": sum(1 for n in int4.where if n.startswith("mtp.")),
+        }},
+        "files": dict(sorted(files.items())),
+    }
+    write_json_atomic(out / MANIFEST_FILE, manifest)
+    (out / PROGRESS_FILE).unlink()
+    if fp8_local is None and fp8_dir.name.endswith(".fp8-fetch"):
+        shutil.rmtree(fp8_dir, ignore_errors=True)
+    log(f"replaced {len(plan.replace)} tensors ({bytes_before / 1e6:.1f} MB BF16 -> {bytes_after / 1e6:.1f} MB "
+        f"FP8 + scales); carried {manifest['steps']['hybrid']['mtp_tensors']} mtp.* tensors")
+    if plan.unmatched:
+        log("FP8 tensors left unused (expected; they stay INT4/BF16): " +
+            ", ".join(f"{c} {n}" for c, n in sorted(plan.unmatched.items())))
+    return manifest
+
+
+def _int4_fingerprint(ck: Checkpoint) -> str:
+    h = hashlib.sha256()
+    for fname, hd in sorted(ck.headers.items()):
+        h.update(f"{fname}:{hd.file_size}:{len(hd.tensors)}".encode())
+    return h.hexdigest()
+
+
+def _hybrid_config(config: dict, plan: Plan) -> dict:
+    config = json.loads(json.dumps(config))
+    qc = config["quantization_config"]
+    fqc = plan.fp8.config["quantization_config"]
+    scale_dtypes = {s.dtype for _, s in plan.replace.values()}
+    qc[qwen35.HYBRID_KEY] = {
+        "layers": sorted(n[: -len(".weight")] for n in plan.replace),
+        "weight_block_size": list(plan.block),
+        "activation_scheme": fqc.get("activation_scheme", "dynamic"),
+        "fmt": fqc.get("fmt", "e4m3"),
+        "scale_name": SCALE_SUFFIX,
+        "scale_dtype": scale_dtypes.pop() if len(scale_dtypes) == 1 else sorted(scale_dtypes),
+        "source": {"repo": plan.fp8_source.get("repo"), "revision": plan.fp8_source.get("revision")},
+    }
+    config["onespark"] = {"schema_version": 1, "step": "hybrid", "tool_version": __version__,
+                          "manifest": MANIFEST_FILE}
+    return config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--int4", required=True, type=Path, help="the Intel AutoRound INT4 checkpoint directory")
+    p.add_argument("--fp8", required=True,
+                   help="the Qwen FP8 checkpoint: a directory (full, or what step 0 fetched) or a Hub repo id")
+    p.add_argument("--fp8-revision", help="with a repo id: the commit to fetch (default: the pinned one)")
+    p.add_argument("--out", required=True, type=Path, help="new directory for the hybrid checkpoint")
+    p.add_argument("--hash", action=argparse.BooleanOptionalAction, default=True,
+                   help="record each output file's sha256 in the manifest (default: yes)")
+
+
+def run(args: argparse.Namespace) -> int:
+    hybrid(args.int4, args.fp8, args.out, fp8_revision=args.fp8_revision, hash_outputs=args.hash,
+           log=lambda m: print(m, flush=True))
+    return 0
+

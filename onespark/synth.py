@@ -1,0 +1,361 @@
+"""`onespark synth`: small checkpoints in the exact formats of the two real repositories.
+
+    onespark synth --format int4 --out DIR [--mtp-in-index | --no-mtp-in-index] [--mtp-dtype bf16|int4]
+    onespark synth --format fp8  --out DIR
+
+`int4` is the layout of Intel/Qwen3.5-122B-A10B-int4-AutoRound, `fp8` that of Qwen/Qwen3.5-122B-A10B-FP8
+(tensor names, dtypes and shapes: onespark.qwen35, which cites its sources). What each file holds:
+
+- `config.json`: Qwen3_5MoeForConditionalGeneration, `text_config` (+ a `vision_config`), and
+  `quantization_config` at top level, as transformers writes it. INT4: auto-round's
+  (`quant_method: auto-round`, `packing_format: auto_round:auto_gptq`, `bits 4`, `group_size 128`,
+  `sym true`, `block_name_to_quantize`, `extra_config` marking the 16-bit layers: every
+  `linear_attn.in_proj_a/b` (as Intel's Qwen3.5 AutoRound configs list them) and the shared experts
+  + their gate (why the shared experts are BF16 in the 122B release and can be swapped for FP8:
+  Entrpi/qwen3.5-122B-A10B-on-spark docs/FINDINGS.md, "144 layers, 0.48 GB")). auto-round also saves
+  the same dict as `quantization_config.json`, so we do too. FP8: `quant_method fp8`, `fmt e4m3`,
+  `activation_scheme dynamic`, `weight_block_size [128, 128]`, `modules_to_not_convert`.
+- `model-0000N-of-0000M.safetensors` + `model.safetensors.index.json` ({"metadata": {"total_size"},
+  "weight_map"}). INT4: the MTP head is in `model_extra_tensors.safetensors` (the file auto-round's
+  copy_missing_tensors_from_source writes); whether the index lists it differs between releases (the
+  122B index does not, albond's add-mtp-weights.py exists for that; the 35B one does), hence
+  --mtp-in-index / --no-mtp-in-index (default: as the 122B). Whether the MTP layer is INT4 or 16-bit
+  also differs (785 16-bit tensors in the 122B; auto-round >= 0.13 adds `mtp.layers` to
+  block_name_to_quantize and keeps `mtp.fc` 16-bit), hence --mtp-dtype.
+
+Both formats derive every weight from (seed, tensor name), so the FP8 shared experts are an FP8
+quantization of the very BF16 shared experts in the INT4 checkpoint: a splice can be checked numerically.
+Routed experts are random packed words (never compared across formats; this keeps multi-GB synths fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import zlib
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from onespark import qwen35
+from onespark.errors import UserError
+from onespark.safetensors_io import nbytes_of, write_json_atomic, write_safetensors
+
+INT4_REPO = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
+FP8_REPO = "Qwen/Qwen3.5-122B-A10B-FP8"
+EXTRA_FILE = "model_extra_tensors.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+GROUP = 128
+
+# The real model's text_config (Qwen/Qwen3.5-122B-A10B config.json, as transformers' Qwen3_5MoeTextConfig
+# reads it); `synth --preset real` writes it without weights, e.g. for `verify`'s 785-MTP-tensor count.
+REAL_TEXT = dict(hidden_size=3072, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=2,
+                 head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+                 linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+                 moe_intermediate_size=1024, shared_expert_intermediate_size=1024, vocab_size=248320,
+                 mtp_num_hidden_layers=1)
+# Tiny default: every dimension a multiple of the INT4 group (128) where a packed layer needs it;
+# 4 layers = 3 linear-attention + 1 full-attention; vocab deliberately not a power of two.
+TINY_TEXT = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                 linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
+                 moe_intermediate_size=128, shared_expert_intermediate_size=128, vocab_size=1000,
+                 mtp_num_hidden_layers=1)
+
+
+def make_config(fmt: str, dims: dict, *, mtp_dtype: str = "bf16") -> dict:
+    tc = dict(dims)
+    tc.update(model_type="qwen3_5_moe_text", hidden_act="silu", attn_output_gate=True, attention_bias=False,
+              attention_dropout=0.0, full_attention_interval=4, max_position_embeddings=262144,
+              rms_norm_eps=1e-6, initializer_range=0.02, router_aux_loss_coef=0.001, output_router_logits=False,
+              use_cache=True, tie_word_embeddings=False, dtype="bfloat16", mtp_use_dedicated_embeddings=False,
+              eos_token_id=248044 if dims["vocab_size"] > 248044 else dims["vocab_size"] - 1,
+              rope_parameters=dict(rope_type="default", rope_theta=10000000, partial_rotary_factor=0.25,
+                                   mrope_interleaved=True, mrope_section=[11, 11, 10]))
+    tc["layer_types"] = qwen35.layer_types(tc)
+    config = {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "image_token_id": 248056, "video_token_id": 248057,
+        "vision_start_token_id": 248053, "vision_end_token_id": 248054,
+        "tie_word_embeddings": False,
+        "text_config": tc,
+        # Kept for fidelity of config.json; synth writes no vision weights (the splice never touches them).
+        "vision_config": dict(model_type="qwen3_5_moe_vision", depth=27, hidden_size=1152, intermediate_size=4304,
+                              num_heads=16, in_channels=3, patch_size=16, spatial_merge_size=2,
+                              temporal_patch_size=2, out_hidden_size=dims["hidden_size"],
+                              num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh"),
+        "transformers_version": "4.57.0.dev0",
+    }
+    n = dims["num_hidden_layers"]
+    if fmt == "int4":
+        blocks = [qwen35.LAYERS.rstrip(".")] + (["mtp.layers"] if mtp_dtype == "int4" else [])
+        extra = {}
+        for i in range(n):
+            for p in ("in_proj_b", "in_proj_a"):
+                if tc["layer_types"][i] == "linear_attention":
+                    extra[f"{qwen35.LAYERS}{i}.linear_attn.{p}"] = {"bits": 16, "data_type": "fp"}
+            for p in ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+                      "shared_expert_gate"):
+                extra[f"{qwen35.LAYERS}{i}.mlp.{p}"] = {"bits": 16, "data_type": "fp"}
+        if mtp_dtype == "int4":
+            extra["mtp.fc"] = {"bits": 16, "data_type": "fp"}
+            for i in range(tc["mtp_num_hidden_layers"]):
+                for p in ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"):
+                    extra[f"mtp.layers.{i}.mlp.{p}"] = {"bits": 16, "data_type": "fp"}
+        config["quantization_config"] = {
+            "bits": 4, "data_type": "int", "group_size": GROUP, "sym": True, "iters": 200,
+            "autoround_version": "0.9.0",  # illustrative: vLLM reads only the fields above/below
+            "block_name_to_quantize": ",".join(blocks),
+            "quant_method": "auto-round", "packing_format": "auto_round:auto_gptq",
+            "extra_config": extra,
+        }
+    elif fmt == "fp8":
+        skip = ["lm_head", qwen35.TEXT_PREFIX + "embed_tokens", "mtp.fc"]
+        for i in range(n):
+            p = f"{qwen35.LAYERS}{i}."
+            if tc["layer_types"][i] == "linear_attention":
+                skip += [p + "linear_attn.in_proj_a", p + "linear_attn.in_proj_b"]
+            skip += [p + "mlp.gate", p + "mlp.shared_expert_gate"]
+        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                         "weight_block_size": [128, 128], "modules_to_not_convert": skip}
+    else:
+        raise UserError(f"unknown format {fmt!r}: use int4 or fp8")
+    return config
+
+
+# ---- numbers -----------------------------------------------------------------------------------
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def master_weight(seed: int, prefix: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The BF16-representable float32 weight both formats quantize (seeded by the layer name)."""
+    w = _rng(seed, prefix + "#master").standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+    return w.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def quantize_int4(w: np.ndarray, group: int = GROUP) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Symmetric RTN int4, auto_gptq v1 packing. w: [out, in] -> qweight, qzeros, scales, g_idx."""
+    out, inp = w.shape
+    g = w.reshape(out, inp // group, group)
+    scale = (np.abs(g).max(axis=2) / 7.0).astype(np.float16)  # [out, groups]
+    s = np.maximum(scale.astype(np.float32), np.float32(1e-8))[:, :, None]
+    q = (np.clip(np.rint(g / s), -8, 7) + 8).astype(np.uint32).reshape(out, inp)  # 0..15, zero point 8
+    return pack_int4(q), _qzeros(inp // group, out), np.ascontiguousarray(scale.T), (np.arange(inp) // group).astype(np.int32)
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """q: [out, in] uint32 values 0..15 -> qweight [in/8, out] int32, row 8j+k in bits 4k."""
+    out, inp = q.shape
+    words = (q.reshape(out, inp // 8, 8) << (np.arange(8, dtype=np.uint32) * 4)).sum(axis=2, dtype=np.uint32)
+    return np.ascontiguousarray(words.T).view(np.int32)
+
+
+def unpack_int4(qweight: np.ndarray) -> np.ndarray:
+    """qweight [in/8, out] int32 -> [out, in] values 0..15 (the inverse of pack_int4)."""
+    w = qweight.view(np.uint32)
+    nib = (w[:, None, :] >> (np.arange(8, dtype=np.uint32)[None, :, None] * 4)) & 0xF  # [in/8, 8, out]
+    return nib.reshape(-1, w.shape[1]).T
+
+
+def _qzeros(groups: int, out: int) -> np.ndarray:
+    # GPTQ v1 stores zero-1: symmetric int4's zero point 8 becomes 7 in every nibble.
+    return np.full((groups, out // 8), 0x77777777, dtype=np.uint32).view(np.int32)
+
+
+def dequantize_int4(qweight: np.ndarray, scales: np.ndarray, group: int = GROUP) -> np.ndarray:
+    q = unpack_int4(qweight).astype(np.float32) - 8.0
+    return q * np.repeat(scales.astype(np.float32).T, group, axis=1)
+
+
+def quantize_fp8_block(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block FP8: weight_scale_inv = amax/448 (BF16), weight = w / scale_inv as float8_e4m3fn."""
+    out, inp = w.shape
+    bo, bi = block
+    go, gi = math.ceil(out / bo), math.ceil(inp / bi)
+    pad = np.zeros((go * bo, gi * bi), np.float32)
+    pad[:out, :inp] = w
+    amax = np.abs(pad.reshape(go, bo, gi, bi)).max(axis=(1, 3))
+    scale = np.maximum(amax / FP8_MAX, 1e-12).astype(ml_dtypes.bfloat16)  # round the scale first, then
+    s = np.repeat(np.repeat(scale.astype(np.float32), bo, 0), bi, 1)[:out, :inp]  # divide by what is stored
+    q = np.clip(w / s, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8_block(q: np.ndarray, scale: np.ndarray, block: tuple[int, int] = (128, 128)) -> np.ndarray:
+    out, inp = q.shape
+    s = np.repeat(np.repeat(scale.astype(np.float32), block[0], 0), block[1], 1)[:out, :inp]
+    return q.astype(np.float32) * s
+
+
+def _random_fp8(rng: np.random.Generator, shape) -> np.ndarray:
+    # bytes below 0x78 in magnitude: finite, never the NaN codes 0x7F / 0xFF
+    b = rng.integers(0, 0x78, size=shape, dtype=np.uint8) | (rng.integers(0, 2, size=shape, dtype=np.uint8) << 7)
+    return b.view(ml_dtypes.float8_e4m3fn)
+
+
+def tensors_for(config: dict, fmt: str, seed: int, *, mtp: bool, g_idx: bool):
+    """Yield (name, dtype, shape, bytes-producing thunk) in checkpoint order."""
+    qc = config["quantization_config"]
+    mods = qwen35.mtp_modules(config) if mtp else qwen35.language_modules(config)
+    for m in mods:
+        if isinstance(m, qwen35.Dense):
+            yield m.name, ("F32" if m.name.endswith("A_log") else "BF16"), m.shape, _dense_thunk(seed, m)
+            continue
+        p, shape = m.prefix, (m.out, m.inp)
+        expert = ".mlp.experts." in p
+        if fmt == "fp8" and qwen35.fp8_layer_quantized(p, qc):
+            bs = tuple(qc["weight_block_size"])
+            sshape = (math.ceil(m.out / bs[0]), math.ceil(m.inp / bs[1]))
+            if expert:
+                yield p + ".weight", "F8_E4M3", shape, lambda p=p, s=shape: _random_fp8(_rng(seed, p), s)
+                yield p + ".weight_scale_inv", "BF16", sshape, lambda p=p, s=sshape: (
+                    _rng(seed, p + "#s").uniform(1e-4, 1e-3, s).astype(ml_dtypes.bfloat16))
+            else:
+                cache = {}
+
+                def fp8(part, p=p, shape=shape, bs=bs, cache=cache):
+                    if not cache:
+                        cache["q"], cache["s"] = quantize_fp8_block(master_weight(seed, p, shape), bs)
+                    return cache.pop(part)
+                yield p + ".weight", "F8_E4M3", shape, lambda f=fp8: f("q")
+                yield p + ".weight_scale_inv", "BF16", sshape, lambda f=fp8: f("s")
+        elif fmt == "int4" and qwen35.int4_layer_bits(p, qc) < 16:
+            groups = m.inp // GROUP
+            if expert:
+                yield p + ".qweight", "I32", (m.inp // 8, m.out), lambda p=p, m=m: (
+                    _rng(seed, p).integers(0, 2**32, size=(m.inp // 8, m.out), dtype=np.uint32).view(np.int32))
+                yield p + ".qzeros", "I32", (groups, m.out // 8), lambda m=m, g=groups: _qzeros(g, m.out)
+                yield p + ".scales", "F16", (groups, m.out), lambda p=p, m=m, g=groups: (
+                    _rng(seed, p + "#s").uniform(1e-4, 1e-3, (g, m.out)).astype(np.float16))
+                if g_idx:
+                    yield p + ".g_idx", "I32", (m.inp,), lambda m=m: (np.arange(m.inp) // GROUP).astype(np.int32)
+            else:
+                cache = {}
+
+                def int4(i, p=p, shape=shape, cache=cache):
+                    if not cache:
+                        cache["t"] = quantize_int4(master_weight(seed, p, shape))
+                    return cache["t"][i]
+                yield p + ".qweight", "I32", (m.inp // 8, m.out), lambda f=int4: f(0)
+                yield p + ".qzeros", "I32", (groups, m.out // 8), lambda f=int4: f(1)
+                yield p + ".scales", "F16", (groups, m.out), lambda f=int4: f(2)
+                if g_idx:
+                    yield p + ".g_idx", "I32", (m.inp,), lambda f=int4: f(3)
+        else:
+            yield p + ".weight", "BF16", shape, lambda p=p, s=shape: master_weight(seed, p, s).astype(ml_dtypes.bfloat16)
+
+
+def _dense_thunk(seed: int, m: qwen35.Dense):
+    def make():
+        rng = _rng(seed, m.name)
+        if m.name.endswith("A_log"):
+            return np.log(rng.uniform(1, 16, m.shape)).astype(np.float32)
+        if m.name.endswith("norm.weight") or "layernorm" in m.name:
+            return (1.0 + 0.1 * rng.standard_normal(m.shape, dtype=np.float32)).astype(ml_dtypes.bfloat16)
+        return (0.02 * rng.standard_normal(m.shape, dtype=np.float32)).astype(ml_dtypes.bfloat16)
+    return make
+
+
+def _to_bytes(arr: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(arr).view(np.uint8).reshape(-1))
+
+
+def _write_group(path: Path, items: list) -> dict[str, str]:
+    tensors = []
+    for name, dtype, shape, thunk in items:
+        arr = thunk()
+        assert tuple(arr.shape) == tuple(shape), (name, arr.shape, shape)
+        b = _to_bytes(arr)
+        assert len(b) == nbytes_of(dtype, shape), name
+        tensors.append((name, dtype, shape, b))
+    write_safetensors(path, tensors, {"format": "pt"})
+    return {t[0]: path.name for t in tensors}
+
+
+def synth(out: Path, fmt: str, *, dims: dict | None = None, seed: int = 0, mtp_in_index: bool = False,
+          mtp_dtype: str = "bf16", g_idx: bool = True, shards: int = 3, weights: bool = True) -> dict:
+    """Write a checkpoint; returns its config. See the module docstring for what is written."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"{out} exists and is not empty: choose a new --out directory (nothing was written)")
+    out.mkdir(parents=True, exist_ok=True)
+    config = make_config(fmt, dims or TINY_TEXT, mtp_dtype=mtp_dtype)
+    if weights:
+        main = list(tensors_for(config, fmt, seed, mtp=False, g_idx=g_idx))
+        mtp = list(tensors_for(config, fmt, seed, mtp=True, g_idx=g_idx))
+        weight_map: dict[str, str] = {}
+        if fmt == "fp8":  # Qwen's FP8 release keeps mtp.* in its ordinary shards, listed in the index
+            main, mtp = main + mtp, []
+        total = sum(nbytes_of(d, s) for _, d, s, _ in main)
+        per = max(1, math.ceil(total / shards))
+        groups, cur, size = [], [], 0
+        for item in main:
+            cur.append(item)
+            size += nbytes_of(item[1], item[2])
+            if size >= per and len(groups) < shards - 1:
+                groups.append(cur)
+                cur, size = [], 0
+        groups.append(cur)
+        for i, items in enumerate(groups):
+            weight_map.update(_write_group(out / f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", items))
+        if mtp:
+            mtp_map = _write_group(out / EXTRA_FILE, mtp)
+            if mtp_in_index:
+                weight_map.update(mtp_map)
+        total_size = sum(nbytes_of(d, s) for _, d, s, _ in main + (mtp if mtp_in_index else []))
+        write_json_atomic(out / INDEX_FILE, {"metadata": {"total_size": total_size},
+                                             "weight_map": dict(sorted(weight_map.items()))})
+    write_json_atomic(out / "config.json", config)
+    if fmt == "int4":
+        write_json_atomic(out / "quantization_config.json", config["quantization_config"])
+    write_json_atomic(out / "generation_config.json", {"bos_token_id": 248044, "eos_token_id": [248046, 248044],
+                                                       "do_sample": True, "temperature": 0.6, "top_k": 20,
+                                                       "top_p": 0.95, "transformers_version": "4.57.0.dev0"})
+    return config
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=("int4", "fp8"), required=True,
+                   help=f"int4: the layout of {INT4_REPO}; fp8: that of {FP8_REPO}")
+    p.add_argument("--out", required=True, type=Path, help="new (or empty) directory to write")
+    p.add_argument("--mtp-in-index", action=argparse.BooleanOptionalAction, default=False,
+                   help="list model_extra_tensors.safetensors' mtp.* tensors in the index "
+                        "(int4; default: no, as the 122B release)")
+    p.add_argument("--mtp-dtype", choices=("bf16", "int4"), default="bf16",
+                   help="int4: store the MTP layer 16-bit (default, the 122B release: 785 tensors) or INT4")
+    p.add_argument("--g-idx", action=argparse.BooleanOptionalAction, default=True,
+                   help="write GPTQ g_idx tensors next to qweight/qzeros/scales (int4)")
+    p.add_argument("--seed", type=int, default=0, help="same seed + dims = splice-compatible int4/fp8 pair")
+    p.add_argument("--shards", type=int, default=3, help="number of model-*.safetensors files")
+    p.add_argument("--preset", choices=("tiny", "real"), default="tiny",
+                   help="tiny: ~10 MB; real: the 122B dims (config and no weights unless --weights)")
+    p.add_argument("--weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="write weights (default: yes for tiny, no for real)")
+    for key in ("hidden_size", "num_hidden_layers", "num_experts", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "vocab_size"):
+        p.add_argument("--" + key.replace("_", "-"), type=int, dest=key, help=f"override text_config.{key}")
+
+
+def run(args: argparse.Namespace) -> int:
+    dims = dict(REAL_TEXT if args.preset == "real" else TINY_TEXT)
+    for key in ("hidden_size", "num_hidden_layers", "num_experts", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "vocab_size"):
+        if getattr(args, key) is not None:
+            dims[key] = getattr(args, key)
+    if dims["hidden_size"] % GROUP or dims["moe_intermediate_size"] % GROUP:
+        raise UserError(f"hidden size and moe intermediate size must be multiples of {GROUP} "
+                        f"(the INT4 group): got {dims['hidden_size']} and {dims['moe_intermediate_size']}")
+    weights = args.weights if args.weights is not None else args.preset == "tiny"
+    if args.shards < 1:
+        raise UserError("--shards must be at least 1")
+    synth(args.out, args.format, dims=dims, seed=args.seed, mtp_in_index=args.mtp_in_index,
+          mtp_dtype=args.mtp_dtype, g_idx=args.g_idx, shards=args.shards, weights=weights)
+    files = sorted(p.name for p in args.out.iterdir())
+    size = sum((args.out / f).stat().st_size for f in files)
+    print(f"wrote {args.format} checkpoint to {args.out}: {len(files)} files, {size / 1e6:.1f} MB")
+    return 0
