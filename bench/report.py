@@ -115,7 +115,8 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                  e["source"] or "no log and no cache_config_info"] for e in s["estimates"]]
         if s.get("load"):
             ld = s["load"]
-            rows.append([str(ld["context"]), f"peak use {_f(100 * ld['peak_kv_usage'] if ld['peak_kv_usage'] is not None else None)}%",
+            use = "-" if ld["peak_kv_usage"] is None else f"{100 * ld['peak_kv_usage']:.3g}%"
+            rows.append([str(ld["context"]), f"peak use {use}",
                          str(ld["users_at_context_measured"] or "-"),
                          f"measured: {ld['streams']} streams, peak {ld['peak_running']} running"])
         out.append(("capacity: KV cache and concurrent users per context length", headers, rows))

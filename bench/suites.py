@@ -350,7 +350,7 @@ class Runner:
                     samples.append({"t": time.perf_counter(), "kv_usage": c.get(prom.KV_USAGE),
                                     "running": c.get(prom.RUNNING), "waiting": c.get(prom.WAITING)})
                 try:
-                    await asyncio.wait_for(done.wait(), 0.2)
+                    await asyncio.wait_for(done.wait(), 0.05)
                 except asyncio.TimeoutError:
                     pass
 

@@ -1,0 +1,293 @@
+"""bench/: the pure parts (metric definitions, statistics, /metrics and log parsing, quality KL, writers,
+compare, CLI input errors) against independent references. No server; see test_bench_server.py for that."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from onespark.bench import metrics as prom
+from onespark.bench import report
+from onespark.bench.quality import compare_sequences, parse_logprobs, topk_kl
+from onespark.bench.stats import RequestTiming, percentile, request_metrics, summarize, welch
+from onespark.cli import main
+from onespark.errors import UserError
+
+
+# ---------------------------------------------------------------- per-request metrics
+def test_request_metrics_definitions():
+    # 11 tokens (server usage), 6 text chunks: t_start 0, first chunk at 0.5 s, last at 1.5 s, stream end 1.6 s
+    t = RequestTiming(t_start=10.0, t_end=11.6, prompt_tokens=200, completion_tokens=11,
+                      chunk_times=[10.5, 10.7, 10.9, 11.1, 11.3, 11.5])
+    m = request_metrics(t)
+    assert m["ok"]
+    assert m["ttft_s"] == pytest.approx(0.5)
+    assert m["decode_tok_s"] == pytest.approx(10 / 1.0)  # (n - 1) / (t_last - t_first)
+    assert m["e2e_tok_s"] == pytest.approx(11 / 1.6)  # the published method: n / wall
+    assert m["tpot_ms"] == pytest.approx(1000 * (1.6 - 0.5) / 10)
+    assert m["prefill_tok_s"] == pytest.approx(200 / 0.5)
+    assert m["chunk_gaps_ms"] == pytest.approx([200.0] * 5)
+
+
+def test_token_count_comes_from_usage_not_chunks():
+    """MTP sends several tokens per chunk: halving the chunks must not halve the rate (the known pitfall)."""
+    base = dict(t_start=0.0, t_end=2.0, prompt_tokens=10, completion_tokens=101)
+    one_per_chunk = request_metrics(RequestTiming(**base, chunk_times=[0.1 + 0.018 * i for i in range(101)]))
+    two_per_chunk = request_metrics(RequestTiming(**base, chunk_times=[0.1 + 0.036 * i for i in range(51)]))
+    assert one_per_chunk["e2e_tok_s"] == two_per_chunk["e2e_tok_s"] == pytest.approx(101 / 2.0)
+    assert one_per_chunk["decode_tok_s"] == pytest.approx(two_per_chunk["decode_tok_s"])
+    assert two_per_chunk["chunks"] == 51
+
+
+@pytest.mark.parametrize("timing,why", [
+    (RequestTiming(0.0, 1.0, error="HTTP 400: too long"), "HTTP 400"),
+    (RequestTiming(0.0, 1.0, prompt_tokens=5, completion_tokens=0, chunk_times=[]), "no completion tokens"),
+    (RequestTiming(0.0, 1.0, prompt_tokens=5, completion_tokens=None), "no completion tokens"),
+], ids=["http-error", "zero-tokens", "no-usage"])
+def test_failed_request_has_no_figures(timing, why):
+    m = request_metrics(timing)
+    assert not m["ok"] and why in m["error"]
+    assert m["e2e_tok_s"] is None and m["decode_tok_s"] is None and m["ttft_s"] is None  # never a 0 that looks real
+
+
+def test_single_token_has_no_decode_rate():
+    m = request_metrics(RequestTiming(0.0, 0.3, prompt_tokens=5, completion_tokens=1, chunk_times=[0.2]))
+    assert m["ok"] and m["decode_tok_s"] is None and m["tpot_ms"] is None
+    assert m["e2e_tok_s"] == pytest.approx(1 / 0.3)
+
+
+# ---------------------------------------------------------------- statistics
+@pytest.mark.parametrize("xs", [[3.0], [1.0, 2.0], [5.5, 1.25, 9.0, 2.0, 7.75, 3.0, 3.0]], ids=["n1", "n2", "n7"])
+def test_summarize_matches_statistics_and_numpy(xs):
+    s = summarize(xs + [None])
+    assert s["n"] == len(xs)
+    assert s["mean"] == pytest.approx(statistics.fmean(xs))
+    assert s["median"] == pytest.approx(statistics.median(xs))
+    assert s["std"] == pytest.approx(statistics.stdev(xs) if len(xs) > 1 else 0.0)
+    for q in (50, 90, 99):
+        assert s[f"p{q}"] == pytest.approx(float(np.percentile(xs, q)))
+    assert summarize([None, None]) is None
+
+
+def test_percentile_rejects_empty():
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_welch_delta_and_noise():
+    w = welch(50.0, 2.0, 4, 53.0, 2.0, 4)
+    assert w["delta"] == pytest.approx(3.0) and w["delta_pct"] == pytest.approx(6.0)
+    assert w["se"] == pytest.approx(math.sqrt(2 * 4 / 4))  # sqrt(s^2/n + s^2/n)
+    assert w["significant"] is True  # 3 > 2 * 1.414
+    assert welch(50.0, 2.0, 4, 51.0, 2.0, 4)["significant"] is False
+    assert welch(50.0, 0.0, 1, 60.0, 0.0, 1)["significant"] is None  # n = 1: noise unknown, nothing claimed
+
+
+# ---------------------------------------------------------------- /metrics and the server log
+def _registry_text(drafts, draft_tokens, accepted, per_pos, engines=("0",)):
+    """Real Prometheus exposition text from prometheus_client, with vLLM 0.19.1's names and labels."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+    reg = CollectorRegistry()
+    labels = ["model_name", "engine"]
+    c_drafts = Counter("vllm:spec_decode_num_drafts", "d", labels, registry=reg)
+    c_dt = Counter("vllm:spec_decode_num_draft_tokens", "d", labels, registry=reg)
+    c_acc = Counter("vllm:spec_decode_num_accepted_tokens", "d", labels, registry=reg)
+    c_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "d", labels + ["position"], registry=reg)
+    info = Gauge("vllm:cache_config_info", "i", ["block_size", "num_gpu_blocks", "cache_dtype", "engine"],
+                 registry=reg)
+    for e in engines:
+        c_drafts.labels("qwen", e).inc(drafts)
+        c_dt.labels("qwen", e).inc(draft_tokens)
+        c_acc.labels("qwen", e).inc(accepted)
+        for i, v in enumerate(per_pos):
+            c_pos.labels("qwen", e, str(i)).inc(v)
+        info.labels("16", "22187", 'a "quoted", value', e).set(1)
+    return generate_latest(reg).decode()
+
+
+def test_spec_decode_acceptance_from_real_prometheus_text():
+    before = prom.snapshot(_registry_text(100, 200, 150, [90, 60]))
+    after = prom.snapshot(_registry_text(1100, 2200, 1750, [990, 760]))
+    d = prom.spec_decode_delta(before, after)
+    assert d["drafts"] == 1000 and d["draft_tokens"] == 2000 and d["accepted_tokens"] == 1600
+    assert d["acceptance_rate"] == pytest.approx(0.8)
+    assert d["mean_acceptance_length"] == pytest.approx(1 + 1600 / 1000)  # vLLM's definition, bonus token included
+    assert d["per_position"] == pytest.approx([0.9, 0.7])
+    assert after["cache_info"]["num_gpu_blocks"] == "22187"
+    assert after["cache_info"]["cache_dtype"] == 'a "quoted", value'  # escaped quotes and commas survive
+
+
+def test_spec_decode_sums_engines():
+    one = prom.snapshot(_registry_text(10, 20, 15, [8, 7]))
+    two = prom.snapshot(_registry_text(10, 20, 15, [8, 7], engines=("0", "1")))
+    assert two["counters"][prom.SPEC_DRAFTS] == 2 * one["counters"][prom.SPEC_DRAFTS]
+
+
+def test_no_spec_decoding_is_none_not_zero():
+    plain = prom.snapshot('vllm:generation_tokens_total{engine="0",model_name="tiny"} 12.0\n')
+    assert prom.spec_decode_delta(plain, plain) is None
+
+
+def test_bad_metrics_text_is_an_error():
+    with pytest.raises(ValueError, match="line 2"):
+        prom.parse_prometheus("# HELP x\nthis is not a sample line at all {\n")
+
+
+def test_server_log_capacity_lines():
+    # The exact format strings of vllm/v1/core/kv_cache_utils.py (0.19.1)
+    log = ("INFO [kv_cache_utils.py:1319] GPU KV cache size: %s tokens\n" % f"{355_104:,}"
+           + "INFO [kv_cache_utils.py:1324] Maximum concurrency for %s tokens per request: %.2fx\n"
+           % (f"{262_144:,}", 1.35))
+    info = prom.parse_server_log(log)
+    assert info == {"kv_cache_tokens": 355_104, "max_model_len": 262_144, "max_concurrency_at_max_model_len": 1.35}
+    assert prom.parse_server_log("nothing here") == {}
+
+
+def test_capacity_matches_the_published_table():
+    """The public recipe's table: 355K tokens -> 1 user at 256K; 1.4M tokens (TurboQuant) -> 5 users."""
+    assert prom.capacity_estimate(355_000, None, None, 262_144)["users"] == 1
+    assert prom.capacity_estimate(1_400_000, None, None, 262_144)["users"] == 5
+    # blocks x block size when there is no log; whole blocks per request
+    est = prom.capacity_estimate(None, 100, 16, 33)
+    assert est["kv_cache_tokens"] == 1600 and est["tokens_per_request"] == 48 and est["users"] == 33
+    assert prom.capacity_estimate(None, None, None, 1000)["users"] is None
+    with pytest.raises(ValueError):
+        prom.capacity_estimate(1000, None, None, 0)
+
+
+# ---------------------------------------------------------------- quality
+def _exact_kl(p, q):
+    p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+    return float(np.sum(p * np.log(p / q)))
+
+
+def test_topk_kl_is_exact_with_the_whole_vocabulary():
+    rng = np.random.default_rng(3)
+    p = rng.dirichlet(np.ones(7))
+    q = rng.dirichlet(np.ones(7))
+    a = {f"t{i}": math.log(x) for i, x in enumerate(p)}
+    b = {f"t{i}": math.log(x) for i, x in enumerate(q)}
+    assert topk_kl(a, b) == pytest.approx(_exact_kl(p, q), rel=1e-9, abs=1e-12)
+    assert topk_kl(a, a) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_topk_kl_with_disjoint_lists_is_positive_and_finite():
+    a = {"x": math.log(0.7), "y": math.log(0.2)}
+    b = {"z": math.log(0.6), "y": math.log(0.3)}
+    kl = topk_kl(a, b)
+    assert 0 < kl < 10 and math.isfinite(kl)
+
+
+def test_compare_sequences():
+    lp = {"a": -0.1}
+    same = compare_sequences(list("abcd"), [lp] * 4, list("abcd"), [lp] * 4)
+    assert same["identical_token_frac"] == 1.0 and same["first_divergence"] is None and same["kl_mean"] == 0.0
+    div = compare_sequences(list("abcd"), [lp] * 4, list("abxd"), [lp] * 4)
+    assert div["first_divergence"] == 2 and div["identical_token_frac"] == pytest.approx(0.75)
+    assert div["kl_positions"] == 3  # positions 0..2 share their context; 3 does not
+    short = compare_sequences(list("ab"), [lp] * 2, list("abc"), [lp] * 3)
+    assert short["first_divergence"] == 2 and short["identical_token_frac"] == pytest.approx(2 / 3)
+
+
+def test_parse_logprobs_chat_and_completions():
+    chat = {"choices": [{"logprobs": {"content": [
+        {"token": "token_id:5", "logprob": -0.1, "top_logprobs": [{"token": "token_id:5", "logprob": -0.1},
+                                                                  {"token": "token_id:9", "logprob": -2.5}]}]}}]}
+    toks, tops = parse_logprobs(chat)
+    assert toks == ["token_id:5"] and tops == [{"token_id:5": -0.1, "token_id:9": -2.5}]
+    comp = {"choices": [{"logprobs": {"tokens": ["a", "b"], "top_logprobs": [{"a": -0.2}, {"b": -0.3}]}}]}
+    assert parse_logprobs(comp) == (["a", "b"], [{"a": -0.2}, {"b": -0.3}])
+    with pytest.raises(ValueError, match="no logprobs"):
+        parse_logprobs({"choices": [{"logprobs": None}]})
+
+
+# ---------------------------------------------------------------- writers and compare
+def _summary(mean, std, n):
+    return {"n": n, "mean": mean, "median": mean, "std": std, "min": mean, "max": mean, "p50": mean, "p90": mean,
+            "p99": mean}
+
+
+def _result(e2e_mean, e2e_std, n=4, failed=0):
+    g = {"group": "Q&A", "max_tokens": 256, "summary": {
+        "e2e_tok_s": _summary(e2e_mean, e2e_std, n), "decode_tok_s": _summary(e2e_mean * 1.1, e2e_std, n),
+        "ttft_s": _summary(0.1, 0.01, n), "prefill_tok_s": None, "completion_tokens": _summary(256, 0, n),
+        "prompt_tokens": _summary(20, 0, n), "tpot_ms": None, "latency_s": None, "chunk_gap_ms": None,
+        "requests": n, "failed": 0}}
+    return {"kind": "onespark-bench", "schema_version": report.SCHEMA_VERSION, "created_utc": "2026-01-01T00:00:00Z",
+            "hardware": "test", "model": "m", "endpoint": "http://x", "command": "onespark bench",
+            "failed_requests": failed,
+            "suites": {"published": {"groups": [g], "rows": [], "spec_decode": None, "cross_class": {
+                "e2e_tok_s": _summary(e2e_mean, 0.0, 1), "decode_tok_s": None, "classes_measured": 1}}}}
+
+
+def test_compare_finds_deltas_and_noise():
+    rows = report.compare(_result(50.0, 1.0), _result(55.0, 1.0))
+    e2e = next(r for r in rows if r["group"] == "Q&A" and r["metric"] == "e2e_tok_s")
+    assert e2e["delta"] == pytest.approx(5.0) and e2e["significant"] is True
+    cross = next(r for r in rows if r["group"] == "cross-class")
+    assert cross["significant"] is None  # one value per side: no noise estimate, no verdict
+    text = report.compare_table(rows, "a.json", "b.json")
+    assert "beyond noise" in text and "n<2" in text
+
+
+def test_markdown_and_console_tables():
+    r = _result(51.6, 0.4)
+    md = report.markdown(r)
+    assert "| class | max tok | n | e2e tok/s (published method)" in md
+    assert "51.6 ± 0.4" in md and "**test |" in md
+    assert "51.6 ± 0.4" in report.console(r)
+
+
+def test_write_atomic_and_load(tmp_path):
+    path = tmp_path / "sub" / "r.json"
+    report.write_atomic(path, json.dumps(_result(1.0, 0.1)))
+    assert report.load_result(str(path))["model"] == "m"
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temp file left behind
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(UserError, match="not JSON"):
+        report.load_result(str(tmp_path / "bad.json"))
+    (tmp_path / "other.json").write_text('{"a": 1}')
+    with pytest.raises(UserError, match="not an `onespark bench` result"):
+        report.load_result(str(tmp_path / "other.json"))
+    with pytest.raises(UserError, match="cannot read"):
+        report.load_result(str(tmp_path / "missing.json"))
+
+
+def test_cli_compare(tmp_path, capsys):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_result(50.0, 1.0)))
+    b.write_text(json.dumps(_result(55.0, 1.0)))
+    assert main(["bench", "compare", str(a), str(b), "--markdown"]) == 0
+    assert "| published | Q&A | e2e_tok_s | 50.000 | 55.000 | 5.000 | 10.0 |" in capsys.readouterr().out
+    b.write_text(json.dumps(_result(55.0, 1.0, failed=2)))
+    assert main(["bench", "compare", str(a), str(b)]) == 1
+    assert "2 failed requests" in capsys.readouterr().err
+
+
+def test_plot_writes_a_png(tmp_path):
+    path = tmp_path / "r.png"
+    assert report.plot(_result(50.0, 1.0), path)
+    import matplotlib.image
+
+    img = matplotlib.image.imread(path)
+    assert img.shape[0] > 300 and img.shape[1] > 500
+
+
+# ---------------------------------------------------------------- CLI input errors (no server needed)
+@pytest.mark.parametrize("argv,message", [
+    (["--suite", "nope"], "unknown suite nope"),
+    (["--runs", "0"], "--runs must be at least 1"),
+    (["--base-url", "localhost:8000"], "is not an http(s) URL"),
+    (["--base-url", "http://127.0.0.1:9"], "cannot reach http://127.0.0.1:9/v1/models"),
+    (["--suite", "quality"], "needs --b-base-url"),
+    (["--concurrency", "0"], "--concurrency needs levels"),
+], ids=["suite", "runs", "url", "unreachable", "quality-b", "concurrency"])
+def test_cli_bad_input(argv, message, tmp_path, capsys):
+    assert main(["bench", *argv, "--out", str(tmp_path), "--no-progress"]) == 1
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written for a run that never started
