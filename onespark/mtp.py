@@ -1,0 +1,106 @@
+"""Step 2, `onespark mtp DIR [--source INT4_DIR]`: every mtp.* tensor loadable.
+
+vLLM finds a tensor only through model.safetensors.index.json. The Intel 122B release keeps its MTP head
+(785 tensors) in model_extra_tensors.safetensors without listing it there (the reason albond's
+add-mtp-weights.py exists), and a public fork's splice step dropped the file altogether (112 -> 45 tok/s).
+This step makes the index list every mtp.* tensor at the file that really holds it, whatever step 1 or
+the source did: it adds missing entries, corrects wrong ones, and with --source copies
+model_extra_tensors.safetensors back when the head is absent. It fails when the head is incomplete.
+Running it again changes nothing ("already done"). The manifest, if any, is updated to match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from onespark import qwen35
+from onespark.checkpoint import INDEX_FILE, MANIFEST_FILE, is_inside, load_json, open_checkpoint, sha256_file
+from onespark.errors import UserError
+from onespark.safetensors_io import copy_file_atomic, write_json_atomic
+
+EXTRA_FILE = "model_extra_tensors.safetensors"
+
+
+def _required_mtp(config: dict) -> set[str]:
+    return {n for n in qwen35.expected_tensors(config) if n.startswith("mtp.") and not qwen35.is_optional(n)}
+
+
+def mtp(path: Path, *, source: Path | None = None, log=print) -> dict:
+    path = Path(path)
+    ck = open_checkpoint(path)
+    required = _required_mtp(ck.config)
+    if not required:
+        raise UserError(f"{path}: config.json has no MTP layers (text_config.mtp_num_hidden_layers = 0): "
+                        f"nothing to do for a model without an MTP head")
+    copied = []
+    if source is not None and not required <= set(ck.where):
+        source = Path(source)
+        if is_inside(source, path) or is_inside(path, source):
+            raise UserError(f"--source {source} and {path} overlap: give the original INT4 download as --source")
+        src = open_checkpoint(source, need_index=False)
+        files = sorted({src.where[n] for n in src.where if n.startswith("mtp.")})
+        if not files:
+            raise UserError(f"--source {source} has no mtp.* tensors either: it is not the Intel INT4 download")
+        for f in files:
+            if (path / f).exists():
+                raise UserError(f"{path / f} exists but lacks mtp.* tensors that {source / f} has: "
+                                f"remove it or re-run step 1")
+            log(f"copying {f} from {source}")
+            copy_file_atomic(source / f, path / f)
+            copied.append(f)
+        ck = open_checkpoint(path)
+    found = {n: f for n, f in ck.where.items() if n.startswith("mtp.")}
+    dup = {n: fs for n, fs in ck.duplicates.items() if n.startswith("mtp.")}
+    if dup:
+        n, fs = next(iter(dup.items()))
+        raise UserError(f"{path}: {len(dup)} mtp.* tensors are in more than one file (e.g. {n} in {', '.join(fs)}): "
+                        f"remove the stale copy")
+    missing = sorted(required - set(found))
+    if missing:
+        hint = "re-run with --source INT4_DIR (the original Intel download)" if source is None else \
+            f"{source} lacks them too: download the Intel checkpoint again"
+        raise UserError(f"MTP head incomplete in {path}: {len(missing)} of {len(required)} mtp.* tensors missing "
+                        f"(e.g. {missing[0]}): {hint}")
+    index = json.loads(json.dumps(ck.index))
+    wm = index["weight_map"]
+    added = [n for n in found if n not in wm]
+    fixed = [n for n in found if n in wm and wm[n] != found[n]]
+    stale = [n for n in wm if n.startswith("mtp.") and n not in found]
+    if not (added or fixed or stale or copied):
+        log(f"step 2 already done: all {len(found)} mtp.* tensors are in the index of {path}")
+        return {"added": 0, "fixed": 0, "removed": 0, "mtp_tensors": len(found)}
+    for n in added + fixed:
+        wm[n] = found[n]
+    for n in stale:  # points at nothing: vLLM would fail on it
+        del wm[n]
+    index["weight_map"] = dict(sorted(wm.items()))
+    index.setdefault("metadata", {})["total_size"] = sum(ck.info(n).nbytes for n in wm if n in ck.where)
+    write_json_atomic(path / INDEX_FILE, index)
+    result = {"added": len(added), "fixed": len(fixed), "removed": len(stale), "copied": copied,
+              "mtp_tensors": len(found)}
+    if (path / MANIFEST_FILE).is_file():
+        man = load_json(path / MANIFEST_FILE, "manifest")
+        for f in [INDEX_FILE] + copied:
+            entry = {"size": (path / f).stat().st_size}
+            had_hash = any(v.get("sha256") for v in man.get("files", {}).values())
+            entry["sha256"] = sha256_file(path / f) if had_hash else None
+            man.setdefault("files", {})[f] = entry
+        man["files"] = dict(sorted(man["files"].items()))
+        man.setdefault("steps", {})["mtp"] = result
+        write_json_atomic(path / MANIFEST_FILE, man)
+    log(f"index now lists all {len(found)} mtp.* tensors ({len(added)} added, {len(fixed)} corrected, "
+        f"{len(stale)} dangling removed{', copied ' + ', '.join(copied) if copied else ''})")
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", type=Path, help="checkpoint directory (the output of step 1)")
+    p.add_argument("--source", type=Path,
+                   help="the original INT4 download, to copy model_extra_tensors.safetensors from if it is missing")
+
+
+def run(args: argparse.Namespace) -> int:
+    mtp(args.dir, source=args.source, log=lambda m: print(m, flush=True))
+    return 0

@@ -1,0 +1,132 @@
+"""`onespark verify DIR [--fast]`: is this checkpoint exactly what its config, index and manifest say?
+
+Checks, each reported with the file and tensor it concerns:
+- every shard's header parses and its size matches the header (truncation), every index entry exists
+  in the shard it names, no tensor is in two files, no tensor sits in a shard without an index entry;
+- every tensor has the dtype and shape the config implies (onespark.qwen35: INT4 qweight/qzeros/scales,
+  FP8 weight + weight_scale_inv, 16-bit elsewhere), and every tensor the config implies is present,
+  all mtp.* tensors included (785 for the real model);
+- every F8_E4M3 weight has its weight_scale_inv;
+- the manifest's sizes and sha256 match the files (--fast checks sizes only).
+Exit status 0 when all hold; otherwise 1, with every problem on stderr and the first in the last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter
+from pathlib import Path
+
+from onespark import qwen35
+from onespark.checkpoint import MANIFEST_FILE, load_json, open_checkpoint, sha256_file
+from onespark.errors import UserError
+
+MAX_LISTED = 10  # per kind of problem; the rest are counted
+
+
+def verify(path: Path, *, fast: bool = False) -> tuple[list[str], dict]:
+    """Returns (problems, summary). Raises UserError when the directory cannot be read at all."""
+    path = Path(path)
+    ck = open_checkpoint(path)
+    problems: list[str] = []
+    kinds: Counter = Counter()
+
+    def problem(kind: str, text: str) -> None:
+        kinds[kind] += 1
+        if kinds[kind] <= MAX_LISTED:
+            problems.append(text)
+        elif kinds[kind] == MAX_LISTED + 1:
+            problems.append(f"... more problems of this kind ({kind}) not listed")
+
+    for name, files in sorted(ck.duplicates.items()):
+        problem("duplicate", f"{name} is in {len(files)} files: {', '.join(files)}")
+    wm = ck.weight_map
+    for name, fname in sorted(wm.items()):
+        if name not in ck.headers[fname].tensors:
+            other = f" (it is in {ck.where[name]})" if name in ck.where else ""
+            problem("index", f"index puts {name} in {fname}, which lacks it{other}")
+    orphans = sorted(n for n in ck.where if n not in wm)
+    mtp_orphans = [n for n in orphans if n.startswith("mtp.")]
+    if mtp_orphans:
+        files = sorted({ck.where[n] for n in mtp_orphans})
+        problems.append(f"{len(mtp_orphans)} mtp.* tensors in {', '.join(files)} are not in the index, so vLLM "
+                        f"cannot load the MTP head: run `onespark mtp {path}`")
+    for n in orphans:
+        if not n.startswith("mtp."):
+            problem("orphan", f"{n} is in {ck.where[n]} but not in the index")
+
+    expected = qwen35.expected_tensors(ck.config)
+    for name, fname in sorted(ck.where.items()):
+        t = ck.headers[fname].tensors[name]
+        exp = expected.get(name)
+        if exp is None:
+            if name.startswith("model.visual.") and t.dtype in qwen35.FLOAT_DTYPES:
+                continue  # vision tower: passed through untouched, shapes not derived here
+            problem("unexpected", f"{name} ({fname}) is a tensor the config implies no such thing as")
+        elif t.dtype not in exp.dtypes or t.shape != exp.shape:
+            problem("shape", f"{name} ({fname}) is {t.dtype}{list(t.shape)}, the config implies "
+                             f"{'/'.join(sorted(exp.dtypes))}{list(exp.shape)}")
+        if t.dtype == "F8_E4M3" and name.endswith(".weight"):
+            scale = name[: -len("weight")] + "weight_scale_inv"
+            if scale not in ck.where:
+                problem("scale", f"FP8 weight {name} has no {scale}")
+    missing = sorted(n for n in expected if n not in ck.where and not qwen35.is_optional(n))
+    mtp_missing = [n for n in missing if n.startswith("mtp.")]
+    mtp_required = sum(1 for n in expected if n.startswith("mtp.") and not qwen35.is_optional(n))
+    if mtp_missing:
+        problems.append(f"MTP head incomplete: {len(mtp_missing)} of {mtp_required} mtp.* tensors missing "
+                        f"(e.g. {mtp_missing[0]}): run `onespark mtp {path} --source INT4_DIR`")
+    for n in missing:
+        if not n.startswith("mtp."):
+            problem("missing", f"{n} is missing (the config implies it)")
+
+    hashed = 0
+    man_path = path / MANIFEST_FILE
+    if man_path.is_file():
+        man = load_json(man_path, "manifest")
+        listed = man.get("files", {})
+        for fname, entry in sorted(listed.items()):
+            f = path / fname
+            if not f.is_file():
+                problem("manifest", f"{fname} is in the manifest but missing")
+            elif f.stat().st_size != entry.get("size"):
+                problem("manifest", f"{fname} is {f.stat().st_size} bytes, the manifest says {entry.get('size')}")
+            elif not fast and entry.get("sha256"):
+                if sha256_file(f) != entry["sha256"]:
+                    problem("manifest", f"{fname}: sha256 differs from the manifest (the file changed or is corrupt)")
+                hashed += 1
+        for fname in sorted(ck.headers):
+            if fname not in listed:
+                problem("manifest", f"{fname} is not in the manifest")
+    elif (ck.config.get("onespark") or {}).get("manifest"):
+        problems.append(f"{MANIFEST_FILE} is missing although config.json says step 1 wrote one: "
+                        f"the run did not finish; run step 1 again")
+    summary = {
+        "tensors": len(ck.where), "files": len(ck.headers),
+        "bytes": sum(h.file_size for h in ck.headers.values()),
+        "mtp_tensors": sum(1 for n in ck.where if n.startswith("mtp.")), "mtp_required": mtp_required,
+        "fp8_weights": sum(1 for n in ck.where if ck.info(n).dtype == "F8_E4M3"),
+        "manifest": man_path.is_file(), "hashed_files": hashed,
+    }
+    return problems, summary
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", type=Path, help="checkpoint directory")
+    p.add_argument("--fast", action="store_true", help="skip sha256 (check sizes only)")
+
+
+def run(args: argparse.Namespace) -> int:
+    problems, s = verify(args.dir, fast=args.fast)
+    line = (f"{args.dir}: {s['tensors']} tensors in {s['files']} files ({s['bytes'] / 1e9:.2f} GB), "
+            f"{s['fp8_weights']} FP8 weights, mtp.* {s['mtp_tensors']}/{s['mtp_required']}, "
+            f"manifest: {'yes, ' + str(s['hashed_files']) + ' files hashed' if s['manifest'] else 'none'}")
+    if problems:
+        print(line, file=sys.stderr)
+        for p in problems:
+            print(f"  problem: {p}", file=sys.stderr)
+        raise UserError(f"{len(problems)} problem(s); first: {problems[0]}")
+    print(line)
+    print("ok")
+    return 0
