@@ -4,7 +4,7 @@
 #   demo/rootfs.sh [--dry-run] [--no-cache] [--image NAME:TAG] [--mirror URL]
 # Skips when the image already exists. Needs root (debootstrap), debootstrap and docker.
 set -euo pipefail
-# shellcheck source=../steps/lib.sh
+# shellcheck source-path=SCRIPTDIR source=../steps/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../steps/lib.sh"
 
 IMAGE=onespark-demo/debian:bookworm

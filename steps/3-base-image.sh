@@ -3,7 +3,7 @@
 # first time). With --demo: the CPU stand-in (demo/rootfs.sh + demo/Dockerfile.cpu-base, a few minutes).
 # Skips when an image with the expected fingerprint label already exists; --no-cache rebuilds.
 set -euo pipefail
-# shellcheck source=lib.sh
+# shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 BASE_IMAGE_TAG=${ONESPARK_BASE_IMAGE:-onespark/vllm-base:0.19.1-cu130-sm121}

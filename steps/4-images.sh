@@ -3,7 +3,7 @@
 # FROM v2. Skips an image whose fingerprint label (its Dockerfile, the onespark sources, the base image id)
 # matches; --no-cache rebuilds.
 set -euo pipefail
-# shellcheck source=lib.sh
+# shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ONESPARK_ROOT/pyproject.toml")

