@@ -147,13 +147,9 @@ def int4_layer_bits(prefix: str, qc: dict) -> int:
     extra = qc.get("extra_config") or {}
     if prefix in extra:
         return int(extra[prefix].get("bits", qc["bits"]))
-    for pattern, cfg in extra.items():
-        if any(c in pattern for c in "*+?^$()[]{}|\\"):
-            try:
-                if re.search(pattern, prefix):
-                    return int(cfg.get("bits", qc["bits"]))
-            except re.error:
-                continue
+    for pattern, cfg in _regex_entries(qc):
+        if pattern.search(prefix):
+            return int(cfg.get("bits", qc["bits"]))
     if INT4_ALWAYS_16BIT.search(prefix):
         return 16
     blocks = qc.get("block_name_to_quantize") or qc.get("to_quant_block_names")
@@ -162,6 +158,24 @@ def int4_layer_bits(prefix: str, qc: dict) -> int:
     if isinstance(blocks, str):
         blocks = blocks.split(",")
     return int(qc["bits"]) if any(prefix.startswith(b) for b in blocks) else 16
+
+
+_REGEX_CACHE: dict[int, tuple[dict, list]] = {}
+
+
+def _regex_entries(qc: dict) -> list:
+    """extra_config keys that are regular expressions (vLLM: any of *+?^$()[]{}|\\), compiled once per dict."""
+    hit = _REGEX_CACHE.get(id(qc))
+    if hit is None or hit[0] is not qc:
+        out = []
+        for pattern, cfg in (qc.get("extra_config") or {}).items():
+            if any(c in pattern for c in "*+?^$()[]{}|\\"):
+                try:
+                    out.append((re.compile(pattern), cfg))
+                except re.error:
+                    continue
+        hit = _REGEX_CACHE[id(qc)] = (qc, out)
+    return hit[1]
 
 
 FP8_NEVER = re.compile(r"(\.mlp\.gate|\.shared_expert_gate|\.in_proj_a|\.in_proj_b)$|^lm_head$|^mtp\.fc$")
