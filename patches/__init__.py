@@ -1,1 +1,107 @@
-"""The onespark vLLM plugin (entry point group `vllm.general_plugins`)."""
+"""The onespark vLLM plugin (entry point group `vllm.general_plugins`, installed by `pip install onespark`).
+
+vLLM calls `register()` in every process it starts (API server, engine core, each worker), so it is
+idempotent, imports vLLM lazily and never touches CUDA. It refuses to run on a vLLM other than the one it
+was tested with (0.19.1, any local build suffix such as `+cu130` or `.dev0+g<sha>`), naming both versions.
+
+Switches (environment variables, read once per process by register(); 1/0, true/false, on/off, yes/no):
+
+  ONESPARK_HYBRID_FP8=1      FP8 shared experts: checkpoints that `onespark hybrid` wrote (their
+                             quantization_config has "onespark_fp8") load with quantization
+                             "onespark_hybrid", an INCConfig subclass that gives the spliced layers vLLM's
+                             block-FP8 linear method. Other checkpoints: stock vLLM. Off: such a
+                             checkpoint loads as plain "inc", whose FP8 layers it cannot read.
+  ONESPARK_INT8_LM_HEAD=1    INT8 LM head: ParallelLMHead is replaced (CustomOp.register_oot) by a subclass
+                             whose method quantizes the weight per row after loading, frees the BF16 weight
+                             before the KV cache is sized, and computes logits with onespark.kernels
+                             (Triton on CUDA, the plain-torch reference on CPU). Shared with the MTP draft.
+  ONESPARK_ALLOW_ANY_VLLM=0  1 = run on an untested vLLM version anyway (logged as a warning).
+
+VLLM_PLUGINS="" (vLLM's own switch) disables the whole plugin. What each patch touches, why, and when to
+remove it: patches/README.md (the ledger; tests/test_plugin_ledger.py keeps it complete).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+SUPPORTED_VLLM = "0.19.1"
+ENV_ALLOW_ANY_VLLM = "ONESPARK_ALLOW_ANY_VLLM"
+ENV_HYBRID_FP8 = "ONESPARK_HYBRID_FP8"
+ENV_INT8_LM_HEAD = "ONESPARK_INT8_LM_HEAD"
+
+# technique name -> (switch, default, "module:function" that installs it)
+TECHNIQUES: dict[str, tuple[str, bool, str]] = {
+    "hybrid-fp8": (ENV_HYBRID_FP8, True, "onespark.patches.hybrid_fp8:install"),
+    "int8-lm-head": (ENV_INT8_LM_HEAD, True, "onespark.patches.lm_head:install"),
+}
+
+# A child of vLLM's logger, so our lines use vLLM's handler and format in every process.
+logger = logging.getLogger("vllm.onespark")
+
+_active: list[str] | None = None  # set by the first register() in this process
+
+_TRUE = {"1", "true", "on", "yes"}
+_FALSE = {"0", "false", "off", "no", ""}
+
+
+def switch(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a switch value: use 1 or 0")
+
+
+def version_supported(version: str) -> bool:
+    """True for 0.19.1 and local builds of it (0.19.1+cu130, 0.19.1.dev0+gabc123); not 0.19.10 or 0.19.2."""
+    return re.fullmatch(re.escape(SUPPORTED_VLLM) + r"([.+].*)?", version) is not None
+
+
+def check_vllm_version(version: str) -> None:
+    if version_supported(version):
+        return
+    if switch(ENV_ALLOW_ANY_VLLM, False):
+        logger.warning(
+            "onespark: vLLM %s is NOT the tested %s; %s=1 so the plugin runs anyway. Its hooks target %s's "
+            "internals (patches/README.md): check every ledger entry against this version.",
+            version, SUPPORTED_VLLM, ENV_ALLOW_ANY_VLLM, SUPPORTED_VLLM,
+        )
+        return
+    raise RuntimeError(
+        f"onespark plugin: installed vLLM is {version}, but this plugin was built and tested for vLLM "
+        f"{SUPPORTED_VLLM}. Install vllm=={SUPPORTED_VLLM}, or set VLLM_PLUGINS='' to run without onespark, "
+        f"or set {ENV_ALLOW_ANY_VLLM}=1 to try anyway."
+    )
+
+
+def register() -> list[str]:
+    """vLLM's plugin entry point. Returns the active techniques (also logged once per process)."""
+    global _active
+    if _active is not None:
+        return _active
+    import importlib
+
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    wanted = {name: switch(env, default) for name, (env, default, _) in TECHNIQUES.items()}
+    active = []
+    for name, on in wanted.items():
+        if on:
+            module, func = TECHNIQUES[name][2].split(":")
+            getattr(importlib.import_module(module), func)()
+            active.append(name)
+    _active = active
+    off = [f"{n} ({TECHNIQUES[n][0]}=0)" for n, on in wanted.items() if not on]
+    logger.info(
+        "onespark plugin active on vLLM %s: %s%s",
+        vllm.__version__, ", ".join(active) or "no techniques", f"; off: {', '.join(off)}" if off else "",
+    )
+    return active
