@@ -1,0 +1,232 @@
+"""Step 0, `onespark download --dest DIR`: the INT4 checkpoint, and of the FP8 one only what step 1 needs.
+
+    DEST/int4  Intel/Qwen3.5-122B-A10B-int4-AutoRound at a pinned commit (huggingface_hub snapshot_download:
+               resumable, its progress bars; ~77 GB)
+    DEST/fp8   from Qwen/Qwen3.5-122B-A10B-FP8 at a pinned commit: config.json, and in one file
+               `fp8-shared-experts.safetensors` the 144 shared-expert weights + their weight_scale_inv
+               (~0.5 GB), read by HTTP byte ranges: for each shard that holds some, its 8-byte length and
+               JSON header, then the tensors' bytes (neighbours coalesced into one request). Never a whole shard.
+
+Both directories carry `onespark-download.json` (repo, revision, bytes); step 1 copies that into its manifest.
+Re-running resumes: snapshot_download skips complete files and continues partial ones; fetched FP8 byte
+ranges are kept as parts until the file is assembled. A finished directory is reported "already done".
+Endpoint: HF_ENDPOINT (as huggingface_hub reads it); token: HF_TOKEN or `hf auth login`, never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+from pathlib import Path
+
+from onespark import qwen35
+from onespark.checkpoint import DOWNLOAD_RECORD, INDEX_FILE, load_json, open_checkpoint
+from onespark.errors import UserError
+from onespark.safetensors_io import MAX_HEADER_BYTES, Range, parse_header, write_json_atomic, write_safetensors
+
+# Pinned commits. Intel: the snapshot hash in Entrpi/qwen3.5-122B-A10B-on-spark tools/inspect_ckpt.py
+# ("snapshots/3045d02bb737...") = the head commit "3045d02" on the repo's Files page. Qwen FP8: the snapshot
+# hash several independent public scripts load (models--Qwen--Qwen3.5-122B-A10B-FP8/snapshots/a099dee7...).
+INT4_REPO = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
+INT4_REVISION = "3045d02bb737effc4581da91bddbad3be02934e4"
+FP8_REPO = "Qwen/Qwen3.5-122B-A10B-FP8"
+FP8_REVISION = "a099dee70ccfcd8d5dda56aaa0b60cb8ecadabc9"
+FP8_FILE = "fp8-shared-experts.safetensors"
+COALESCE_GAP = 64 * 1024  # fetch two tensors in one request when at most this many bytes lie between them
+CHUNK = 8 * 1024 * 1024
+
+
+def _endpoint() -> str | None:
+    return os.environ.get("HF_ENDPOINT") or None
+
+
+def _url(repo: str, filename: str, revision: str) -> str:
+    from huggingface_hub import hf_hub_url
+    return hf_hub_url(repo, filename, revision=revision, endpoint=_endpoint())
+
+
+def _headers(extra: dict | None = None) -> dict:
+    from huggingface_hub.utils import build_hf_headers
+    h = build_hf_headers()
+    h.update(extra or {})
+    return h
+
+
+class Fetcher:
+    """Ranged GETs through huggingface_hub's HTTP session; counts every byte received."""
+
+    def __init__(self, repo: str, revision: str):
+        from huggingface_hub import get_session
+        self.repo, self.revision, self.session = repo, revision, get_session()
+        self.bytes, self.requests = 0, 0
+
+    def _check(self, r, what: str, ranged: bool) -> None:
+        if r.status_code in (401, 403):
+            raise UserError(f"{self.repo}: access denied ({r.status_code}) for {what}: set HF_TOKEN or run "
+                            f"`hf auth login`, and accept the model's terms on its page if it asks")
+        if r.status_code == 404:
+            raise UserError(f"{self.repo}@{self.revision}: {what} not found (404): check --fp8-repo/--fp8-revision")
+        if r.status_code >= 400:
+            raise UserError(f"{self.repo}: HTTP {r.status_code} for {what}: try again later")
+        if ranged and r.status_code != 206:
+            raise UserError(f"{self.repo}: the server ignored the byte range for {what} (HTTP {r.status_code}): "
+                            f"refusing to download whole shards; is HF_ENDPOINT a plain mirror?")
+
+    def get(self, filename: str, start: int | None = None, end: int | None = None) -> bytes:
+        """The file, or bytes [start, end)."""
+        ranged = start is not None
+        headers = _headers({"Range": f"bytes={start}-{end - 1}"} if ranged else {"Accept-Encoding": "identity"})
+        r = self.session.get(_url(self.repo, filename, self.revision), headers=headers, follow_redirects=True)
+        self.requests += 1
+        self._check(r, filename, ranged)
+        self.bytes += len(r.content)
+        if ranged and len(r.content) != end - start:
+            raise UserError(f"{self.repo}: {filename} bytes {start}-{end}: got {len(r.content)} bytes: "
+                            f"the file is shorter than its header says; try again later")
+        return r.content
+
+    def get_to_file(self, filename: str, start: int, end: int, path: Path) -> None:
+        """Stream bytes [start, end) into `path` (temp name + rename: a part exists only when complete)."""
+        tmp = path.with_name(path.name + ".tmp")
+        headers = _headers({"Range": f"bytes={start}-{end - 1}"})
+        with self.session.stream("GET", _url(self.repo, filename, self.revision), headers=headers,
+                                 follow_redirects=True) as r:
+            self.requests += 1
+            self._check(r, filename, True)
+            with open(tmp, "wb") as f:
+                for block in r.iter_bytes(CHUNK):
+                    f.write(block)
+                    self.bytes += len(block)
+                f.flush()
+                os.fsync(f.fileno())
+        if tmp.stat().st_size != end - start:
+            raise UserError(f"{self.repo}: {filename} bytes {start}-{end}: received {tmp.stat().st_size}: "
+                            f"interrupted; run the same command again to resume")
+        os.replace(tmp, path)
+
+    def header(self, filename: str) -> dict:
+        head = self.get(filename, 0, 8)
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES:
+            raise UserError(f"{self.repo}: {filename} claims a {n}-byte header: not a safetensors file")
+        tensors, _, _ = parse_header(self.get(filename, 8, 8 + n), 8 + n, f"{self.repo}/{filename}")
+        return tensors
+
+
+def _ranges(infos: list) -> list[tuple[int, int, list]]:
+    """Coalesce tensors (sorted by offset) into (start, end, tensors) requests."""
+    out: list[tuple[int, int, list]] = []
+    for t in sorted(infos, key=lambda t: t.begin):
+        if out and t.begin - out[-1][1] <= COALESCE_GAP:
+            s, _, ts = out[-1]
+            out[-1] = (s, max(out[-1][1], t.end), ts + [t])
+        else:
+            out.append((t.begin, t.end, [t]))
+    return out
+
+
+def fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
+    """Fetch config.json and the shared-expert FP8 weights + scales of `repo` into `dest` (a small checkpoint)."""
+    dest = Path(dest)
+    rec_path = dest / DOWNLOAD_RECORD
+    if rec_path.is_file():
+        rec = load_json(rec_path, "download record")
+        if rec.get("repo") == repo and rec.get("revision") == revision and rec.get("complete"):
+            open_checkpoint(dest)  # re-validates the header and size of what is there
+            log(f"FP8 tensors already fetched: {dest} ({rec['tensors']} tensors from {repo}@{revision[:12]})")
+            return rec
+    dest.mkdir(parents=True, exist_ok=True)
+    parts = dest / ".parts"
+    parts.mkdir(exist_ok=True)
+    f = Fetcher(repo, revision)
+    config = json.loads(f.get("config.json"))
+    index = json.loads(f.get(INDEX_FILE))
+    wm = index.get("weight_map") or {}
+    if (config.get("quantization_config") or {}).get("quant_method") != "fp8":
+        raise UserError(f"{repo}: config.json does not describe an FP8 checkpoint: wrong --fp8-repo?")
+    names = []
+    for w in qwen35.shared_expert_weights(config):
+        names += [w, w[: -len("weight")] + "weight_scale_inv"]
+    missing = [n for n in names if n not in wm]
+    if missing:
+        raise UserError(f"{repo}: its index lacks {len(missing)} of the {len(names)} tensors step 1 needs "
+                        f"(e.g. {missing[0]}): wrong --fp8-repo?")
+    by_shard: dict[str, list[str]] = {}
+    for n in names:
+        by_shard.setdefault(wm[n], []).append(n)
+    items, needed = [], 0
+    for shard, shard_names in sorted(by_shard.items()):
+        header = f.header(shard)
+        infos = []
+        for n in shard_names:
+            if n not in header:
+                raise UserError(f"{repo}: {shard} lacks {n}, which the index puts there: try another revision")
+            infos.append(header[n])
+        for start, end, ts in _ranges(infos):
+            part = parts / f"{shard}.{start}-{end}"
+            if not part.is_file() or part.stat().st_size != end - start:
+                f.get_to_file(shard, start, end, part)
+            for t in ts:
+                items.append((t.name, t.dtype, t.shape, Range(part, t.begin - start, t.nbytes)))
+                needed += t.nbytes
+        log(f"  {shard}: {len(infos)} tensors")
+    items.sort(key=lambda i: names.index(i[0]))
+    write_safetensors(dest / FP8_FILE, items, {"format": "pt"})
+    write_json_atomic(dest / "config.json", config)
+    write_json_atomic(dest / INDEX_FILE, {"metadata": {"total_size": needed},
+                                          "weight_map": {n: FP8_FILE for n in names}})
+    for p in parts.iterdir():
+        p.unlink()
+    parts.rmdir()
+    rec = {"repo": repo, "revision": revision, "complete": True, "tensors": len(names),
+           "bytes_needed": needed, "bytes_fetched": f.bytes, "requests": f.requests,
+           "source_tensors": len(wm)}
+    write_json_atomic(rec_path, rec)
+    log(f"fetched {f.bytes / 1e6:.1f} MB in {f.requests} requests for {needed / 1e6:.1f} MB of FP8 tensors "
+        f"(x{f.bytes / max(needed, 1):.3f}; {len(wm) - len(names)} other tensors of {repo} not fetched)")
+    return rec
+
+
+def download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
+    from huggingface_hub import snapshot_download
+    dest = Path(dest)
+    rec_path = dest / DOWNLOAD_RECORD
+    if rec_path.is_file():
+        rec = load_json(rec_path, "download record")
+        if rec.get("repo") == repo and rec.get("revision") == revision and rec.get("complete"):
+            open_checkpoint(dest)
+            log(f"INT4 checkpoint already downloaded: {dest} ({repo}@{revision[:12]})")
+            return rec
+    log(f"downloading {repo}@{revision[:12]} -> {dest} (resumable: re-run to continue)")
+    try:
+        snapshot_download(repo, revision=revision, local_dir=dest, max_workers=4, endpoint=_endpoint())
+    except Exception as e:  # huggingface_hub's errors name the repo and the HTTP status
+        raise UserError(f"download of {repo}@{revision[:12]} failed: {type(e).__name__}: {str(e).splitlines()[0]}; "
+                        f"re-run to resume") from None
+    ck = open_checkpoint(dest, need_index=True)  # headers parse, sizes match: nothing truncated
+    size = sum(p.stat().st_size for p in dest.iterdir() if p.is_file())
+    rec = {"repo": repo, "revision": revision, "complete": True, "files": len(ck.headers), "bytes": size}
+    write_json_atomic(rec_path, rec)
+    log(f"downloaded {size / 1e9:.2f} GB ({len(ck.headers)} safetensors files)")
+    return rec
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dest", required=True, type=Path, help="directory for int4/ and fp8/")
+    p.add_argument("--int4-repo", default=INT4_REPO)
+    p.add_argument("--int4-revision", default=INT4_REVISION, help="commit SHA (default: the pinned one)")
+    p.add_argument("--fp8-repo", default=FP8_REPO)
+    p.add_argument("--fp8-revision", default=FP8_REVISION, help="commit SHA (default: the pinned one)")
+    p.add_argument("--skip-int4", action="store_true", help="fetch only the FP8 tensors")
+    p.add_argument("--skip-fp8", action="store_true", help="download only the INT4 checkpoint")
+
+
+def run(args: argparse.Namespace) -> int:
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    if not args.skip_int4:
+        download_int4(args.int4_repo, args.int4_revision, args.dest / "int4", log=log)
+    if not args.skip_fp8:
+        fetch_fp8(args.fp8_repo, args.fp8_revision, args.dest / "fp8", log=log)
+    return 0

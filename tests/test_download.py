@@ -1,0 +1,182 @@
+"""Step 0 against a local nginx standing in for the Hugging Face Hub.
+
+nginx serves synthesized repositories in the Hub's URL layout: files at `/{repo}/resolve/{revision}/{file}`
+(with the `X-Repo-Commit` header huggingface_hub requires, ETags and `Range` support as nginx gives them)
+and the file listing snapshot_download asks for at `/api/models/{repo}/tree/{revision}`. Its access log is
+the independent record of what was transferred: status and body bytes of every request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from onespark import qwen35
+from onespark.synth import TINY_TEXT, synth
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+pytestmark = pytest.mark.skipif(NGINX is None, reason="needs nginx (Debian package nginx; .ci/apt-packages.txt)")
+ROOT = Path(__file__).resolve().parents[1]
+INT4, FP8 = "Intel/Qwen3.5-122B-A10B-int4-AutoRound", "Qwen/Qwen3.5-122B-A10B-FP8"
+INT4_SHA, FP8_SHA = "1" * 40, "2" * 40
+
+NGINX_CONF = """
+daemon off;
+master_process off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log;
+events {{ worker_connections 64; }}
+http {{
+  log_format hub '$request_method $uri $status $body_bytes_sent "$http_range"';
+  access_log {d}/access.log hub;
+  client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; fastcgi_temp_path {d}/tmp;
+  uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;
+  types {{ application/json json; }}
+  default_type application/octet-stream;
+  server {{
+    listen 127.0.0.1:{port};
+    root {d}/www;
+    location /api/ {{ default_type application/json; }}
+    location ~ ^/[^/]+/[^/]+/resolve/(?<rev>[^/]+)/ {{ add_header X-Repo-Commit $rev always; }}
+  }}
+}}
+"""
+
+
+def _publish(www: Path, repo: str, sha: str, src: Path) -> None:
+    base = www / repo / "resolve" / sha
+    base.mkdir(parents=True)
+    tree = []
+    for p in sorted(src.iterdir()):
+        shutil.copy(p, base / p.name)
+        tree.append({"type": "file", "path": p.name, "size": p.stat().st_size,
+                     "oid": hashlib.sha1(p.read_bytes()).hexdigest()})
+    api = www / "api" / "models" / repo / "tree"
+    api.mkdir(parents=True)
+    (api / sha).write_text(json.dumps(tree))
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hub")
+    dims = dict(TINY_TEXT, shared_expert_intermediate_size=512)  # enough FP8 bytes that headers are small change
+    synth(d / "src-int4", "int4", seed=3, dims=dims)
+    synth(d / "src-fp8", "fp8", seed=3, dims=dims, shards=4)
+    _publish(d / "www", INT4, INT4_SHA, d / "src-int4")
+    _publish(d / "www", FP8, FP8_SHA, d / "src-fp8")
+    (d / "tmp").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (d / "nginx.conf").write_text(NGINX_CONF.format(d=d, port=port))
+    proc = subprocess.Popen([NGINX, "-p", str(d), "-c", str(d / "nginx.conf")], stderr=subprocess.PIPE)
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+            break
+        except OSError:
+            time.sleep(0.05)
+    else:
+        proc.kill()
+        pytest.fail(f"nginx did not start: {proc.stderr.read().decode()}")
+    yield d, f"http://127.0.0.1:{port}"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _log(d: Path) -> list[tuple[str, str, int, int, str]]:
+    out = []
+    for line in (d / "access.log").read_text().splitlines():
+        m, uri, status, nbytes, rng = line.split(" ", 4)
+        out.append((m, uri, int(status), int(nbytes), rng.strip('"')))
+    return out
+
+
+def _download(endpoint: str, dest: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HOME=str(dest.parent / "hf-home"), HF_HUB_DISABLE_XET="1",
+               HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="0", NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
+    env.pop("HF_TOKEN", None)
+    return subprocess.run([sys.executable, "-m", "onespark", "download", "--dest", str(dest),
+                           "--int4-revision", INT4_SHA, "--fp8-revision", FP8_SHA, *extra],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_download_int4_and_ranged_fp8_then_splice(hub, tmp_path):
+    d, endpoint = hub
+    before = len(_log(d)) if (d / "access.log").exists() else 0
+    r = _download(endpoint, tmp_path / "models")
+    assert r.returncode == 0, r.stdout + r.stderr
+    int4, fp8 = tmp_path / "models" / "int4", tmp_path / "models" / "fp8"
+    for p in (d / "src-int4").iterdir():
+        assert (int4 / p.name).read_bytes() == p.read_bytes(), p.name
+    rec = json.loads((fp8 / "onespark-download.json").read_text())
+    assert rec["repo"] == FP8 and rec["revision"] == FP8_SHA and rec["tensors"] == 2 * 12
+    # what nginx sent for the FP8 shards: only ranges (206), never a whole shard, <= 1.1x the tensor bytes
+    reqs = [x for x in _log(d)[before:] if x[1].startswith(f"/{FP8}/") and x[1].endswith(".safetensors")]
+    assert reqs and all(status == 206 and rng.startswith("bytes=") for _, _, status, _, rng in reqs)
+    sent = sum(n for *_, n, _ in reqs)
+    assert sent == rec["bytes_fetched"] - sum(n for m, uri, s, n, _ in _log(d)[before:]
+                                              if uri.startswith(f"/{FP8}/") and uri.endswith(".json"))
+    assert sent <= 1.1 * rec["bytes_needed"], (sent, rec["bytes_needed"])
+    whole = sum((d / "src-fp8" / p).stat().st_size for p in os.listdir(d / "src-fp8") if p.endswith(".safetensors"))
+    assert sent < whole / 5
+    # the fetched tensors are byte-identical to the source's, and step 1 accepts them
+    from onespark.hybrid import hybrid
+    from onespark.mtp import mtp
+    from onespark.verify import verify
+    from safetensors import safe_open
+    with safe_open(str(fp8 / "fp8-shared-experts.safetensors"), framework="pt") as got:
+        src = {}
+        for f in (d / "src-fp8").glob("*.safetensors"):
+            with safe_open(str(f), framework="pt") as g:
+                src.update({k: g.get_tensor(k) for k in g.keys() if k in got.keys()})
+        assert set(src) == set(got.keys())
+        for k in got.keys():
+            assert got.get_tensor(k).view(-1).view(dtype=__import__("torch").uint8).equal(
+                src[k].view(-1).view(dtype=__import__("torch").uint8)), k
+    out = tmp_path / "hybrid"
+    man = hybrid(int4, str(fp8), out, log=lambda m: None)
+    assert man["inputs"]["int4"]["revision"] == INT4_SHA and man["inputs"]["fp8"]["revision"] == FP8_SHA
+    mtp(out, log=lambda m: None)
+    assert verify(out)[0] == []
+    # a second run is "already done" and transfers no shard bytes
+    n = len(_log(d))
+    r = _download(endpoint, tmp_path / "models")
+    assert r.returncode == 0 and "already" in r.stdout, r.stdout + r.stderr
+    assert not [x for x in _log(d)[n:] if x[1].endswith(".safetensors")]
+
+
+def test_hybrid_fetches_fp8_by_repo_id(hub, tmp_path):
+    d, endpoint = hub
+    env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_XET="1",
+               NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
+    out = tmp_path / "hybrid"
+    r = subprocess.run([sys.executable, "-m", "onespark", "hybrid", "--int4", str(d / "src-int4"), "--fp8", FP8,
+                        "--fp8-revision", FP8_SHA, "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not (tmp_path / ".hybrid.fp8-fetch").exists()
+    man = json.loads((out / "onespark-manifest.json").read_text())
+    assert man["inputs"]["fp8"] == {"path": None, "repo": FP8, "revision": FP8_SHA}
+    cfg = json.loads((out / "config.json").read_text())
+    assert len(cfg["quantization_config"][qwen35.HYBRID_KEY]["layers"]) == 12
+
+
+def test_unknown_revision_is_a_clear_error(hub, tmp_path):
+    d, endpoint = hub
+    env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_XET="1",
+               NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
+    r = subprocess.run([sys.executable, "-m", "onespark", "download", "--dest", str(tmp_path / "m"), "--skip-int4",
+                        "--fp8-revision", "3" * 40], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert "not found (404)" in r.stderr.strip().splitlines()[-1]
