@@ -81,9 +81,9 @@ def _quantize_rows(
     norm = tl.sqrt(tl.sum(xf * xf, 1))
     safe = tl.where(norm > 0, norm, 1.0)
     z = xr * (tl.sqrt(D * 1.0) / safe)[:, None]
-    if DELTA > 0:  # uniform grid: code = round(z / delta + (2^b - 1)/2), clamped
+    if DELTA > 0:  # uniform grid, bounds at (i - 2^(b-1) + 1) delta: code = #bounds below z, as the reference
         half: tl.constexpr = ((1 << BITS) - 1) / 2
-        code = tl.floor(z / DELTA + half + 0.5)
+        code = tl.ceil(z / DELTA + (half - 0.5))
         code = tl.minimum(tl.maximum(code, 0.0), (1 << BITS) - 1.0).to(tl.int32)
         c = (code.to(tl.float32) - half) * DELTA
     else:  # binary search over the 2^b - 1 sorted bounds: code = #bounds below z
