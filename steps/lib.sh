@@ -75,3 +75,14 @@ timing_summary() {
   local t
   for t in "${STEP_TIMES[@]}"; do printf '  %s\n' "$t"; done
 }
+
+# ---- checkpoint steps 0-2 (appended by the checkpoint issue) -------------------------------------
+
+# onespark_cli, except that --dry-run prints the command even before install.sh has created the CLI.
+onespark_step() {
+  if [[ $DRY_RUN == 1 ]]; then
+    run onespark "$@"
+  else
+    onespark_cli "$@"
+  fi
+}

@@ -180,3 +180,15 @@ def test_unknown_revision_is_a_clear_error(hub, tmp_path):
                         "--fp8-revision", "3" * 40], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
     assert "not found (404)" in r.stderr.strip().splitlines()[-1]
+
+
+def test_step_0_script_downloads_then_says_already_done(hub, tmp_path):
+    d, endpoint = hub
+    env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_XET="1",
+               NO_PROXY="127.0.0.1", no_proxy="127.0.0.1", ONESPARK_VENV=str(ROOT / ".venv"))
+    args = ["steps/0-download.sh", "--work", str(tmp_path / "w")]
+    r = subprocess.run(args + ["--int4-revision", INT4_SHA, "--fp8-revision", FP8_SHA], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "step 0 already done" in r.stdout, r.stdout + r.stderr

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Step 0: download Intel/Qwen3.5-122B-A10B-int4-AutoRound (pinned commit, resumable) to WORK/int4, and
+# fetch only the 144 FP8 shared-expert weights + scales of Qwen/Qwen3.5-122B-A10B-FP8 by byte range to
+# WORK/fp8. Skipped when both are complete. Safe to interrupt and re-run.
+set -euo pipefail
+
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+WORK=$ONESPARK_ROOT/.work
+EXTRA=()
+
+usage() {
+  cat <<USAGE
+usage: steps/0-download.sh [--work DIR] [--int4-revision SHA] [--fp8-revision SHA] [--dry-run]
+
+  --work DIR            checkpoints go to DIR/int4 and DIR/fp8 (default: $WORK)
+  --int4-revision SHA   commit of the INT4 repo (default: the one pinned in onespark/download.py)
+  --fp8-revision SHA    commit of the FP8 repo (default: the one pinned in onespark/download.py)
+  --dry-run             print the command, run nothing
+  -h, --help            this text
+
+Needs ~78 GB free in DIR. HF_TOKEN / HF_ENDPOINT are honoured (huggingface_hub).
+USAGE
+}
+
+parse_args() {
+  while (($#)); do
+    case $1 in
+      --work) WORK=${2:?--work needs a directory}; shift ;;
+      --int4-revision | --fp8-revision) EXTRA+=("$1" "${2:?$1 needs a commit SHA}"); shift ;;
+      --dry-run) DRY_RUN=1 ;;
+      -h | --help) usage; exit 0 ;;
+      *) err "unknown option: $1"; usage >&2; exit 2 ;;
+    esac
+    shift
+  done
+}
+
+# Complete when step 0 wrote its record in both directories (it does so last).
+done_already() {
+  grep -q '"complete": true' "$WORK/int4/onespark-download.json" 2>/dev/null &&
+    grep -q '"complete": true' "$WORK/fp8/onespark-download.json" 2>/dev/null
+}
+
+main() {
+  parse_args "$@"
+  if ((${#EXTRA[@]} == 0)) && done_already; then
+    say "step 0 already done: $WORK/int4 and $WORK/fp8 are complete"
+    return 0
+  fi
+  onespark_step download --dest "$WORK" "${EXTRA[@]}"
+}
+
+main "$@" || exit 1

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Step 1: splice the FP8 shared experts into the INT4 checkpoint: WORK/int4 + WORK/fp8 -> WORK/hybrid.
+# Streams bytes (no shard in memory), resumes after an interruption, writes onespark-manifest.json last.
+# Skipped when WORK/hybrid has its manifest.
+set -euo pipefail
+
+# shellcheck source-path=SCRIPTDIR source=lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+WORK=$ONESPARK_ROOT/.work
+
+usage() {
+  cat <<USAGE
+usage: steps/1-hybrid.sh [--work DIR] [--dry-run]
+
+  --work DIR   reads DIR/int4 and DIR/fp8 (step 0), writes DIR/hybrid (default: $WORK)
+  --dry-run    print the command, run nothing
+  -h, --help   this text
+
+Needs ~72 GB free in DIR (checked before writing).
+USAGE
+}
+
+parse_args() {
+  while (($#)); do
+    case $1 in
+      --work) WORK=${2:?--work needs a directory}; shift ;;
+      --dry-run) DRY_RUN=1 ;;
+      -h | --help) usage; exit 0 ;;
+      *) err "unknown option: $1"; usage >&2; exit 2 ;;
+    esac
+    shift
+  done
+}
+
+main() {
+  parse_args "$@"
+  if [[ -f $WORK/hybrid/onespark-manifest.json ]]; then
+    say "step 1 already done: $WORK/hybrid has its manifest"
+    return 0
+  fi
+  onespark_step hybrid --int4 "$WORK/int4" --fp8 "$WORK/fp8" --out "$WORK/hybrid"
+}
+
+main "$@" || exit 1
