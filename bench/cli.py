@@ -88,6 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hardware", help="what it ran on, stated in every table, e.g. 'DGX Spark GB10'")
     g.add_argument("--gpu", help="GPU name for the record")
     g.add_argument("--image", help="container image for the record, e.g. onespark:v2")
+    g.add_argument("--note", help="free text for the record, e.g. how the server was started")
     g.add_argument("--no-png", action="store_true", help="skip the plot")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -97,8 +98,9 @@ def _git_sha() -> str | None:
     try:
         sha = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True,
                              text=True, timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--", "."], capture_output=True,
-                               text=True, timeout=5).stdout.strip()
+        # tracked files changed anywhere in the checkout (untracked files do not change what ran)
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return (sha + ("-dirty" if dirty else "")) if sha else None
@@ -200,6 +202,7 @@ def run(args) -> int:
         "hardware": args.hardware,
         "gpu": args.gpu,
         "image": args.image,
+        "note": args.note,
         "endpoint": Endpoint(args.base_url).base_url,
         "endpoint_b": args.b_base_url,
         **body,

@@ -23,11 +23,18 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a result is meant to be read by others
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def load_result(path: str) -> dict:
@@ -151,6 +158,8 @@ def _provenance(result: dict) -> str:
 
 def markdown(result: dict) -> str:
     lines = [f"**{_provenance(result)}**", "", f"Command: `{result.get('command')}`", ""]
+    if result.get("note"):
+        lines[3:3] = [f"Note: {result['note']}", ""]
     for title, headers, rows in tables(result):
         lines.append(f"*{title}*")
         lines.append("")
@@ -191,6 +200,9 @@ def plot(result: dict, path: str | Path) -> bool:
                 xs = [i + (j - 0.5) * width for i in range(len(labels))]
                 ax.bar(xs, means, width, yerr=stds, capsize=3, label=lab)
             ax.set_xticks(range(len(labels)), labels, rotation=20)
+            top = max((g["summary"][k]["mean"] + g["summary"][k]["std"]) for g in groups
+                      for _, k in series if g["summary"][k]) if any(g["summary"]["e2e_tok_s"] for g in groups) else 1
+            ax.set_ylim(0, 1.3 * top)  # room for the legend above the error bars
             ax.set_ylabel("tok/s (mean ± std over runs)")
             ax.set_title("published prompt classes")
         elif name == "depth":
@@ -205,6 +217,11 @@ def plot(result: dict, path: str | Path) -> bool:
             ok = [(x, g["summary"]["prefill_tok_s"]) for x, g in zip(xs, groups) if g["summary"]["prefill_tok_s"]]
             ax2.plot([x for x, _ in ok], [s["mean"] for _, s in ok], "s--", color="gray", label="prefill")
             ax2.set_ylabel("prefill tok/s", color="gray")
+            if max(xs) > 4096:
+                ax.set_xscale("symlog", linthresh=4096)  # 0, 4K ... 256K: spread the short depths out
+            h1, l1 = ax.get_legend_handles_labels()
+            h2, l2 = ax2.get_legend_handles_labels()
+            ax.legend(h1 + h2, l1 + l2, fontsize=8, ncol=3, loc="upper left")
             ax.set_title("rate vs context depth")
         else:
             xs = [g["group"] for g in groups]
@@ -220,7 +237,8 @@ def plot(result: dict, path: str | Path) -> bool:
             ax.set_ylabel("tok/s")
             ax.set_title("rate vs concurrency")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if name != "depth":
+            ax.legend(fontsize=8, ncol=2, loc="upper left")
     fig.suptitle(textwrap.fill(_provenance(result), width=95 * len(panels)), fontsize=8)
     fig.tight_layout()
     path = Path(path)
