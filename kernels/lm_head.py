@@ -379,16 +379,16 @@ def _int4_mm_kernel(
 # Filled from the H200 sweep (bench/kernels/lm_head.py --sweep); later entries need less shared
 # memory (sm_12x parts such as the DGX Spark's GB10 have ~100 KB per block, the H200 227 KB).
 _CONFIGS: dict[tuple[str, int], list[tuple[int, int, int, int, int, int]]] = {
-    ("int8", 16): [(128, 16, 256, 1, 4, 4), (64, 16, 256, 1, 4, 4), (128, 16, 128, 1, 4, 4)],
-    ("int8", 32): [(128, 32, 256, 1, 4, 4), (128, 32, 128, 1, 4, 4)],
-    ("int8", 64): [(128, 64, 128, 1, 4, 4), (128, 64, 128, 1, 4, 3)],
-    ("int8", 128): [(128, 128, 128, 8, 8, 4), (128, 128, 64, 8, 4, 3)],
-    ("int8", 256): [(128, 256, 64, 16, 8, 3), (256, 128, 64, 16, 8, 3), (128, 128, 64, 16, 4, 3)],
-    ("int4", 16): [(128, 16, 0, 1, 4, 4), (64, 16, 0, 1, 4, 4)],
-    ("int4", 32): [(128, 32, 0, 1, 4, 4)],
-    ("int4", 64): [(128, 64, 0, 1, 4, 4)],
+    ("int8", 16): [(64, 16, 128, 1, 2, 4), (32, 16, 256, 1, 4, 4)],
+    ("int8", 32): [(64, 32, 128, 1, 2, 4), (64, 32, 128, 1, 4, 4)],
+    ("int8", 64): [(64, 64, 128, 1, 4, 4), (128, 64, 128, 1, 4, 4)],
+    ("int8", 128): [(128, 128, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3)],
+    ("int8", 256): [(128, 256, 64, 16, 8, 3), (128, 128, 64, 16, 4, 4)],
+    ("int4", 16): [(64, 16, 0, 1, 2, 4), (32, 16, 0, 1, 4, 4)],
+    ("int4", 32): [(64, 32, 0, 1, 2, 4)],
+    ("int4", 64): [(64, 64, 0, 1, 4, 4)],
     ("int4", 128): [(128, 128, 0, 8, 8, 3)],
-    ("int4", 256): [(128, 256, 0, 16, 8, 3), (128, 128, 0, 16, 4, 3)],
+    ("int4", 256): [(128, 256, 0, 16, 8, 3), (128, 128, 0, 16, 4, 4)],
 }
 _INTERPRET_CONFIG = {16: (32, 16, 32, 1, 4, 1), 32: (32, 32, 32, 1, 4, 1), 64: (32, 64, 32, 1, 4, 1),
                      128: (32, 128, 32, 2, 4, 1), 256: (32, 256, 32, 2, 4, 1)}  # fmt: skip
@@ -502,19 +502,11 @@ def int8_gemv(
     if k == 0:
         return out.zero_()
     scale = scale.contiguous()
-    bucket = _bucket(m)
 
     def launch(cfg):
-        bn, bm, bk, group, warps, stages = cfg
-        grid = (triton.cdiv(n, bn) * triton.cdiv(m, bm),)
-        _int8_mm_kernel[grid](
-            x, w_int8, scale, out, m, n, k,
-            x.stride(0), x.stride(1), w_int8.stride(0), out.stride(0),
-            BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, GROUP_N=group, EVEN_K=(k % bk == 0),
-            PRECISION=_precision(x), FAST=not _interpreting(), num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+        _launch_int8(x, w_int8, scale, out, cfg)
 
-    launch(_pick("int8", bucket, x, n, k, launch))
+    launch(_pick("int8", _bucket(m), x, n, k, launch))
     return out
 
 
@@ -548,17 +540,35 @@ def int4_gemv(
         return out
     if k == 0:
         return out.zero_()
-    bucket = _bucket(m)
 
     def launch(cfg):
-        bn, bm, _, group, warps, stages = cfg
-        grid = (triton.cdiv(n, bn) * triton.cdiv(m, bm),)
-        _int4_mm_kernel[grid](
-            x, w_int4, scale, out, m, n, k,
-            x.stride(0), x.stride(1), w_int4.stride(0), scale.stride(0), out.stride(0),
-            BLOCK_N=bn, BLOCK_M=bm, GROUP_N=group, EVEN_K=(k % INT4_GROUP == 0),
-            PRECISION=_precision(x), FAST=not _interpreting(), num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+        _launch_int4(x, w_int4, scale, out, cfg)
 
-    launch(_pick("int4", bucket, x, n, k, launch))
+    launch(_pick("int4", _bucket(m), x, n, k, launch))
     return out
+
+
+def _launch_int8(x, w_int8, scale, out, cfg) -> None:
+    """One launch with an explicit config (BLOCK_N, BLOCK_M, BLOCK_K, GROUP_N, warps, stages)."""
+    (m, k), n = x.shape, w_int8.shape[0]
+    bn, bm, bk, group, warps, stages = cfg
+    grid = (triton.cdiv(n, bn) * triton.cdiv(m, bm),)
+    _int8_mm_kernel[grid](
+        x, w_int8, scale, out, m, n, k,
+        x.stride(0), x.stride(1), w_int8.stride(0), out.stride(0),
+        BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, GROUP_N=group, EVEN_K=(k % bk == 0),
+        PRECISION=_precision(x), FAST=not _interpreting(), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+
+
+def _launch_int4(x, w_int4, scale, out, cfg) -> None:
+    """One launch with an explicit config (BLOCK_N, BLOCK_M, unused, GROUP_N, warps, stages)."""
+    (m, k), n = x.shape, w_int4.shape[0]
+    bn, bm, _, group, warps, stages = cfg
+    grid = (triton.cdiv(n, bn) * triton.cdiv(m, bm),)
+    _int4_mm_kernel[grid](
+        x, w_int4, scale, out, m, n, k,
+        x.stride(0), x.stride(1), w_int4.stride(0), scale.stride(0), out.stride(0),
+        BLOCK_N=bn, BLOCK_M=bm, GROUP_N=group, EVEN_K=(k % INT4_GROUP == 0),
+        PRECISION=_precision(x), FAST=not _interpreting(), num_warps=warps, num_stages=stages,
+    )  # fmt: skip

@@ -1,0 +1,315 @@
+"""LM-head kernel benchmark on the real shape: cuBLAS BF16 vs onespark INT8 vs INT4-draft.
+
+    python bench/kernels/lm_head.py --git-sha SHA [--out bench/results/lm_head_<gpu>.json] [--m 1,3,16]
+    python bench/kernels/lm_head.py --sweep [--m ...]        # time every candidate config instead
+
+Shape: Qwen3.5-122B-A10B's head, N = 248,320 x K = 3,072. Inputs are random (never zero): weight
+N(0, 0.02^2) in BF16, then quantized; x N(0.01, 1) in BF16. Each method is timed as a CUDA graph of
+R calls over 4 rotated x/out buffers (2 at M > 1024), replayed 7 times: the median per call. The
+weights (>= 381 MB) are 6x the H200's 60 MB L2, so no call finds another's weight in cache.
+Errors are ||out - ref|| / ||ref|| against float64 references on up to 64 rows; top-1 agreement
+compares argmax over the vocabulary with the float64 logits of the BF16 weight on up to 256 rows.
+Bandwidth counts each input read once and the output written once; copy_gbps is a 2 GiB
+device-to-device copy counting bytes read + written (the practical ceiling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from onespark.kernels import lm_head
+from onespark.kernels import int4_gemv, int8_gemv, quantize_int4_groups, quantize_int8_rows
+
+N, K = 248_320, 3_072
+MS = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256, 1024, 4096, 8192]
+TARGETS = [(4, 2.0), (16, 1.8), (64, 1.3), (8192, 1.0)]  # (up to M, INT8 speed-up over cuBLAS BF16)
+INT4_TARGET = (3, 3.5)
+
+# Candidates for --sweep: (BLOCK_N, BLOCK_M, BLOCK_K, GROUP_N, warps, stages) per M bucket.
+# Buckets <= 64 favour mma.sync (2 warps or BLOCK_N < 64): its int8 operand loads 4 bytes at a time
+# (kWidth 4); wgmma's register operand makes Triton load 2 bytes and re-pack them (SASS, sm_90).
+SWEEP = {
+    ("int8", 16): [(64, 16, 128, 1, 2, 4), (64, 16, 128, 1, 2, 6), (64, 16, 256, 1, 2, 4), (32, 16, 256, 1, 4, 4),
+                   (32, 16, 128, 1, 2, 6), (128, 16, 128, 1, 2, 4), (128, 16, 128, 1, 4, 4), (64, 16, 128, 1, 4, 5),
+                   (128, 16, 128, 1, 8, 4)],
+    ("int8", 32): [(64, 32, 128, 1, 2, 4), (64, 32, 128, 1, 4, 4), (128, 32, 128, 1, 4, 4), (32, 32, 256, 1, 4, 4)],
+    ("int8", 64): [(64, 64, 128, 1, 4, 4), (128, 64, 128, 1, 4, 4), (64, 64, 128, 1, 2, 4), (128, 64, 64, 1, 4, 5)],
+    ("int8", 128): [(128, 128, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3), (128, 128, 64, 8, 8, 4), (64, 128, 128, 8, 4, 4)],
+    ("int8", 256): [(128, 256, 64, 16, 8, 3), (256, 128, 64, 16, 8, 3), (128, 128, 64, 16, 4, 4),
+                    (128, 256, 64, 64, 8, 3), (128, 128, 64, 64, 8, 4)],
+    ("int4", 16): [(64, 16, 0, 1, 2, 4), (64, 16, 0, 1, 2, 6), (32, 16, 0, 1, 4, 4), (128, 16, 0, 1, 2, 4),
+                   (128, 16, 0, 1, 4, 4)],
+    ("int4", 32): [(64, 32, 0, 1, 2, 4), (64, 32, 0, 1, 4, 4)],
+    ("int4", 64): [(64, 64, 0, 1, 4, 4), (128, 64, 0, 1, 4, 4)],
+    ("int4", 128): [(128, 128, 0, 8, 8, 3), (128, 128, 0, 8, 4, 4)],
+    ("int4", 256): [(128, 256, 0, 16, 8, 3), (128, 128, 0, 16, 4, 4)],
+}  # fmt: skip
+SWEEP_MS = [1, 3, 4, 8, 16, 32, 64, 128, 256, 1024, 8192]
+
+
+def _target(m: int) -> float:
+    return next(t for up_to, t in TARGETS if m <= up_to)
+
+
+def _time_graph(fn, nbuf: int) -> float:
+    """Median ms per call of fn(i) (i = buffer index), as CUDA-graph replays of R calls."""
+    for i in range(nbuf):
+        fn(i)
+    torch.cuda.synchronize()
+    t0 = torch.cuda.Event(enable_timing=True)
+    t1 = torch.cuda.Event(enable_timing=True)
+    t0.record()
+    fn(0)
+    t1.record()
+    torch.cuda.synchronize()
+    est = max(t0.elapsed_time(t1), 1e-3)
+    reps = int(min(64, max(nbuf, round(25.0 / est))))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for r in range(reps):
+            fn(r % nbuf)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(7):
+        t0.record()
+        graph.replay()
+        t1.record()
+        torch.cuda.synchronize()
+        times.append(t0.elapsed_time(t1) / reps)
+    return statistics.median(times)
+
+
+def _copy_gbps() -> float:
+    a = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = _time_graph(lambda i: b.copy_(a), 1)
+    return 2 * a.numel() / ms / 1e6
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a = a.double()
+    if not bool(torch.isfinite(a).all()):
+        return float("inf")
+    return float((a - ref).norm() / ref.norm())
+
+
+def _gpu_name() -> str:
+    name = torch.cuda.get_device_name().lower()
+    for short in ("h200", "h100", "gb10", "b200", "a100"):
+        if short in name:
+            return short
+    return name.replace(" ", "_")
+
+
+class Data:
+    """The real-shape weights in every form, and float64 references on demand."""
+
+    def __init__(self, seed: int = 0):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.gen = g
+        self.w = (torch.randn(N, K, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+        self.q8, self.s8 = quantize_int8_rows(self.w)
+        self.q4, self.s4 = quantize_int4_groups(self.w)
+        self.w64 = self.w.double()
+        self.w8_64 = self.q8.double() * self.s8.double()[:, None]
+        self.w4_64 = lm_head.dequantize_int4_groups(self.q4, self.s4, K).double()
+
+    def x(self, m: int) -> torch.Tensor:
+        return torch.randn(m, K, device="cuda", generator=self.gen).add_(0.01).to(torch.bfloat16)
+
+
+def _bytes(kind: str, m: int) -> int:
+    io = m * K * 2 + m * N * 2
+    return io + {"bf16": 2 * N * K, "int8": N * K + 4 * N, "int4": N * K // 2 + 2 * N * (K // 128)}[kind]
+
+
+def bench_row(d: Data, m: int) -> dict:
+    nbuf = 4 if m <= 1024 else 2
+    xs = [d.x(m) for _ in range(nbuf)]
+    outs = {k: [torch.empty(m, N, device="cuda", dtype=torch.bfloat16) for _ in range(nbuf)] for k in ("bf16", "int8", "int4")}
+    fns = {  # cuBLAS: x @ W.T is the GEMM F.linear runs (vLLM's unquantized head)
+        "bf16": lambda i: torch.matmul(xs[i], d.w.T, out=outs["bf16"][i]),
+        "int8": lambda i: int8_gemv(xs[i], d.q8, d.s8, out=outs["int8"][i]),
+        "int4": lambda i: int4_gemv(xs[i], d.q4, d.s4, out=outs["int4"][i]),
+    }
+    ms = {k: _time_graph(f, nbuf) for k, f in fns.items()}
+    r = min(m, 64)
+    x64 = xs[0][:r].double()
+    ref8 = x64 @ d.w8_64.T
+    ref4 = x64 @ d.w4_64.T
+    refb = x64 @ d.w64.T
+    top_x = torch.cat([x[:m] for x in xs])[:256]
+    top_ref = (top_x.double() @ d.w64.T).argmax(1)
+
+    def top1(kind):
+        return float((torch.cat([o[:m] for o in outs[kind]])[:256].argmax(1) == top_ref).double().mean())
+
+    row = {
+        "m": m,
+        "bf16_ms": round(ms["bf16"], 5),
+        "int8_ms": round(ms["int8"], 5),
+        "int4_ms": round(ms["int4"], 5),
+        "int8_speedup": round(ms["bf16"] / ms["int8"], 3),
+        "int4_speedup": round(ms["bf16"] / ms["int4"], 3),
+        "bf16_gbps": round(_bytes("bf16", m) / ms["bf16"] / 1e6, 1),
+        "int8_gbps": round(_bytes("int8", m) / ms["int8"] / 1e6, 1),
+        "int4_gbps": round(_bytes("int4", m) / ms["int4"] / 1e6, 1),
+        "int8_tflops": round(2 * m * N * K / ms["int8"] / 1e9, 1),
+        "int8_rel_err": _rel(outs["int8"][0][:r], ref8),
+        "int4_rel_err": _rel(outs["int4"][0][:r], ref4),
+        "bf16_rel_err": _rel(outs["bf16"][0][:r], refb),
+        "int8_vs_bf16_weight_rel_err": _rel(outs["int8"][0][:r], refb),
+        "int8_top1": top1("int8"),
+        "int4_top1": top1("int4"),
+        "bf16_top1": top1("bf16"),
+        "top1_rows": int(top_x.shape[0]),
+        "int8_config": lm_head._chosen.get(("int8", lm_head._bucket(m), N, K, torch.bfloat16, xs[0].device)),
+        "int4_config": lm_head._chosen.get(("int4", lm_head._bucket(m), N, K, torch.bfloat16, xs[0].device)),
+    }
+    return row
+
+
+def _precompile(configs: list[tuple[str, tuple]]) -> None:
+    """Compile every sweep config in parallel worker processes (Triton's disk cache is shared),
+    so the timing process only loads them: ~40 configs in seconds instead of minutes."""
+    import multiprocessing as mp
+
+    t0 = time.time()
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(min(len(configs), max(1, (os.cpu_count() or 2) - 2))) as pool:
+        for kind, cfg, err in pool.imap_unordered(_compile_one, configs):
+            if err:
+                print(f"  precompile {kind} {cfg}: {err}", flush=True)
+    print(f"precompiled {len(configs)} configs in {time.time() - t0:.0f}s", flush=True)
+
+
+def _compile_one(item):
+    kind, cfg = item
+    try:
+        x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        out = torch.empty(1, 256, device="cuda", dtype=torch.bfloat16)
+        if kind == "int8":
+            q, s = quantize_int8_rows(torch.randn(256, K, device="cuda"))
+            lm_head._launch_int8(x, q, s, out, cfg)
+        else:
+            q, s = quantize_int4_groups(torch.randn(256, K, device="cuda"))
+            lm_head._launch_int4(x, q, s, out, cfg)
+        torch.cuda.synchronize()
+        return kind, cfg, None
+    except Exception as e:  # reported, and the config is skipped in the sweep
+        return kind, cfg, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+
+
+def sweep(d: Data, ms: list[int]) -> list[dict]:
+    todo = sorted({(kind, c) for (kind, b), cs in SWEEP.items() for c in cs if any(lm_head._bucket(m) == b for m in ms)})
+    _precompile(todo)
+    rows = []
+    for m in ms:
+        xs = [d.x(m) for _ in range(4 if m <= 1024 else 2)]
+        out = torch.empty(m, N, device="cuda", dtype=torch.bfloat16)
+        bf16 = _time_graph(lambda i: torch.matmul(xs[i], d.w.T), len(xs))
+        r = min(m, 16)
+        x64 = xs[0][:r].double()
+        refs = {"int8": x64 @ d.w8_64.T, "int4": x64 @ d.w4_64.T}
+        for kind in ("int8", "int4"):
+            launch = lm_head._launch_int8 if kind == "int8" else lm_head._launch_int4
+            q, s = (d.q8, d.s8) if kind == "int8" else (d.q4, d.s4)
+            for cfg in SWEEP[(kind, lm_head._bucket(m))]:
+                try:
+                    t = _time_graph(lambda i: launch(xs[i], q, s, out, cfg), len(xs))
+                    launch(xs[0], q, s, out, cfg)
+                    err = _rel(out[:r], refs[kind])
+                except Exception as e:
+                    t, err = float("nan"), f"{type(e).__name__}"
+                row = {"m": m, "kind": kind, "cfg": cfg, "ms": t, "bf16_ms": bf16, "speedup": bf16 / t, "rel_err": err,
+                       "gbps": _bytes(kind, m) / t / 1e6}  # fmt: skip
+                rows.append(row)
+                print(f"M={m:5d} {kind} {str(cfg):28s} {t:8.4f} ms  x{bf16 / t:5.2f}  {row['gbps']:7.0f} GB/s  err {err}", flush=True)
+    return rows
+
+
+def _table(res: dict) -> str:
+    lines = [
+        f"{res['gpu']}  torch {res['torch']}  triton {res['triton']}  copy {res['copy_gbps']:.0f} GB/s  N={N} K={K}",
+        f"{'M':>5} {'bf16 ms':>8} {'int8 ms':>8} {'x':>5} {'target':>6} {'GB/s':>6} {'int4 ms':>8} {'x':>5} "
+        f"{'i8 err':>8} {'i4 top1':>7}",
+    ]
+    for r in res["rows"]:
+        t = _target(r["m"])
+        ok = "ok" if r["int8_speedup"] >= t else "MISS"
+        lines.append(
+            f"{r['m']:5d} {r['bf16_ms']:8.4f} {r['int8_ms']:8.4f} {r['int8_speedup']:5.2f} {t:4.1f}{ok:>4} "
+            f"{r['int8_gbps']:6.0f} {r['int4_ms']:8.4f} {r['int4_speedup']:5.2f} {r['int8_rel_err']:8.1e} "
+            f"{r['int4_top1']:7.3f}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--m", default=None, help="comma-separated row counts (default: the full list)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/lm_head_<gpu>.json)")
+    p.add_argument("--git-sha", default=os.environ.get("GIT_SHA", "unknown"))
+    p.add_argument("--sweep", action="store_true", help="time every candidate config (tuning)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU: run it on the H200 (or the Spark)", file=sys.stderr)
+        return 1
+    import triton
+
+    ms = [int(v) for v in args.m.split(",")] if args.m else (SWEEP_MS if args.sweep else MS)
+    d = Data()
+    res = {
+        "schema_version": 1,
+        "gpu": _gpu_name(),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "git_sha": args.git_sha,
+        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "shape": {"n": N, "k": K},
+        "copy_gbps": round(_copy_gbps(), 1),
+    }
+    out = Path(args.out or f"bench/results/lm_head_{res['gpu']}{'_sweep' if args.sweep else ''}.json")
+    if args.sweep:
+        res["sweep"] = sweep(d, ms)
+    else:
+        res["rows"] = []
+        buckets = {lm_head._bucket(m) for m in ms}
+        _precompile([(kind, c) for (kind, b), cs in lm_head._CONFIGS.items() if b in buckets for c in cs])
+        for m in ms:
+            res["rows"].append(bench_row(d, m))
+            torch.cuda.empty_cache()
+            r = res["rows"][-1]
+            print(f"M={m}: bf16 {r['bf16_ms']:.4f} int8 {r['int8_ms']:.4f} (x{r['int8_speedup']}) "
+                  f"int4 {r['int4_ms']:.4f} (x{r['int4_speedup']})", flush=True)  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
+        json.dump(res, f, indent=1, default=str)
+    os.replace(f.name, out)
+    if not args.sweep:
+        print(_table(res))
+        bad = [r["m"] for r in res["rows"] if not r["int8_rel_err"] < 1e-2 or not r["int4_rel_err"] < 1e-2]
+        if bad:
+            print(f"numerical error too large at M = {bad}", file=sys.stderr)
+            return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
