@@ -111,7 +111,7 @@ step_script() {
     return 0
   fi
   if [[ $DRY_RUN == 1 ]]; then
-    printf '+ %q' "$script" "$@"; printf '\n'
+    printf '+'; printf ' %q' "$script" "$@"; printf '\n'
     "$script" "$@" --dry-run | sed 's/^/    /' || die "$script --dry-run failed"
     return 0
   fi
@@ -122,6 +122,13 @@ step_host_tools() {
   local stamp=$VENV/.onespark-installed
   if [[ -f $stamp && ! $ONESPARK_ROOT/pyproject.toml -nt $stamp ]]; then
     say "host tools: $VENV is up to date, skipping"
+    return 0
+  fi
+  # A virtualenv that already has this checkout installed in editable mode (e.g. tests/run.sh's .venv).
+  if [[ -x $VENV/bin/onespark ]] && "$VENV/bin/python" -c \
+      "import onespark, pathlib, sys; sys.exit(pathlib.Path(onespark.__file__).resolve().parent != pathlib.Path(sys.argv[1], 'onespark').resolve())" \
+      "$ONESPARK_ROOT" 2>/dev/null; then
+    say "host tools: $VENV already runs this checkout, skipping"
     return 0
   fi
   need_cmd python3 "sudo apt-get install -y python3 python3-venv"

@@ -73,4 +73,4 @@ cleanup_rootfs() {
   rm -rf --one-file-system "$dir"
 }
 
-main "$@" || exit 1
+main "$@" || exit $?

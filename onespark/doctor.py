@@ -107,9 +107,9 @@ def check_docker(*, nvidia: bool) -> list[Check]:
         if "permission denied" in out.lower():
             return [Check("Docker", "FAIL", "this user may not talk to the Docker daemon",
                           "sudo usermod -aG docker $USER && newgrp docker")]
-        return [Check("Docker", "FAIL", f"the Docker daemon does not answer: {out.splitlines()[-1][:200]}",
+        return [Check("Docker", "FAIL", f"the Docker daemon does not answer: {(out.splitlines() or [''])[-1][:200]}",
                       "sudo systemctl start docker   (or, without systemd: sudo dockerd &)")]
-    checks = [Check("Docker", "ok", f"server {out.splitlines()[-1]}")]
+    checks = [Check("Docker", "ok", f"server {(out.splitlines() or ['?'])[-1]}")]
     if nvidia:
         rc, runtimes = _cmd("docker", "info", "--format", "{{json .Runtimes}}")
         if rc == 0 and "nvidia" in runtimes:
@@ -120,7 +120,7 @@ def check_docker(*, nvidia: bool) -> list[Check]:
                                 "sudo nvidia-ctk runtime configure --runtime=docker && sudo systemctl restart docker"))
         rc, out = _cmd("docker", "buildx", "version")
         if rc == 0:
-            checks.append(Check("buildx", "ok", out.splitlines()[0][:80]))
+            checks.append(Check("buildx", "ok", (out.splitlines() or ["docker buildx"])[0][:80]))
         else:
             checks.append(Check("buildx", "FAIL", "docker buildx missing: Dockerfile.base needs BuildKit",
                                 "sudo apt-get install -y docker-buildx-plugin"))

@@ -148,8 +148,9 @@ class Plan:
                 else:
                     items.append((t.name, t.dtype, t.shape, Range(h.path, t.begin, t.nbytes)))
             self.files[fname] = items
-        self.sizes = {f: len(encode_header([(n, d, s) for n, d, s, _ in items], h.metadata)) + sum(r.length for *_, r in items)
-                      for (f, items), h in zip(self.files.items(), int4.headers.values())}
+        self.headers = {f: encode_header([(n, d, s) for n, d, s, _ in items], int4.headers[f].metadata)
+                        for f, items in self.files.items()}
+        self.sizes = {f: len(self.headers[f]) + sum(r.length for *_, r in items) for f, items in self.files.items()}
         self.aux = [p for p in sorted(int4.path.iterdir()) if p.is_file() and not p.name.startswith(".")
                     and p.suffix != ".safetensors" and p.name not in CONFIG_FILES + (INDEX_FILE, MANIFEST_FILE, DOWNLOAD_RECORD)]
 
@@ -235,7 +236,7 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
         for fname, items in plan.files.items():
             if fname in done:
                 continue
-            size = write_safetensors(out / fname, items, int4.headers[fname].metadata)
+            size = write_safetensors(out / fname, items, header=plan.headers[fname])
             assert size == plan.sizes[fname], (fname, size, plan.sizes[fname])
             finished(fname, size)
             log(f"  {fname}: {size / 1e6:.1f} MB")

@@ -34,7 +34,8 @@ DTYPE_SIZE = {
 # A real header is a few hundred KB (the 122B model's largest shard: ~0.3 MB); anything past this
 # is corruption, and refusing it keeps a bad file from making us allocate gigabytes.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
-COPY_CHUNK = 64 * 1024 * 1024  # fallback copy buffer; also the largest copy_file_range call
+COPY_CHUNK = 64 * 1024 * 1024  # buffer of the fallback copy
+KERNEL_CHUNK = 1 << 30  # bytes per copy_file_range call (the kernel caps one call just under 2 GiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +158,7 @@ def copy_range(src_fd: int, dst_fd: int, offset: int, length: int) -> None:
     if hasattr(os, "copy_file_range"):
         try:
             while done < length:
-                n = os.copy_file_range(src_fd, dst_fd, min(length - done, COPY_CHUNK), offset + done)
+                n = os.copy_file_range(src_fd, dst_fd, min(length - done, KERNEL_CHUNK), offset + done)
                 if n == 0:
                     raise UserError(f"source ended {length - done} bytes early while copying: it is truncated")
                 done += n
@@ -179,27 +180,43 @@ def _tmp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
+def coalesce(sources: list[Source]) -> list[Source]:
+    """Merge neighbouring Ranges of one file into one: the copy becomes a few large kernel calls
+    instead of one per tensor (62k tensors of ~85 KB: 500 MB/s -> disk speed on ext4, 2-vCPU VM)."""
+    out: list[Source] = []
+    for src in sources:
+        prev = out[-1] if out else None
+        if isinstance(src, Range) and isinstance(prev, Range) and prev.path == src.path \
+                and prev.offset + prev.length == src.offset:
+            out[-1] = Range(src.path, prev.offset, prev.length + src.length)
+        else:
+            out.append(src)
+    return out
+
+
 def write_safetensors(path: Union[str, Path], tensors: list[tuple[str, str, tuple[int, ...], Source]],
-                      metadata: dict[str, str] | None = None) -> int:
+                      metadata: dict[str, str] | None = None, header: bytes | None = None) -> int:
     """Write a safetensors file atomically (temp name, fsync, rename). Returns its size.
 
     Each tensor is (name, dtype, shape, source); source is bytes or a Range of an existing file,
-    which is copied with copy_file_range. Tensors are written in the order given.
+    which is copied with copy_file_range. Tensors are written in the order given. `header`, when
+    given, is encode_header(...) of these tensors computed earlier (it is not recomputed).
     """
     path = Path(path)
-    entries = [(name, dtype, tuple(shape)) for name, dtype, shape, _ in tensors]
-    for (name, dtype, shape), (_, _, _, src) in zip(entries, tensors):
+    for name, dtype, shape, src in tensors:
         have = src.length if isinstance(src, Range) else len(src)
         if have != nbytes_of(dtype, shape):
             raise ValueError(f"{name}: {have} bytes for {dtype}{list(shape)}")
+    if header is None:
+        header = encode_header([(name, dtype, tuple(shape)) for name, dtype, shape, _ in tensors], metadata)
     tmp = _tmp_name(path)
     fds: dict[Path, int] = {}
     try:
         with open(tmp, "wb") as out:
-            out.write(encode_header(entries, metadata))
+            out.write(header)
             out.flush()
             dst = out.fileno()
-            for _, _, _, src in tensors:
+            for src in coalesce([t[3] for t in tensors]):
                 if isinstance(src, Range):
                     if src.path not in fds:
                         fds[src.path] = os.open(src.path, os.O_RDONLY)

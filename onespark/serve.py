@@ -42,7 +42,7 @@ DEMO_DROP = (
 )
 # vLLM on CPU, as tests/vllm_server.py runs it: eager mode, a 1 GiB KV cache, nothing from the network.
 DEMO_ENV = {"TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1"}
-DEMO_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024"]
+DEMO_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024", "--served-model-name", "onespark-tiny"]
 
 # Server-log line -> start-up stage. Patterns are vLLM 0.19.1's own log messages; the last line that
 # matches any of them is the current stage.
@@ -53,7 +53,8 @@ STAGES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"Starting to load model"), "loading weights"),
     (re.compile(r"Loading safetensors[^|]*?(\d+)% Completed \| (\d+)/(\d+)"), "loading weights ({2}/{3} shards)"),
     (re.compile(r"Loading weights took|Model loading took"), "weights loaded"),
-    (re.compile(r"Dynamo bytecode transform|Compiling a graph|torch\.compile"), "compiling (torch.compile)"),
+    (re.compile(r"Dynamo bytecode transform|Compiling a graph"), "compiling (torch.compile)"),
+    (re.compile(r"torch\.compile took"), "compiled"),
     (re.compile(r"Memory profiling takes|Available KV cache memory"), "sizing the KV cache"),
     (re.compile(r"Capturing CUDA graphs[^|]*?(\d+)%"), "capturing CUDA graphs ({1}%)"),
     (re.compile(r"Graph capturing finished"), "CUDA graphs captured"),
@@ -125,8 +126,9 @@ def docker_run_command(args: argparse.Namespace, image: str) -> tuple[list[str],
         cmd += ["--gpus", "all", "--ipc", "host", "--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
     if args.api_key:
         env["VLLM_API_KEY"] = args.api_key
-    for k in env:
-        cmd += ["-e", k]  # value taken from our environment: never printed, never in `ps`
+    for k, v in env.items():
+        # The key's value comes from our environment: never printed, never in `ps`.
+        cmd += ["-e", k if k == "VLLM_API_KEY" else f"{k}={v}"]
     extra = list(args.vllm_args or [])
     if extra and extra[0] == "--":
         extra = extra[1:]
@@ -214,14 +216,14 @@ def wait_healthy(name: str, base_url: str, timeout: float, tty: bool) -> None:
         status, _ = _http(f"{base_url}/health", timeout=5)
         if status == 200:
             if tty:
-                print()
+                print(flush=True)
             print(f"onespark serve: healthy after {elapsed:.0f} s")
             return
         running, code, oom = _container_state(name)
         log = _logs(name)
         if not running:
             if tty:
-                print()
+                print(flush=True)
             tail = "\n".join(log.splitlines()[-40:])
             raise UserError(
                 f"container {name} exited (code {code}) after {elapsed:.0f} s.\n--- last 40 log lines ---\n{tail}\n"
@@ -229,7 +231,7 @@ def wait_healthy(name: str, base_url: str, timeout: float, tty: bool) -> None:
             )
         if elapsed > timeout:
             if tty:
-                print()
+                print(flush=True)
             tail = "\n".join(log.splitlines()[-40:])
             raise UserError(
                 f"/health not green after {timeout:.0f} s (stage: {detect_stage(log) or 'unknown'}); the container "

@@ -1,0 +1,456 @@
+"""install.sh, steps 3-4, docker/entrypoint.sh, `onespark doctor` and `onespark serve`, without a GPU.
+
+External programs (docker, nvidia-smi, sudo) are replaced by small scripts on PATH that answer the way
+the real ones do on the machine being imitated (a DGX Spark, an H100 box, a machine without Docker) and
+log every call, so the tests can assert what was run and, as important, what was not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from onespark import __version__, doctor, serve
+from onespark.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+BASH = shutil.which("bash")
+
+
+def _script(path: Path, body: str) -> None:
+    path.write_text("#!/usr/bin/env bash\n" + textwrap.dedent(body))
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+@pytest.fixture
+def fakebin(tmp_path):
+    """A directory of fake programs placed first on PATH; every call is appended to calls.log."""
+    d = tmp_path / "bin"
+    d.mkdir()
+    log = tmp_path / "calls.log"
+    for name in ("sudo", "apt-get", "debootstrap"):
+        _script(d / name, f'echo "{name} $*" >> "{log}"; exit 1\n')
+    # Tools the scripts may legitimately use come from the real system.
+    path = f"{d}:{os.path.dirname(sys.executable)}:/usr/bin:/bin"
+    return {"dir": d, "log": log, "path": path}
+
+
+def _calls(fb) -> list[str]:
+    return fb["log"].read_text().splitlines() if fb["log"].exists() else []
+
+
+def _env(fb, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ONESPARK_", "VLLM_API_KEY"))}
+    env.update(PATH=fb["path"], **extra)
+    return env
+
+
+def _fake_docker(fb, *, state: Path | None = None, runtimes='{"runc":{}}', server="28.3.3", buildx=True,
+                 fail_daemon: str | None = None):
+    """A docker that keeps image labels in `state` (JSON: tag -> fingerprint) so that a build followed by
+    an inspect behaves like the real engine."""
+    state = state or fb["dir"].parent / "docker-state.json"
+    if not state.exists():
+        state.write_text("{}")
+    py = sys.executable
+    _script(fb["dir"] / "docker", f'''
+        echo "docker $*" >> "{fb['log']}"
+        {"echo " + repr(fail_daemon) + " >&2; exit 1" if fail_daemon else ""}
+        exec {py} - "$@" <<'PY'
+import json, sys
+state_path = {str(state)!r}
+args = sys.argv[1:]
+state = json.load(open(state_path))
+if args[:1] == ["version"]:
+    print({server!r}); sys.exit(0)
+if args[:1] == ["info"]:
+    fmt = args[args.index("--format") + 1] if "--format" in args else ""
+    print({runtimes!r} if "Runtimes" in fmt else "/var/lib/docker"); sys.exit(0)
+if args[:2] == ["buildx", "version"]:
+    sys.exit(0 if {buildx!r} else 1)
+if args[:2] == ["image", "inspect"]:
+    tag = args[-1]
+    if tag not in state: sys.exit(1)
+    print(state[tag] if "Labels" in " ".join(args) else "sha256:" + "ab" * 32); sys.exit(0)
+if args[:1] == ["build"]:
+    label = next(a.split("=", 1)[1] for a in args if a.startswith("dev.onespark.fingerprint="))
+    state[args[args.index("-t") + 1]] = label
+    json.dump(state, open(state_path, "w")); print("Successfully built"); sys.exit(0)
+sys.exit(0)
+PY
+''')
+    return state
+
+
+def _run(argv, fb, timeout=120, **env):
+    return subprocess.run(argv, cwd=ROOT, env=_env(fb, **env), capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# install.sh
+
+def test_help_shows_real_defaults(fakebin):
+    r = _run([BASH, "install.sh", "--help"], fakebin)
+    assert r.returncode == 0, r.stderr
+    assert "(default: 8000)" in r.stdout and "(default: 127.0.0.1" in r.stdout
+    # The defaults the help states are the ones the plan uses.
+    plan = _run([BASH, "install.sh", "--dry-run", "--launch"], fakebin,
+                ONESPARK_VENV=str(fakebin["dir"].parent / "venv"))
+    assert plan.returncode == 0, plan.stderr
+    assert "--host 127.0.0.1 --port 8000" in plan.stdout
+    assert f"onespark/v2:{__version__}" in r.stdout and f"onespark/v2:{__version__}" in plan.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus"], "unknown option: --bogus"),
+    (["--port", "eighty"], "--port must be a number"),
+    (["--demo", "--tq"], "--tq needs a GPU"),
+])
+def test_bad_options(fakebin, argv, message):
+    r = _run([BASH, "install.sh", *argv], fakebin)
+    assert r.returncode != 0
+    assert message in r.stderr
+    assert _calls(fakebin) == []
+
+
+def test_dry_run_prints_the_spark_plan_and_runs_nothing(fakebin, tmp_path):
+    _fake_docker(fakebin)
+    venv, work = tmp_path / "venv", tmp_path / "work"
+    r = _run([BASH, "install.sh", "--dry-run", "--launch", "--work", str(work)], fakebin, ONESPARK_VENV=str(venv))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "no GB10" in out and "./install.sh --demo" in out
+    expected_in_order = [
+        f"python3 -m venv {venv}",
+        f"{venv}/bin/onespark doctor --work {work}",
+        "steps/0-download.sh", "steps/1-hybrid.sh", "steps/2-mtp.sh",
+        "--target vllm-base", "-f Dockerfile.base -t onespark/vllm-base:0.19.1-cu130-sm121",
+        f"--build-arg VLLM_BASE=onespark/vllm-base:0.19.1-cu130-sm121",
+        f"-f Dockerfile.v2 -t onespark/v2:{__version__}",
+        "docker run -d --name onespark --network host",
+        f"--gpus all", f"onespark/v2:{__version__} --host 127.0.0.1 --port 8000",
+    ]
+    pos = 0
+    for piece in expected_in_order:
+        found = out.find(piece, pos)
+        assert found >= 0, f"{piece!r} missing (or out of order) in the plan:\n{out}"
+        pos = found
+    # Nothing ran: no docker call, no sudo, no venv, no work directory.
+    assert _calls(fakebin) == []
+    assert not venv.exists() and not work.exists()
+
+
+def test_dry_run_on_a_spark_has_no_demo_note(fakebin):
+    _script(fakebin["dir"] / "nvidia-smi", 'echo "12.1"\n')
+    r = _run([BASH, "install.sh", "--dry-run"], fakebin, ONESPARK_VENV=str(fakebin["dir"].parent / "v"))
+    assert r.returncode == 0, r.stderr
+    assert "no GB10" not in r.stdout
+
+
+def test_api_key_never_printed(fakebin):
+    secret = "sk-test-4f9c2e"
+    r = _run([BASH, "install.sh", "--dry-run", "--launch", "--api-key", secret], fakebin,
+             ONESPARK_VENV=str(fakebin["dir"].parent / "v"))
+    assert r.returncode == 0, r.stderr
+    assert secret not in r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# steps 3-4: skip when the labelled image exists, rebuild when an input changes
+
+def test_step3_builds_then_skips_then_rebuilds(fakebin):
+    _fake_docker(fakebin)
+    first = _run([BASH, "steps/3-base-image.sh"], fakebin)
+    assert first.returncode == 0, first.stderr
+    builds = [c for c in _calls(fakebin) if c.startswith("docker build")]
+    assert len(builds) == 1 and "--target vllm-base" in builds[0] and "--network host" in builds[0]
+    assert "timing:" in first.stdout
+
+    again = _run([BASH, "steps/3-base-image.sh"], fakebin)
+    assert "up to date" in again.stdout and "skipping" in again.stdout
+    assert len([c for c in _calls(fakebin) if c.startswith("docker build")]) == 1
+
+    # A different build input (compile jobs) is a different image: rebuilt.
+    _run([BASH, "steps/3-base-image.sh", "--max-jobs", "6"], fakebin)
+    builds = [c for c in _calls(fakebin) if c.startswith("docker build")]
+    assert len(builds) == 2 and "MAX_JOBS=6" in builds[1]
+
+    forced = _run([BASH, "steps/3-base-image.sh", "--max-jobs", "6", "--no-cache"], fakebin)
+    assert forced.returncode == 0
+    builds = [c for c in _calls(fakebin) if c.startswith("docker build")]
+    assert len(builds) == 3 and "--no-cache" in builds[2]
+
+
+def test_step4_needs_the_base_and_chains_tq(fakebin):
+    _fake_docker(fakebin)
+    r = _run([BASH, "steps/4-images.sh"], fakebin)
+    assert r.returncode != 0 and "run steps/3-base-image.sh first" in r.stderr
+    _run([BASH, "steps/3-base-image.sh"], fakebin)
+    r = _run([BASH, "steps/4-images.sh", "--tq"], fakebin)
+    assert r.returncode == 0, r.stderr
+    builds = [c for c in _calls(fakebin) if c.startswith("docker build")]
+    assert "VLLM_BASE=onespark/vllm-base:0.19.1-cu130-sm121" in builds[1] and "-f Dockerfile.v2 " in builds[1]
+    assert f"ONESPARK_V2=onespark/v2:{__version__}" in builds[2] and f"-t onespark/v2-tq:{__version__}" in builds[2]
+    r = _run([BASH, "steps/4-images.sh", "--tq"], fakebin)
+    assert r.stdout.count("up to date") == 2
+
+
+@pytest.mark.parametrize("script", ["steps/3-base-image.sh", "steps/4-images.sh", "demo/rootfs.sh"])
+def test_step_help_and_bad_option(fakebin, script):
+    r = _run([BASH, script, "--help"], fakebin)
+    assert r.returncode == 0 and "usage:" in r.stdout and "default" in r.stdout
+    r = _run([BASH, script, "--nope"], fakebin)
+    assert r.returncode == 2 and "unknown option: --nope" in r.stderr
+
+
+# ---------------------------------------------------------------------------------------------------------
+# docker/entrypoint.sh: defaults, and the user's flags replacing them
+
+def _entry(*args, **env) -> list[str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("ONESPARK_")}
+    e.update(ONESPARK_PRINT_ONLY="1", **env)
+    r = subprocess.run([BASH, str(ROOT / "docker/entrypoint.sh"), *args], env=e, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.splitlines()
+
+
+def _flag(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def test_entrypoint_defaults():
+    argv = _entry()
+    assert argv[:5] == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/model"]
+    assert _flag(argv, "--attention-backend") == ["FLASHINFER"]
+    assert json.loads(_flag(argv, "--speculative-config")[0]) == {"method": "mtp", "num_speculative_tokens": 2}
+    assert _flag(argv, "--load-format") == ["fastsafetensors"]
+    assert _flag(argv, "--gpu-memory-utilization") == ["0.82"]
+    assert _flag(argv, "--max-model-len") == ["262144"]
+    assert _flag(argv, "--reasoning-parser") == ["qwen3"] and _flag(argv, "--tool-call-parser") == ["qwen3_xml"]
+    assert _flag(argv, "--host") == ["127.0.0.1"]
+
+
+def test_entrypoint_user_flags_replace_defaults():
+    argv = _entry("--max-model-len", "65536", "--gpu-memory-utilization=0.7", "--speculative-config", "{}")
+    assert _flag(argv, "--max-model-len") == ["65536"]
+    assert "--gpu-memory-utilization" not in argv and "--gpu-memory-utilization=0.7" in argv
+    assert _flag(argv, "--speculative-config") == ["{}"]
+    assert _flag(argv, "--attention-backend") == ["FLASHINFER"]  # untouched defaults stay
+
+
+def test_entrypoint_drop_and_extra():
+    argv = _entry(ONESPARK_DROP_DEFAULTS="--attention-backend --enable-auto-tool-choice")
+    assert "--attention-backend" not in argv and "FLASHINFER" not in argv
+    assert "--enable-auto-tool-choice" not in argv and _flag(argv, "--tool-call-parser") == ["qwen3_xml"]
+    argv = _entry(ONESPARK_DROP_DEFAULTS="all")
+    assert argv == ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/model"]
+    argv = _entry(ONESPARK_EXTRA_DEFAULTS="--kv-cache-dtype fp8 --enable-prefix-caching")
+    assert _flag(argv, "--kv-cache-dtype") == ["fp8"] and "--enable-prefix-caching" in argv
+    argv = _entry("--kv-cache-dtype", "auto", ONESPARK_EXTRA_DEFAULTS="--kv-cache-dtype fp8")
+    assert _flag(argv, "--kv-cache-dtype") == ["auto"]
+
+
+@pytest.mark.vllm
+def test_entrypoint_defaults_parse_with_vllm():
+    """The default command line is valid for vLLM 0.19.1's own `serve` argument parser (names, choices)."""
+    pytest.importorskip("vllm")
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = _entry()[3:]  # after `python -m vllm.entrypoints.openai.api_server`
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    assert args.model == "/model"
+    assert str(args.attention_backend).endswith("FLASHINFER")
+    assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 2}
+    assert args.load_format == "fastsafetensors" and args.gpu_memory_utilization == 0.82
+    assert args.max_model_len == 262144 and args.enable_auto_tool_choice
+    assert args.reasoning_parser == "qwen3" and args.tool_call_parser == "qwen3_xml"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# onespark doctor
+
+def _meminfo(tmp_path, total_gib, avail_gib) -> str:
+    p = tmp_path / "meminfo"
+    p.write_text(f"MemTotal: {total_gib * 1024 ** 2} kB\nMemFree: 1 kB\nMemAvailable: {avail_gib * 1024 ** 2} kB\n")
+    return str(p)
+
+
+def _doctor(fb, tmp_path, monkeypatch, *, demo=False, total=119, avail=115):
+    monkeypatch.setenv("PATH", fb["path"])
+    args = argparse.Namespace(demo=demo, work=str(tmp_path / "work"), skip_hf=True,
+                              meminfo=_meminfo(tmp_path, total, avail))
+    return {c.name: c for c in doctor.run_checks(args)}, args
+
+
+def test_doctor_on_a_spark(fakebin, tmp_path, monkeypatch, capsys):
+    _script(fakebin["dir"] / "nvidia-smi", 'echo "NVIDIA GB10, 12.1, 580.95.05"\n')
+    _fake_docker(fakebin, runtimes='{"nvidia":{"path":"nvidia-container-runtime"},"runc":{}}')
+    checks, args = _doctor(fakebin, tmp_path, monkeypatch)
+    for name in ("GPU", "driver", "Docker", "NVIDIA runtime", "buildx", "memory"):
+        assert checks[name].status == "ok", checks[name]
+    assert "GB10" in checks["GPU"].detail and "12.1" in checks["GPU"].detail
+    # Disk: the real free space of this machine against the 150 GB the checkpoint steps write.
+    free_gb = shutil.disk_usage(tmp_path).free / 1e9
+    disk = checks["disk (checkpoints)"]
+    reported = float(re.match(r"(\d+) GB free", disk.detail).group(1))
+    assert abs(reported - free_gb) < 3, (disk.detail, free_gb)  # others write to this disk meanwhile
+    assert f"need {doctor.CHECKPOINT_DISK_GB} GB more" in disk.detail  # empty work directory: all of it
+    assert disk.status == ("ok" if reported >= doctor.CHECKPOINT_DISK_GB else "FAIL")
+    rc = doctor.run(args)
+    assert rc == (0 if reported >= doctor.CHECKPOINT_DISK_GB else 1)
+    assert not [c for c in _calls(fakebin) if c.startswith(("sudo", "apt-get"))]
+
+
+def test_doctor_names_the_fix(fakebin, tmp_path, monkeypatch, capsys):
+    _script(fakebin["dir"] / "nvidia-smi", 'echo "NVIDIA H100 80GB HBM3, 9.0, 550.54.15"\n')
+    _fake_docker(fakebin, buildx=False)
+    checks, args = _doctor(fakebin, tmp_path, monkeypatch, total=62, avail=60)
+    assert checks["GPU"].status == "FAIL" and "./install.sh --demo" in checks["GPU"].fix
+    assert checks["driver"].status == "FAIL" and ">= 580" in checks["driver"].detail
+    assert checks["NVIDIA runtime"].status == "FAIL" and "nvidia-ctk runtime configure" in checks["NVIDIA runtime"].fix
+    assert checks["buildx"].status == "FAIL" and "docker-buildx-plugin" in checks["buildx"].fix
+    assert checks["memory"].status == "FAIL"
+    assert doctor.run(args) == 1
+    out = capsys.readouterr().out
+    assert "fix: sudo apt-get install -y nvidia-container-toolkit" in out
+    assert not [c for c in _calls(fakebin) if c.startswith(("sudo", "apt-get"))]  # printed, never run
+
+
+def test_doctor_docker_permission_and_missing(fakebin, tmp_path, monkeypatch):
+    _fake_docker(fakebin, fail_daemon="permission denied while trying to connect to the Docker daemon socket")
+    checks, _ = _doctor(fakebin, tmp_path, monkeypatch, demo=True)
+    assert checks["Docker"].status == "FAIL" and "usermod -aG docker" in checks["Docker"].fix
+    (fakebin["dir"] / "docker").unlink()
+    monkeypatch.setenv("PATH", str(fakebin["dir"]))  # no docker anywhere
+    checks = {c.name: c for c in doctor.check_docker(nvidia=False)}
+    assert checks["Docker"].status == "FAIL" and "not found" in checks["Docker"].detail
+
+
+def test_doctor_demo_needs_no_gpu(fakebin, tmp_path, monkeypatch):
+    _fake_docker(fakebin)
+    state = fakebin["dir"].parent / "docker-state.json"
+    state.write_text(json.dumps({"onespark-demo/debian:bookworm": ""}))
+    checks, _ = _doctor(fakebin, tmp_path, monkeypatch, demo=True, total=23, avail=20)
+    assert "GPU" not in checks and checks["Docker"].status == "ok"
+    assert checks["memory"].status == "ok" and checks["debootstrap"].status == "ok"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# onespark serve: the docker command, stage detection, likely causes
+
+def _serve_args(tmp_path, *extra) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    model = tmp_path / "model"
+    model.mkdir(exist_ok=True)
+    return p.parse_args(["--model", str(model), *extra])
+
+
+def test_serve_command_spark(tmp_path):
+    args = _serve_args(tmp_path, "--api-key", "sk-secret", "--", "--max-model-len", "65536")
+    cmd, env = serve.docker_run_command(args, serve.V2_IMAGE)
+    assert cmd[:3] == ["docker", "run", "-d"] and ["--network", "host"] == cmd[5:7]
+    assert "--gpus" in cmd and f"{tmp_path / 'model'}:/model:ro" in cmd
+    assert "sk-secret" not in " ".join(cmd) and env["VLLM_API_KEY"] == "sk-secret"
+    assert cmd[cmd.index("-e", cmd.index("VLLM_API_KEY") - 1) + 1] == "VLLM_API_KEY"
+    tail = cmd[cmd.index(serve.V2_IMAGE):]
+    assert tail == [serve.V2_IMAGE, "--host", "127.0.0.1", "--port", "8000", "--max-model-len", "65536"]
+
+
+def test_serve_command_demo(tmp_path):
+    cmd, env = serve.docker_run_command(_serve_args(tmp_path, "--demo", "--port", "9123"), serve.DEMO_IMAGE)
+    assert "--gpus" not in cmd
+    assert "ONESPARK_HEALTH_URL=http://127.0.0.1:9123/health" in cmd
+    drop = next(a for a in cmd if a.startswith("ONESPARK_DROP_DEFAULTS=")).split("=", 1)[1].split()
+    # Every GPU-only default of the entrypoint is dropped: compare against the entrypoint's real output.
+    gpu_only = {"--attention-backend", "--speculative-config", "--load-format", "--gpu-memory-utilization"}
+    assert gpu_only <= set(drop)
+    kept = _entry(ONESPARK_DROP_DEFAULTS=" ".join(drop))
+    assert not gpu_only & set(kept)
+
+
+def test_serve_refuses_a_non_checkpoint(tmp_path):
+    args = _serve_args(tmp_path)
+    with pytest.raises(UserError, match="no config.json"):
+        serve.run(args)
+
+
+VLLM_SRC = None
+
+
+def _vllm_source() -> str:
+    """All of vLLM 0.19.1's Python source as one string: the reference for its log messages."""
+    global VLLM_SRC
+    if VLLM_SRC is None:
+        import importlib.util
+        spec = importlib.util.find_spec("vllm")  # locates the package without importing it (slow)
+        if spec is None:
+            pytest.skip("vllm not installed")
+        root = Path(spec.origin).parent
+        VLLM_SRC = "\n".join(p.read_text(errors="replace") for p in root.rglob("*.py"))
+    return VLLM_SRC
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("literal", [
+    "Automatically detected platform", "Resolved architecture", "Initializing a V1 LLM engine",
+    "Starting to load model", "Loading safetensors checkpoint shards", "Loading weights took",
+    "Model loading took", "Dynamo bytecode transform", "Compiling a graph", "torch.compile took",
+    "Memory profiling takes", "Available KV cache memory", "Capturing CUDA graphs", "Graph capturing finished",
+    "init engine (profile, create kv cache, warmup model) took", "Starting vLLM server on",
+])
+def test_stage_messages_exist_in_vllm(literal):
+    """Every message the progress line keys on is one vLLM 0.19.1 really logs."""
+    assert literal in _vllm_source()
+    assert any(p.search(literal) or p.pattern.split("[")[0].split("|")[0] in literal for p, _ in serve.STAGES)
+
+
+def test_detect_stage_follows_the_log():
+    log = textwrap.dedent("""\
+        INFO 11-30 06:01:17 [__init__.py:251] Automatically detected platform cuda.
+        (APIServer pid=1) INFO [model.py:549] Resolved architecture: Qwen3_5MoeForConditionalGeneration
+        (APIServer pid=1) WARNING [vllm.py:848] Enforce eager set, disabling torch.compile and CUDAGraphs.
+        (EngineCore pid=29) INFO [gpu_model_runner.py:4736] Starting to load model /model...
+        Loading safetensors checkpoint shards:  43% Completed | 6/14 [01:02<01:23, 10.3s/it]
+        """)
+    assert serve.detect_stage(log) == "loading weights (6/14 shards)"
+    log += "(EngineCore pid=29) INFO [default_loader.py:385] Loading weights took 151.20 seconds\n"
+    assert serve.detect_stage(log) == "weights loaded"
+    log += "(EngineCore pid=29) INFO [backends.py:391] Compiling a graph for compile range (1, 8192) takes 41.2 s\n"
+    assert serve.detect_stage(log) == "compiling (torch.compile)"
+    log += "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 37%|███ | 19/51 [00:05<00:09]\r"
+    assert serve.detect_stage(log) == "capturing CUDA graphs (37%)"
+    log += "(APIServer pid=1) INFO [api_server.py:596] Starting vLLM server on http://127.0.0.1:8000\n"
+    assert serve.detect_stage(log) == "API server up"
+    assert serve.detect_stage("nothing yet\n") is None
+
+
+@pytest.mark.parametrize("log, code, oom, expect", [
+    ("", 137, False, "OOM"),
+    ("", 0, True, "OOM"),
+    ("ImportError: /opt/venv/lib/python3.12/site-packages/vllm/_C.abi3.so: undefined symbol: "
+     "_ZN2at4cuda26getCurrentCUDABlasHandleEv", 1, False, "torch ABI mismatch"),
+    ("triton.runtime.errors.PTXASError: ptxas fatal   : Value 'sm_121a' is not defined for option 'gpu-name'",
+     1, False, "ptxas"),
+    ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", 1, False, "out of memory"),
+    ("OSError: [Errno 98] Address already in use", 1, False, "port is taken"),
+    ("RuntimeError: No CUDA GPUs are available", 1, False, "sees no GPU"),
+    ("KeyError: 'mtp.layers.0.mlp.experts.0.down_proj.weight'", 1, False, "MTP"),
+    ("ValueError: Invalid repository ID or local directory specified: '/model'", 1, False, "no model at /model"),
+    # The start-up config dump names speculative and mtp harmlessly: no false MTP diagnosis.
+    ("INFO Initializing a V1 LLM engine with config: speculative_config=SpeculativeConfig(method='mtp')\n"
+     "RuntimeError: something else entirely", 1, False, "not recognised"),
+])
+def test_likely_cause(log, code, oom, expect):
+    assert expect in serve.likely_cause(log, code, oom)
