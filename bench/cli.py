@@ -219,6 +219,11 @@ def run(args) -> int:
         wrote.append(out / f"{stem}.png")
     print(report.console(result))
     print("wrote " + ", ".join(map(str, wrote)))
+    empty = [n for n, s in body["suites"].items() if n != "capacity" and not any(r["ok"] for r in s["rows"])]
+    if empty and not failed:
+        print(f"onespark bench: error: nothing measured in {', '.join(empty)} (see skipped in the JSON): "
+              "lower --depths / max tokens to fit the server's max_model_len", file=sys.stderr)
+        return 1
     if failed:
         print(f"onespark bench: error: {len(failed)} of {len(rows)} requests failed (first: {failed[0]['error']}); "
               "their figures are left out of every summary", file=sys.stderr)

@@ -82,11 +82,15 @@ def compare_sequences(tokens_a: list[str], tops_a: list[dict], tokens_b: list[st
 async def run_ab(ep_a: Endpoint, ep_b: Endpoint, client_a: httpx.AsyncClient, client_b: httpx.AsyncClient,
                  prompts: list[tuple[str, str]], max_tokens: int, top_k: int, progress=None) -> dict:
     """Greedy requests with top-k logprobs to both endpoints, prompt by prompt (same order, one at a time)."""
-    extra = {"logprobs": True, "top_logprobs": top_k, "return_tokens_as_token_ids": True}
+    def extra(ep: Endpoint) -> dict:
+        # chat: logprobs is a flag and top_logprobs the count; completions: logprobs is the count
+        lp = {"logprobs": True, "top_logprobs": top_k} if ep.api == "chat" else {"logprobs": top_k}
+        return {**lp, "return_tokens_as_token_ids": True}
+
     rows = []
     for name, prompt in prompts:
-        ra, rb = await asyncio.gather(complete(client_a, ep_a, prompt, max_tokens, dict(extra)),
-                                      complete(client_b, ep_b, prompt, max_tokens, dict(extra)))
+        ra, rb = await asyncio.gather(complete(client_a, ep_a, prompt, max_tokens, extra(ep_a)),
+                                      complete(client_b, ep_b, prompt, max_tokens, extra(ep_b)))
         ta, pa = parse_logprobs(ra)
         tb, pb = parse_logprobs(rb)
         rows.append({"group": name, **compare_sequences(ta, pa, tb, pb)})

@@ -8,7 +8,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-from onespark.bench.stats import welch
+from onespark.bench.stats import summarize, welch
 from onespark.errors import UserError
 
 SCHEMA_VERSION = 1
@@ -92,6 +92,9 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                          _pm(m["e2e_tok_s"]), _ms(m["e2e_tok_s"], "median"), _pm(m["decode_tok_s"]),
                          _ms(m["ttft_s"], "median", 3), _ms(m["completion_tokens"], "mean", 0),
                          _accept(g.get("spec_decode") if s.get("spec_decode") else None)])
+        warm = summarize(r["e2e_tok_s"] for r in s["rows"] if r["warmup"] and r["ok"])
+        if warm:
+            rows.append(["warm-up (excluded)", "", str(warm["n"]), _pm(warm), _ms(warm, "median"), "", "", "", ""])
         cc = s["cross_class"]
         rows.append(["cross-class", "", str(cc["classes_measured"]), _pm(cc["e2e_tok_s"]),
                      _ms(cc["e2e_tok_s"], "median"), _pm(cc["decode_tok_s"]), "", "", _accept(s.get("spec_decode"))])

@@ -173,3 +173,20 @@ def test_failed_requests_exit_nonzero(vllm_server, tmp_path, capsys):
 def test_wrong_model_name(vllm_server, tmp_path, capsys):
     rc, _ = _bench(vllm_server, tmp_path, "--model", "nope")
     assert rc == 1 and "model 'nope' is not served" in capsys.readouterr().err
+
+
+def test_completions_api(vllm_server, tmp_path):
+    """--api completions: the same suites over /v1/completions (prompt text, logprobs as a count)."""
+    rc, res = _bench(vllm_server, tmp_path, "--api", "completions", "--suite", "published,quality",
+                     "--b-base-url", vllm_server.base_url, "--classes", "Q&A,Math", "--runs", "1", "--max-tokens", "6")
+    assert rc == 0
+    pub = res["suites"]["published"]
+    assert len(pub["rows"]) == 2 * 2 and all(r["ok"] for r in pub["rows"])
+    assert pub["tokens_check"]["server_generation_tokens"] == pub["tokens_check"]["client_usage_completion_tokens"]
+    assert res["quality"]["all_identical"] and res["quality"]["rows"][0]["kl_positions"] >= 1
+
+
+def test_nothing_measured_is_an_error(vllm_server, tmp_path, capsys):
+    rc, res = _bench(vllm_server, tmp_path, "--suite", "depth", "--depths", "5000", "--runs", "1")
+    assert rc == 1 and "nothing measured in depth" in capsys.readouterr().err
+    assert res["suites"]["depth"]["skipped"][0]["depth"] == 5000

@@ -291,3 +291,11 @@ def test_cli_bad_input(argv, message, tmp_path, capsys):
     assert main(["bench", *argv, "--out", str(tmp_path), "--no-progress"]) == 1
     assert message in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # nothing written for a run that never started
+
+
+def test_size_lists_accept_k_suffix():
+    from onespark.bench.cli import _ints
+
+    assert _ints("0, 4k,16K,100") == [0, 4096, 16384, 100]
+    with pytest.raises(Exception, match="comma-separated integers"):
+        _ints("4x")
