@@ -248,15 +248,15 @@ def quantize(x: torch.Tensor, r: torch.Tensor, bits: int):
     norm = x.norm(dim=-1)
     safe = torch.where(norm > 0, norm, torch.ones_like(norm))
     z = (x @ r.to(torch.float64).T) * (math.sqrt(d) / safe)[..., None]
-    codes = torch.searchsorted(cb.bounds, z.contiguous())
-    c = cb.levels[codes]
+    codes = torch.searchsorted(cb.bounds.to(z.device), z.contiguous())
+    c = cb.levels.to(z.device)[codes]
     scale = norm / c.norm(dim=-1)
     return codes, scale.to(torch.float32)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, r: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of quantize up to the codebook error: float64 [..., d]."""
-    c = codebook(bits).levels[codes]
+    c = codebook(bits).levels.to(codes.device)[codes]
     return (c * scale.to(torch.float64)[..., None]) @ r.to(torch.float64)
 
 
@@ -315,10 +315,10 @@ def encode_reference(
     kp, vp = pack(kc, layout.preset.k_bits), pack(vc, layout.preset.v_bits)
     blk, off = _slot_parts(slots, layout)
     H = layout.num_kv_heads
-    h = torch.arange(H)
-    row = off[:, None] * H + h[None, :]  # [n, H]
-    kcols = row[..., None] * layout.k_bytes + torch.arange(layout.k_bytes)
-    vcols = layout.v_offset + row[..., None] * layout.v_bytes + torch.arange(layout.v_bytes)
+    dev = cache.device
+    row = off[:, None] * H + torch.arange(H, device=dev)[None, :]  # [n, H]
+    kcols = row[..., None] * layout.k_bytes + torch.arange(layout.k_bytes, device=dev)
+    vcols = layout.v_offset + row[..., None] * layout.v_bytes + torch.arange(layout.v_bytes, device=dev)
     bb = blk[:, None, None]
     cache[bb.expand_as(kcols), kcols] = kp
     cache[bb.expand_as(vcols), vcols] = vp
@@ -331,10 +331,10 @@ def encode_reference(
 def read_reference(cache: torch.Tensor, layout: CacheLayout, slots: torch.Tensor):
     """-> (k codes, k scale, v codes, v scale) for the given slots: [n, H, d] int64 and [n, H] float32."""
     blk, off = _slot_parts(slots.to(torch.int64), layout)
-    H = layout.num_kv_heads
-    row = off[:, None] * H + torch.arange(H)[None, :]
-    kcols = row[..., None] * layout.k_bytes + torch.arange(layout.k_bytes)
-    vcols = layout.v_offset + row[..., None] * layout.v_bytes + torch.arange(layout.v_bytes)
+    H, dev = layout.num_kv_heads, cache.device
+    row = off[:, None] * H + torch.arange(H, device=dev)[None, :]
+    kcols = row[..., None] * layout.k_bytes + torch.arange(layout.k_bytes, device=dev)
+    vcols = layout.v_offset + row[..., None] * layout.v_bytes + torch.arange(layout.v_bytes, device=dev)
     bb = blk[:, None, None]
     kc = unpack(cache[bb.expand_as(kcols), kcols], layout.preset.k_bits, layout.head_dim)
     vc = unpack(cache[bb.expand_as(vcols), vcols], layout.preset.v_bits, layout.head_dim)
@@ -345,13 +345,13 @@ def read_reference(cache: torch.Tensor, layout: CacheLayout, slots: torch.Tensor
 
 
 def seq_slots(block_table_row: torch.Tensor, seq_len: int, page: int) -> torch.Tensor:
-    t = torch.arange(seq_len)
+    t = torch.arange(seq_len, device=block_table_row.device)
     return block_table_row[t // page].to(torch.int64) * page + t % page
 
 
 def dequantize_cache(cache, layout: CacheLayout, block_table_row, seq_len: int, r):
     """-> k_hat, v_hat float64 [seq_len, H, d] of one sequence."""
-    kc, ks, vc, vs = read_reference(cache, layout, seq_slots(block_table_row.cpu(), seq_len, layout.page))
+    kc, ks, vc, vs = read_reference(cache, layout, seq_slots(block_table_row.to(cache.device), seq_len, layout.page))
     return dequantize(kc, ks, r, layout.preset.k_bits), dequantize(vc, vs, r, layout.preset.v_bits)
 
 
@@ -365,7 +365,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_sc
     kk = k.to(torch.float64).repeat_interleave(g, dim=1).permute(1, 0, 2)  # [Hq, L, d]
     vv = v.to(torch.float64).repeat_interleave(g, dim=1).permute(1, 0, 2)
     s = (q @ kk.transpose(1, 2)) * sm_scale  # [Hq, T, L]
-    allowed = torch.arange(L)[None, :] <= (L - T + torch.arange(T))[:, None]
+    allowed = torch.arange(L, device=q.device)[None, :] <= (L - T + torch.arange(T, device=q.device))[:, None]
     s = s.masked_fill(~allowed, float("-inf"))
     return torch.softmax(s, -1) @ vv
 

@@ -75,7 +75,11 @@ def _quantize_rows(
     cols = tl.arange(0, D)
     rmask = rows < n_tokens
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_xn + h * stride_xh + cols[None, :], mask=rmask[:, None], other=0.0)
-    # RT entries are +-1/16, exact in x's dtype: the dot is exact products with fp32 accumulation.
+    if x.dtype == tl.bfloat16:
+        # fp16 holds every bf16 value in [6e-5, 65504] exactly; K/V stay far inside that range. (Also the
+        # interpreter mis-reads bf16 dot operands.) RT entries are +-1/16, exact in fp16: the dot is exact
+        # products with fp32 accumulation.
+        x = x.to(tl.float32).to(tl.float16)
     xr = tl.dot(x, tl.load(RT + cols[:, None] * D + cols[None, :]))
     xf = x.to(tl.float32)
     norm = tl.sqrt(tl.sum(xf * xf, 1))
@@ -159,7 +163,7 @@ def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t
     if n == 0:
         return
     t = _tables(layout.preset, seed, k.device, d)
-    rt = t["r"].T.contiguous().to(k.dtype)
+    rt = t["r"].T.contiguous().to(torch.float32 if k.dtype == torch.float32 else torch.float16)
     grid = (triton.cdiv(n, block_t), H)
     _tq_encode_kernel[grid](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slot_mapping, cache, cache.view(torch.float32), rt,

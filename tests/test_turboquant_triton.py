@@ -59,7 +59,7 @@ def paged(lens, page, num_blocks_extra=3, seed=0):
 ENCODE_CASES = [
     pytest.param(name, dtype, n, H, id=f"{name[11:]}-{str(dtype)[6:]}-N{n}-H{H}")
     for name in tq.PRESETS
-    for dtype, n, H in ((torch.float32, 37, 2), (torch.float16, 19, 3))
+    for dtype, n, H in ((torch.float32, 37, 2), (torch.float16, 19, 3), (torch.bfloat16, 11, 2))
 ]
 
 

@@ -1,0 +1,344 @@
+"""TurboQuant decode attention on a GPU: speed against BF16 FlashAttention and the BF16 bytes floor,
+correctness against the reference, and the needle test at 32K / 128K / 256K keys.
+
+    python bench/kernels/turboquant.py --out bench/results/turboquant_h200.json --git-sha SHA
+
+Shape: Qwen3.5-122B-A10B full-attention layer: 32 query heads, 2 KV heads, head_dim 256, one layer.
+Times are per layer and decode step, medians of CUDA-graph replays; each replay walks several
+disjoint copies of the cache (different blocks) so that no config is timed out of the 60 MB L2.
+BF16 floor = BF16 K+V bytes / measured device-to-device copy bandwidth (read + write counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from onespark.kernels import turboquant as tq
+    from onespark.kernels import turboquant_triton as tt
+except ImportError:  # a bare checkout (the GPU box): import the folder as a package
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    from kernels import turboquant as tq
+    from kernels import turboquant_triton as tt
+
+HQ, HKV, D = 32, 2, 256
+PAGE = 16
+SM_SCALE = 1 / 16
+DEPTHS = [8192, 32768, 65536, 131072, 262144]
+
+
+def median_ms(fn, reps=15):
+    """fn() runs on the GPU; median of reps graph replays, in ms (fn captured once)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        with torch.cuda.graph(g):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def copy_gbps():
+    n = 1 << 30  # 2 GiB of bf16 -> 2 GiB read + 2 GiB written
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), reps=20)
+    del src, dst
+    return 2 * n * 2 / ms / 1e6
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def check_correctness(out_rows):
+    """Kernels vs reference on the real shape at 4096 keys (and odd lengths), per preset."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, p in tq.PRESETS.items():
+        lay = tq.CacheLayout(p, HKV, PAGE)
+        lens = [4096, 1001]
+        nb = sum(-(-n // PAGE) for n in lens) + 5
+        perm = torch.randperm(nb, device="cuda", generator=g).to(torch.int32)
+        bt = torch.zeros(2, -(-max(lens) // PAGE), dtype=torch.int32, device="cuda")
+        i = 0
+        for b, n in enumerate(lens):
+            bt[b, : -(-n // PAGE)] = perm[i : i + -(-n // PAGE)]
+            i += -(-n // PAGE)
+        cache_k = lay.empty(nb, "cuda")
+        cache_r = lay.empty(nb, "cuda")
+        seed = tq.rotation_seed(3)
+        for b, n in enumerate(lens):
+            k = torch.randn(n, HKV, D, device="cuda", generator=g).to(torch.bfloat16) * 2
+            v = torch.randn(n, HKV, D, device="cuda", generator=g).to(torch.bfloat16)
+            slots = tq.seq_slots(bt[b], n, PAGE)
+            tt.encode(k, v, slots, cache_k, lay, seed)
+            tq.encode_reference(k.float(), v.float(), slots, cache_r, lay, tq.rotation(seed, device="cuda"))
+        kc, ks, vc, vs = tq.read_reference(cache_k, lay, tq.seq_slots(bt[0], lens[0], PAGE))
+        kc2, ks2, vc2, vs2 = tq.read_reference(cache_r, lay, tq.seq_slots(bt[0], lens[0], PAGE))
+        code_mismatch = float(((kc != kc2).float().mean() + (vc != vc2).float().mean()) / 2)
+        sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        for T in (1, 3):
+            q = torch.randn(2, HQ, T, D, device="cuda", generator=g).to(torch.bfloat16)
+            out = tt.decode_attention(q, cache_k, lay, bt, sl, seed, SM_SCALE, max(lens))
+            ref = tq.decode_attention_reference(q, cache_k, lay, bt, sl, tq.rotation(seed, device="cuda"), SM_SCALE)
+            out_rows.append(dict(preset=name, q_len=T, lens=lens, decode_rel_err=rel(out, ref), encode_code_mismatch=code_mismatch))
+            print(f"check {name} T={T}: decode rel err {out_rows[-1]['decode_rel_err']:.2e}, encode code mismatch {code_mismatch:.1e}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Pools:
+    """One big TQ cache per preset and one BF16 K/V pool, sliced per config into disjoint copies."""
+
+    def __init__(self, max_tokens):
+        self.max_tokens = max_tokens
+        self.kv = torch.empty(2, max_tokens * HKV * D, dtype=torch.bfloat16, device="cuda")
+        self.kv.normal_()
+        self.tq = {}
+
+    def tq_cache(self, name):
+        if name not in self.tq:
+            self.tq.clear()
+            torch.cuda.empty_cache()
+            lay = tq.CacheLayout(tq.PRESETS[name], HKV, PAGE)
+            nb = self.max_tokens // PAGE
+            cache = torch.randint(0, 256, (nb, lay.block_bytes), dtype=torch.uint8, device="cuda")
+            # scales: positive, O(1) (random bytes would make NaN/inf floats)
+            sc = cache.view(torch.float32)[:, lay.s_offset // 4 :]
+            sc.copy_(torch.rand_like(sc) + 0.5)
+            self.tq[name] = (lay, cache)
+        return self.tq[name]
+
+
+def bench_config(pools, name, depth, T, B, copies_cap=32, **kcfg):
+    lay, cache = pools.tq_cache(name)
+    tokens = B * depth
+    copies = max(1, min(copies_cap, pools.max_tokens // tokens))
+    nb_call = tokens // PAGE
+    g = torch.Generator(device="cuda").manual_seed(depth + B)
+    tables = []
+    for c in range(copies):
+        blocks = c * nb_call + torch.randperm(nb_call, device="cuda", generator=g).to(torch.int32)
+        tables.append(blocks.view(B, depth // PAGE))
+    seq_lens = torch.full((B,), depth, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, HQ, T, D, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty_like(q) for _ in range(copies)]
+    seed = tq.rotation_seed(0)
+
+    def run_tq():
+        for c in range(copies):
+            tt.decode_attention(q, cache, lay, tables[c], seq_lens, seed, SM_SCALE, depth, out=outs[c], **kcfg)
+
+    tq_ms = median_ms(run_tq) / copies
+    return tq_ms, copies
+
+
+def bench_fa(pools, depth, T, B, copies_cap=32):
+    per = B * HKV * depth * D
+    copies = max(1, min(copies_cap, pools.kv.shape[1] // per))
+    ks = [pools.kv[0, c * per : (c + 1) * per].view(B, HKV, depth, D) for c in range(copies)]
+    vs = [pools.kv[1, c * per : (c + 1) * per].view(B, HKV, depth, D) for c in range(copies)]
+    q = torch.randn(B, HQ, T, D, device="cuda", dtype=torch.bfloat16)
+    # folded: the 16 query heads of a KV head (x T positions) as the query length of one KV head
+    qf = q.view(B, HKV, (HQ // HKV) * T, D)
+    res = {}
+    for label, fn in (
+        ("gqa", lambda c: F.scaled_dot_product_attention(q, ks[c], vs[c], scale=SM_SCALE, enable_gqa=True)),
+        ("folded", lambda c: F.scaled_dot_product_attention(qf, ks[c], vs[c], scale=SM_SCALE)),
+    ):
+        try:
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                res[label] = median_ms(lambda: [fn(c) for c in range(copies)]) / copies
+        except RuntimeError as e:  # flash refuses this shape: say so, no number
+            print(f"  flash {label} refused depth={depth} T={T} B={B}: {str(e).splitlines()[0][:120]}")
+            res[label] = None
+    return res
+
+
+def bench_encode(pools, name, T, B):
+    lay, cache = pools.tq_cache(name)
+    n = B * T
+    k = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    slots = torch.randperm(cache.shape[0] * PAGE, device="cuda")[:n]
+    return median_ms(lambda: tt.encode(k, v, slots, cache, lay, tq.rotation_seed(0)))
+
+
+def sweep(pools):
+    """A few tile configs on the largest configs; returns the best per q_len."""
+    variants = [dict(block_n=bn, num_warps=w, num_stages=s) for bn, w, s in ((32, 4, 2), (32, 8, 2), (64, 4, 2), (64, 8, 2), (32, 4, 3), (64, 8, 3), (16, 4, 2))]
+    best = {}
+    for T in (1, 3):
+        scores = []
+        for v in variants:
+            try:
+                t1, _ = bench_config(pools, tq.DEFAULT_PRESET, 131072, T, 1, **v)
+                t8, _ = bench_config(pools, tq.DEFAULT_PRESET, 65536, T, 8, **v)
+            except Exception as e:  # out of resources for this tile: skip it, say so
+                print(f"sweep T={T} {v}: failed {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                continue
+            print(f"sweep T={T} {v}: 128K B1 {t1 * 1000:.1f} us, 64K B8 {t8 * 1000:.1f} us", flush=True)
+            scores.append((t1 + t8, v))
+        best[T] = min(scores, key=lambda s: s[0])[1]
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def needle(rows):
+    """Needle among keys with outlier channels and 32 distractors at cosine 0.95 (as in the CPU tests).
+    Top-1 from the decoded cache scores (float64), and the kernel's attention output vs the needle's value."""
+    for L in (32768, 131072, 262144):
+        g = torch.Generator(device="cuda").manual_seed(L)
+        k = torch.randn(L, 1, D, device="cuda", generator=g)
+        k[:, :, :8] *= 10
+        pos = int(torch.randint(0, L, (1,), device="cuda", generator=g))
+        nd = torch.randn(D, device="cuda", generator=g)
+        u = nd / nd.norm()
+        near = torch.randint(0, L, (32,), device="cuda", generator=g)
+        near = near[near != pos]
+        noise = torch.randn(len(near), D, device="cuda", generator=g)
+        noise -= (noise @ u)[:, None] * u
+        noise *= nd.norm() / noise.norm(dim=-1, keepdim=True)
+        k[near, 0] = 0.95 * nd + math.sqrt(1 - 0.95**2) * noise
+        k[pos, 0] = nd
+        v = torch.randn(L, 1, D, device="cuda", generator=g)
+        exact_top = int((k[:, 0].double() @ u.double()).argmax())
+        # query scale: a 10-nat gap between the needle and its 0.95-cosine distractors
+        alpha = 10 / (0.05 * float(nd.norm()) * SM_SCALE)
+        q = (alpha * u).to(torch.bfloat16).view(1, 1, 1, D).expand(1, 16, 1, D).contiguous()
+        for name, p in tq.PRESETS.items():
+            lay = tq.CacheLayout(p, 1, PAGE)
+            cache = lay.empty(L // PAGE, "cuda")
+            bt = torch.arange(L // PAGE, dtype=torch.int32, device="cuda").view(1, -1)
+            seed = tq.rotation_seed(5)
+            slots = torch.arange(L, device="cuda")
+            tt.encode(k.to(torch.bfloat16), v.to(torch.bfloat16), slots, cache, lay, seed)
+            kc, ks, _, _ = tq.read_reference(cache, lay, slots)
+            khat = tq.dequantize(kc[:, 0], ks[:, 0], tq.rotation(seed, device="cuda"), p.k_bits)
+            scores = khat @ u.double()
+            top = int(scores.argmax())
+            second = float(scores[torch.arange(L, device="cuda") != pos].max())
+            out = tt.decode_attention(q, cache, lay, bt, torch.tensor([L], dtype=torch.int32, device="cuda"), seed, SM_SCALE, L)
+            cos = float(F.cosine_similarity(out[0, :, 0].float(), v[pos, 0][None].float()).min())
+            rows.append(dict(preset=name, keys=L, needle_pos=pos, top1=top == pos, exact_top1=exact_top == pos,
+                             margin=(float(scores[pos]) - second) / float(nd.norm()), out_cos_to_needle_value=cos))
+            print(f"needle {name} L={L}: top1 {top == pos} (exact {exact_top == pos}), margin {rows[-1]['margin']:.3f}, out cos {cos:.4f}", flush=True)
+
+
+def write(result, path):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+
+
+def section(result, name, fn, *a):
+    """Run one part; a failure is recorded in the JSON (and printed) instead of losing the other parts."""
+    try:
+        return fn(*a)
+    except Exception as e:  # noqa: BLE001 - recorded, then the run goes on
+        import traceback
+
+        traceback.print_exc()
+        result.setdefault("errors", []).append(f"{name}: {type(e).__name__}: {e}")
+        return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--git-sha", default="unknown")
+    ap.add_argument("--quick", action="store_true", help="two depths only (a smoke run)")
+    args = ap.parse_args()
+    t0 = time.time()
+    torch.manual_seed(0)
+    gpu = torch.cuda.get_device_name()
+    import triton
+
+    print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
+    result = dict(schema_version=1, gpu=gpu, git_sha=args.git_sha, torch=torch.__version__, triton=triton.__version__,
+                  command="python bench/kernels/turboquant.py " + " ".join(sys.argv[1:]),
+                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page=PAGE), rows=[], checks=[], needle=[])
+    result["copy_gbps"] = copy_gbps()
+    print(f"copy bandwidth {result['copy_gbps']:.0f} GB/s", flush=True)
+    section(result, "correctness", check_correctness, result["checks"])
+    write(result, args.out)
+    depths = [8192, 262144] if args.quick else DEPTHS
+    pools = Pools(max_tokens=8 * max(depths))
+    best = section(result, "sweep", sweep, pools) or {1: dict(block_n=32, num_warps=4, num_stages=2), 3: dict(block_n=32, num_warps=8, num_stages=2)}
+    result["tile_config"] = {str(k): v for k, v in best.items()}
+    print(f"tile configs: {best}", flush=True)
+    fa_cache = {}
+
+    def one(name, p, depth, T, B):
+        tq_ms, copies = bench_config(pools, name, depth, T, B, **best[T])
+        if (depth, T, B) not in fa_cache:
+            fa_cache[(depth, T, B)] = bench_fa(pools, depth, T, B)
+        fa = fa_cache[(depth, T, B)]
+        bf16_bytes = B * depth * HKV * 2 * D * 2
+        tq_bytes = B * depth * HKV * p.bytes_per_token_head()
+        floor = bf16_bytes / result["copy_gbps"] / 1e6
+        enc = bench_encode(pools, name, T, B)
+        row = dict(preset=name, depth=depth, q_len=T, batch=B, tq_ms=tq_ms, fa_bf16_ms=fa["gqa"],
+                   fa_bf16_folded_ms=fa["folded"], bf16_floor_ms=floor, encode_ms=enc,
+                   tq_over_floor=tq_ms / floor, tq_gbps=tq_bytes / tq_ms / 1e6, copies=copies)
+        result["rows"].append(row)
+        nan = float("nan")
+        print(f"{name} L={depth:>6} T={T} B={B}: tq {tq_ms * 1000:7.1f} us  fa {(fa['gqa'] or nan) * 1000:7.1f} us"
+              f"  fa-folded {(fa['folded'] or nan) * 1000:7.1f} us  floor {floor * 1000:7.1f} us"
+              f"  tq/floor {tq_ms / floor:.2f}  tq {row['tq_gbps']:.0f} GB/s  enc {enc * 1000:.1f} us", flush=True)
+
+    for name, p in tq.PRESETS.items():
+        for depth in depths:
+            for T in (1, 3):
+                for B in (1, 8):
+                    section(result, f"{name} {depth} {T} {B}", one, name, p, depth, T, B)
+        write(result, args.out)
+    del pools
+    torch.cuda.empty_cache()
+    section(result, "needle", needle, result["needle"])
+    result["wall_s"] = time.time() - t0
+    write(result, args.out)
+    nan = float("nan")
+    print(f"\n{'preset':<16} {'depth':>6} {'T':>2} {'B':>2} {'tq_us':>8} {'fa_us':>8} {'fold_us':>8} {'floor_us':>8} {'tq/floor':>8}")
+    for r in result["rows"]:
+        print(f"{r['preset']:<16} {r['depth']:>6} {r['q_len']:>2} {r['batch']:>2} {r['tq_ms'] * 1000:8.1f}"
+              f" {(r['fa_bf16_ms'] or nan) * 1000:8.1f} {(r['fa_bf16_folded_ms'] or nan) * 1000:8.1f}"
+              f" {r['bf16_floor_ms'] * 1000:8.1f} {r['tq_over_floor']:8.2f}")
+    print(f"errors: {result.get('errors', [])}")
+    print(f"wrote {args.out} in {result['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
