@@ -38,14 +38,15 @@ import json
 import math
 import os
 import shutil
+import threading
 from pathlib import Path
 
 from onespark import __version__, qwen35
 from onespark.checkpoint import (DOWNLOAD_RECORD, INDEX_FILE, MANIFEST_FILE, Checkpoint, is_inside, load_json,
                                  open_checkpoint, sha256_file)
 from onespark.errors import UserError
-from onespark.safetensors_io import (Range, copy_file_atomic, encode_header, write_json_atomic,
-                                     write_safetensors)
+from onespark.safetensors_io import (Range, copy_file_atomic, encode_header, finalize, write_json_atomic,
+                                     write_safetensors_tmp)
 
 PROGRESS_FILE = ".onespark-hybrid-progress.json"
 CONFIG_FILES = ("config.json", "quantization_config.json")  # rewritten, not copied
@@ -224,22 +225,32 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
     log(f"splicing {len(plan.replace)} shared-expert weights (FP8 + {SCALE_SUFFIX}) into {len(plan.files)} "
         f"files -> {out}")
     pool = cf.ThreadPoolExecutor(max_workers=max(1, min(4, (os.cpu_count() or 2) - 1)))
+    syncer = cf.ThreadPoolExecutor(max_workers=1)  # one file's fsync overlaps the next file's copy
     hashes: dict[str, cf.Future] = {}
+    lock = threading.Lock()
 
     def finished(fname: str, size: int) -> None:
-        done[fname] = {"size": size}
-        write_json_atomic(out / PROGRESS_FILE, {"fingerprint": fingerprint, "done": done})
+        with lock:
+            done[fname] = {"size": size}
+            write_json_atomic(out / PROGRESS_FILE, {"fingerprint": fingerprint, "done": done})
         if hash_outputs:  # hashed from the page cache while the next file is copied
             hashes[fname] = pool.submit(sha256_file, out / fname)
 
+    def sync_and_rename(tmp: Path, fname: str, size: int) -> None:
+        finalize(tmp, out / fname)  # a file has its final name only once its bytes are on disk
+        finished(fname, size)
+
     try:
+        synced = []
         for fname, items in plan.files.items():
             if fname in done:
                 continue
-            size = write_safetensors(out / fname, items, header=plan.headers[fname])
+            tmp, size = write_safetensors_tmp(out / fname, items, header=plan.headers[fname])
             assert size == plan.sizes[fname], (fname, size, plan.sizes[fname])
-            finished(fname, size)
+            synced.append(syncer.submit(sync_and_rename, tmp, fname, size))
             log(f"  {fname}: {size / 1e6:.1f} MB")
+        for fut in synced:
+            fut.result()
         for p in plan.aux:
             if p.name not in done:
                 finished(p.name, copy_file_atomic(p, out / p.name))
@@ -266,6 +277,7 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
                 fut = hashes.get(f) or pool.submit(sha256_file, out / f)
                 files[f]["sha256"] = fut.result()
     finally:
+        syncer.shutdown(wait=True)
         pool.shutdown(wait=True, cancel_futures=True)
     bytes_before = sum(plan.int4.info(n).nbytes for n in plan.replace)
     bytes_after = sum(w.nbytes + s.nbytes for w, s in plan.replace.values())

@@ -19,7 +19,7 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Iterable, NamedTuple, Union
 
 from onespark.errors import UserError
 
@@ -38,8 +38,7 @@ COPY_CHUNK = 64 * 1024 * 1024  # buffer of the fallback copy
 KERNEL_CHUNK = 1 << 30  # bytes per copy_file_range call (the kernel caps one call just under 2 GiB)
 
 
-@dataclasses.dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):  # a tuple, not a dataclass: the 122B model has ~150k of these
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -202,6 +201,25 @@ def write_safetensors(path: Union[str, Path], tensors: list[tuple[str, str, tupl
     which is copied with copy_file_range. Tensors are written in the order given. `header`, when
     given, is encode_header(...) of these tensors computed earlier (it is not recomputed).
     """
+    tmp, size = write_safetensors_tmp(path, tensors, metadata, header)
+    finalize(tmp, path)
+    return size
+
+
+def finalize(tmp: Union[str, Path], path: Union[str, Path]) -> None:
+    """fsync a file written by write_safetensors_tmp, then rename it to its final name."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def write_safetensors_tmp(path: Union[str, Path], tensors: list[tuple[str, str, tuple[int, ...], Source]],
+                          metadata: dict[str, str] | None = None, header: bytes | None = None) -> tuple[Path, int]:
+    """The first half of write_safetensors: the file under its temp name, not yet synced or renamed
+    (so a caller can overlap one file's fsync with the next file's copy). Returns (temp path, size)."""
     path = Path(path)
     for name, dtype, shape, src in tensors:
         have = src.length if isinstance(src, Range) else len(src)
@@ -211,6 +229,7 @@ def write_safetensors(path: Union[str, Path], tensors: list[tuple[str, str, tupl
         header = encode_header([(name, dtype, tuple(shape)) for name, dtype, shape, _ in tensors], metadata)
     tmp = _tmp_name(path)
     fds: dict[Path, int] = {}
+    ok = False
     try:
         with open(tmp, "wb") as out:
             out.write(header)
@@ -225,15 +244,14 @@ def write_safetensors(path: Union[str, Path], tensors: list[tuple[str, str, tupl
                     view = memoryview(src).cast("B")
                     while view:
                         view = view[os.write(dst, view):]
-            os.fsync(dst)
             size = os.fstat(dst).st_size
-        os.replace(tmp, path)
+        ok = True
     finally:
         for fd in fds.values():
             os.close(fd)
-        if tmp.exists():
+        if not ok and tmp.exists():
             tmp.unlink()
-    return size
+    return tmp, size
 
 
 def write_json_atomic(path: Union[str, Path], obj) -> None:
