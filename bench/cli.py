@@ -184,6 +184,8 @@ def run(args) -> int:
     settings = settings_from(args)
     if "quality" in names and not args.b_base_url:
         raise UserError("--suite quality needs --b-base-url: the second endpoint to compare against")
+    if args.no_think and args.api != "chat":
+        raise UserError("--no-think works through the chat template: use it with --api chat")
     if args.top_k < 1 or args.top_k > 20:
         raise UserError("--top-k must be 1..20 (vLLM's default max_logprobs is 20)")
     created = dt.datetime.now(dt.timezone.utc)

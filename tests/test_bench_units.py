@@ -286,7 +286,8 @@ def test_plot_writes_a_png(tmp_path):
     (["--base-url", "http://127.0.0.1:9"], "cannot reach http://127.0.0.1:9/v1/models"),
     (["--suite", "quality"], "needs --b-base-url"),
     (["--concurrency", "0"], "--concurrency needs levels"),
-], ids=["suite", "runs", "url", "unreachable", "quality-b", "concurrency"])
+    (["--api", "completions", "--no-think"], "--no-think works through the chat template"),
+], ids=["suite", "runs", "url", "unreachable", "quality-b", "concurrency", "no-think"])
 def test_cli_bad_input(argv, message, tmp_path, capsys):
     assert main(["bench", *argv, "--out", str(tmp_path), "--no-progress"]) == 1
     assert message in capsys.readouterr().err
@@ -299,3 +300,14 @@ def test_size_lists_accept_k_suffix():
     assert _ints("0, 4k,16K,100") == [0, 4096, 16384, 100]
     with pytest.raises(Exception, match="comma-separated integers"):
         _ints("4x")
+
+
+def test_text_chunks_include_reasoning_and_skip_role_and_usage():
+    from onespark.bench.client import _chunk_has_text
+
+    assert not _chunk_has_text({"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    assert _chunk_has_text({"choices": [{"delta": {"reasoning": "Let me think"}}]})  # vLLM 0.19 thinking
+    assert _chunk_has_text({"choices": [{"delta": {"reasoning_content": "hm"}}]})  # older vLLM
+    assert _chunk_has_text({"choices": [{"delta": {"content": "Hi"}}]})
+    assert _chunk_has_text({"choices": [{"text": "Hi", "index": 0}]})  # /v1/completions
+    assert not _chunk_has_text({"choices": [], "usage": {"completion_tokens": 3}})
