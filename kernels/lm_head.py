@@ -314,26 +314,66 @@ def _int8_mm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     # Wrap out-of-range rows onto valid ones: loads need no mask (they hit L1/L2), the store masks.
+    # Weight rows past N wrap onto valid rows (unmasked wide loads; the store masks them). Token
+    # rows past M are masked, not wrapped: at M = 1 wrapping made every program fetch 16 copies of
+    # one x row, all from the same L2 lines (H200: 0.227 ms at M = 1 vs 0.194 ms at M = 3).
     rn_ld = rn % N
-    rm_ld = rm % M
+    m_ok = rm < M
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rn_ld[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + rm_ld[None, :].to(tl.int64) * stride_xm + rk[:, None] * stride_xk
+    x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None] * stride_xk
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             w = tl.load(w_ptrs)
-            xt = tl.load(x_ptrs)
+            xt = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
         else:
             k_ok = rk < K - k * BLOCK_K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
-            xt = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=k_ok[:, None] & m_ok[None, :], other=0.0)
         acc = tl.dot(_i8_to(w, xt.dtype, FAST), xt, acc, input_precision=PRECISION)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk
     acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[:, None]
     o_ptrs = o_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rm[None, :] < M))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int8_mm_large_kernel(
+    x_ptr, w_ptr, s_ptr, o_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_om,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FAST: tl.constexpr,
+):  # fmt: skip
+    """Large M: out tile [BLOCK_M, BLOCK_N] = x_tile @ dequant(W_tile).T in the usual orientation.
+    The weight tile is loaded 16 bytes a thread along K, dequantised in that layout and stored to
+    shared memory as wgmma's B operand (the swapped form keeps it in registers as A, which Triton
+    loads 2 bytes at a time: H200, M = 8192: 25 ms vs cuBLAS 18 ms)."""
+    pid_n, pid_m = _tile_ids(M, N, BLOCK_N, BLOCK_M, GROUP_N)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn_ld = rn % N
+    rm_ld = rm % M
+    rk = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rm_ld[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
+    w_ptrs = w_ptr + rn_ld[None, :].to(tl.int64) * stride_wn + rk[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            xa = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = rk < K - k * BLOCK_K
+            xa = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0)
+        acc = tl.dot(xa, _i8_to(w, xa.dtype, FAST), acc, input_precision=PRECISION)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K
+    acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[None, :]
+    o_ptrs = o_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -349,21 +389,21 @@ def _int4_mm_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn_ld = rn % N
-    rm_ld = rm % M
+    m_ok = rm < M
     rj = tl.arange(0, HALF)
     w_ptrs = w_ptr + rn_ld[:, None].to(tl.int64) * stride_wn + rj[None, :]
-    x_ptrs = x_ptr + rm_ld[None, :].to(tl.int64) * stride_xm + rj[:, None] * stride_xk
+    x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rj[:, None] * stride_xk
     s_ptrs = s_ptr + rn_ld.to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for g in range(0, tl.cdiv(K, 2 * HALF)):
         b = tl.load(w_ptrs)
         if EVEN_K:
-            x_lo = tl.load(x_ptrs)
-            x_hi = tl.load(x_ptrs + HALF * stride_xk)
+            x_lo = tl.load(x_ptrs, mask=m_ok[None, :], other=0.0)
+            x_hi = tl.load(x_ptrs + HALF * stride_xk, mask=m_ok[None, :], other=0.0)
         else:
             left = K - g * 2 * HALF
-            x_lo = tl.load(x_ptrs, mask=(rj < left)[:, None], other=0.0)
-            x_hi = tl.load(x_ptrs + HALF * stride_xk, mask=(rj + HALF < left)[:, None], other=0.0)
+            x_lo = tl.load(x_ptrs, mask=(rj < left)[:, None] & m_ok[None, :], other=0.0)
+            x_hi = tl.load(x_ptrs + HALF * stride_xk, mask=(rj + HALF < left)[:, None] & m_ok[None, :], other=0.0)
         part = tl.dot(_u4_to(b, False, x_lo.dtype, FAST), x_lo, input_precision=PRECISION)
         part = tl.dot(_u4_to(b, True, x_lo.dtype, FAST), x_hi, part, input_precision=PRECISION)
         acc += part * tl.load(s_ptrs + g).to(tl.float32)[:, None]
@@ -375,23 +415,33 @@ def _int4_mm_kernel(
 
 # --------------------------------------------------------------------------- configs and dispatch
 
-# (BLOCK_N, BLOCK_M, BLOCK_K, GROUP_N, num_warps, num_stages) per M bucket, best first.
-# Filled from the H200 sweep (bench/kernels/lm_head.py --sweep); later entries need less shared
-# memory (sm_12x parts such as the DGX Spark's GB10 have ~100 KB per block, the H200 227 KB).
-_CONFIGS: dict[tuple[str, int], list[tuple[int, int, int, int, int, int]]] = {
-    ("int8", 16): [(64, 16, 128, 1, 2, 4), (32, 16, 256, 1, 4, 4)],
-    ("int8", 32): [(64, 32, 128, 1, 2, 4), (64, 32, 128, 1, 4, 4)],
-    ("int8", 64): [(64, 64, 128, 1, 4, 4), (128, 64, 128, 1, 4, 4)],
-    ("int8", 128): [(128, 128, 64, 8, 4, 4), (128, 128, 128, 8, 8, 3)],
-    ("int8", 256): [(128, 256, 64, 16, 8, 3), (128, 128, 64, 16, 4, 4)],
-    ("int4", 16): [(64, 16, 0, 1, 2, 4), (32, 16, 0, 1, 4, 4)],
-    ("int4", 32): [(64, 32, 0, 1, 2, 4)],
-    ("int4", 64): [(64, 64, 0, 1, 4, 4)],
-    ("int4", 128): [(128, 128, 0, 8, 8, 3)],
-    ("int4", 256): [(128, 256, 0, 16, 8, 3), (128, 128, 0, 16, 4, 4)],
+# (kernel, BLOCK_N, BLOCK_M, BLOCK_K, GROUP_N, num_warps, num_stages) per M bucket, best first;
+# kernel "swap" = _int8_mm_kernel / _int4_mm_kernel (weight as the register operand), "std" =
+# _int8_mm_large_kernel. Small buckets use 2 warps or BLOCK_N < 64 so Triton emits mma.sync, whose
+# int8 register operand loads 4 bytes at a time (kWidth 4); for wgmma's register operand it loads 2
+# and re-packs them (SASS, sm_90). Filled from the H200 sweep (bench/kernels/lm_head.py --sweep);
+# later entries need less shared memory (sm_12x parts such as the DGX Spark's GB10 have ~100 KB
+# per block, the H200 227 KB).
+_CONFIGS: dict[tuple[str, int], list[tuple]] = {
+    ("int8", 16): [("swap", 64, 16, 128, 1, 2, 4), ("swap", 128, 16, 128, 1, 2, 4)],
+    ("int8", 32): [("swap", 64, 32, 128, 1, 2, 4)],
+    ("int8", 64): [("swap", 128, 64, 128, 1, 4, 4), ("std", 256, 64, 64, 8, 4, 3)],
+    ("int8", 128): [("std", 256, 128, 64, 8, 8, 3), ("swap", 128, 128, 128, 8, 8, 3)],
+    ("int8", 256): [("std", 256, 128, 64, 16, 8, 3), ("std", 128, 128, 64, 16, 4, 3)],
+    ("int4", 16): [("swap", 128, 16, 0, 1, 2, 4), ("swap", 64, 16, 0, 1, 2, 6)],
+    ("int4", 32): [("swap", 64, 32, 0, 1, 2, 4)],
+    ("int4", 64): [("swap", 128, 64, 0, 1, 4, 4)],
+    ("int4", 128): [("swap", 128, 128, 0, 8, 8, 3)],
+    ("int4", 256): [("swap", 128, 256, 0, 16, 8, 3)],
 }
-_INTERPRET_CONFIG = {16: (32, 16, 32, 1, 4, 1), 32: (32, 32, 32, 1, 4, 1), 64: (32, 64, 32, 1, 4, 1),
-                     128: (32, 128, 32, 2, 4, 1), 256: (32, 256, 32, 2, 4, 1)}  # fmt: skip
+_INTERPRET_CONFIG = {  # small tiles: the interpreter's cost grows with tile size
+    ("int8", 16): ("swap", 32, 16, 32, 1, 4, 1), ("int8", 32): ("swap", 32, 32, 32, 1, 4, 1),
+    ("int8", 64): ("swap", 32, 64, 32, 1, 4, 1), ("int8", 128): ("std", 32, 64, 32, 2, 4, 1),
+    ("int8", 256): ("std", 64, 32, 32, 2, 4, 1),
+    ("int4", 16): ("swap", 32, 16, 0, 1, 4, 1), ("int4", 32): ("swap", 32, 32, 0, 1, 4, 1),
+    ("int4", 64): ("swap", 32, 64, 0, 1, 4, 1), ("int4", 128): ("swap", 32, 128, 0, 2, 4, 1),
+    ("int4", 256): ("swap", 32, 256, 0, 2, 4, 1),
+}  # fmt: skip
 _chosen: dict[tuple, tuple] = {}  # (kind, bucket, N, K, dtype, device) -> config
 
 
@@ -403,18 +453,18 @@ def _bucket(m: int) -> int:
 
 
 def _smem_bytes(kind: str, cfg: tuple, x_bytes: int) -> int:
-    bn, bm, bk, _, _, stages = cfg
+    """Estimate of a config's shared memory: the load ring, plus the dequantised tile for "std"."""
+    path, bn, bm, bk, _, _, stages = cfg
     if kind == "int4":
         bk = INT4_GROUP
-        per_stage = bn * bk // 2 + bm * bk * x_bytes
-    else:
-        per_stage = bn * bk + bm * bk * x_bytes
-    return per_stage * max(1, stages - 1) + bn * bm * 4 // 2  # ring + some room for the epilogue
+        return (bn * bk // 2 + bm * bk * x_bytes) * stages
+    ring = (bn * bk + bm * bk * x_bytes) * stages
+    return ring + (bn * bk * x_bytes if path == "std" else 0)
 
 
 def _candidates(kind: str, bucket: int, x: torch.Tensor) -> list[tuple]:
     if _interpreting():
-        return [_INTERPRET_CONFIG[bucket]]
+        return [_INTERPRET_CONFIG[(kind, bucket)]]
     limit = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
     fits = [c for c in _CONFIGS[(kind, bucket)] if _smem_bytes(kind, c, x.element_size()) <= limit]
     return fits or [_CONFIGS[(kind, bucket)][-1]]
@@ -549,11 +599,12 @@ def int4_gemv(
 
 
 def _launch_int8(x, w_int8, scale, out, cfg) -> None:
-    """One launch with an explicit config (BLOCK_N, BLOCK_M, BLOCK_K, GROUP_N, warps, stages)."""
+    """One launch with an explicit config (see _CONFIGS)."""
     (m, k), n = x.shape, w_int8.shape[0]
-    bn, bm, bk, group, warps, stages = cfg
+    path, bn, bm, bk, group, warps, stages = cfg
     grid = (triton.cdiv(n, bn) * triton.cdiv(m, bm),)
-    _int8_mm_kernel[grid](
+    kernel = {"swap": _int8_mm_kernel, "std": _int8_mm_large_kernel}[path]
+    kernel[grid](
         x, w_int8, scale, out, m, n, k,
         x.stride(0), x.stride(1), w_int8.stride(0), out.stride(0),
         BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, GROUP_N=group, EVEN_K=(k % bk == 0),
@@ -562,9 +613,9 @@ def _launch_int8(x, w_int8, scale, out, cfg) -> None:
 
 
 def _launch_int4(x, w_int4, scale, out, cfg) -> None:
-    """One launch with an explicit config (BLOCK_N, BLOCK_M, unused, GROUP_N, warps, stages)."""
+    """One launch with an explicit config (see _CONFIGS; BLOCK_K is fixed at 128 = the group)."""
     (m, k), n = x.shape, w_int4.shape[0]
-    bn, bm, _, group, warps, stages = cfg
+    _, bn, bm, _, group, warps, stages = cfg
     grid = (triton.cdiv(n, bn) * triton.cdiv(m, bm),)
     _int4_mm_kernel[grid](
         x, w_int4, scale, out, m, n, k,

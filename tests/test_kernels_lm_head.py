@@ -77,6 +77,7 @@ SHAPES = [  # (M, N, K): awkward on purpose: odd M, N no power of two, K with a 
     pytest.param(3, 333, 200, id="M3-N333-K200"),
     pytest.param(7, 130, 256, id="M7-N130-K256"),
     pytest.param(17, 333, 72, id="M17-N333-K72"),
+    pytest.param(100, 130, 200, id="M100-N130-K200"),
     pytest.param(300, 257, 96, id="M300-N257-K96"),
 ]
 
@@ -229,6 +230,30 @@ def test_quantize_int4_groups_round_trip_and_layout():
 
 
 # ------------------------------------------------------------------ GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dname)
+@pytest.mark.parametrize("kind,bucket", sorted(lm_head._CONFIGS))
+def test_every_shipped_config(kind, bucket, dtype):
+    # Each config is its own compiled kernel: check them all, not just the one autotuning picks.
+    m = {16: 5, 32: 29, 64: 50, 128: 100, 256: 300}[bucket]
+    n, k = 1000, 3072  # K = the real head's; N with a tail for every BLOCK_N
+    gen = torch.Generator().manual_seed(bucket)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    x = _rand_x(m, k, dtype, gen)
+    for cfg in lm_head._CONFIGS[(kind, bucket)]:
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        if kind == "int8":
+            q, s = (t.cuda() for t in quantize_int8_rows(w))
+            lm_head._launch_int8(x, q, s, out, cfg)
+            _check_int8(x, q, s, out, f"int8 {cfg} M={m} {dtype}")
+        else:
+            q, s = (t.cuda() for t in quantize_int4_groups(w))
+            lm_head._launch_int4(x, q, s, out, cfg)
+            ref = int4_gemv_ref(x, q, s, acc_dtype=torch.float64, out_dtype=torch.float64)
+            abs_sum = x.abs().double() @ lm_head.dequantize_int4_groups(q, s, k).abs().double().T
+            assert_close(out, ref, _tol(ref, abs_sum, dtype), f"int4 {cfg} M={m} {dtype}")
 
 
 @pytest.mark.gpu
