@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 import urllib.request
 
@@ -21,10 +22,10 @@ from onespark.cli import main
 pytestmark = pytest.mark.vllm
 
 
-def _bench(srv, tmp_path, *argv) -> tuple[int, dict]:
-    rc = main(["bench", "--base-url", srv.base_url, "--out", str(tmp_path), "--name", "r", "--no-progress",
-               "--hardware", "CPU test, tiny model", *argv])
-    path = tmp_path / "r.json"
+def _bench(srv, tmp_path, *argv, name="r", progress=False) -> tuple[int, dict]:
+    rc = main(["bench", "--base-url", srv.base_url, "--out", str(tmp_path), "--name", name,
+               "--hardware", "CPU test, tiny model", *([] if progress else ["--no-progress"]), *argv])
+    path = tmp_path / f"{name}.json"
     return rc, json.loads(path.read_text()) if path.exists() else {}
 
 
@@ -190,3 +191,15 @@ def test_nothing_measured_is_an_error(vllm_server, tmp_path, capsys):
     rc, res = _bench(vllm_server, tmp_path, "--suite", "depth", "--depths", "5000", "--runs", "1")
     assert rc == 1 and "nothing measured in depth" in capsys.readouterr().err
     assert res["suites"]["depth"]["skipped"][0]["depth"] == 5000
+
+
+def test_compare_two_real_results_and_progress(vllm_server, tmp_path, capsys):
+    for name in ("a", "b"):
+        rc, _ = _bench(vllm_server, tmp_path, "--suite", "published", "--classes", "Math", "--runs", "2",
+                       "--max-tokens", "4", name=name, progress=True)
+        assert rc == 0
+    err = capsys.readouterr().err
+    assert "published: 100%" in err and "3/3" in err  # tqdm: 1 warm-up + 2 runs, on stderr
+    assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"published\s+Math\s+e2e_tok_s", out) and "cross-class" in out
