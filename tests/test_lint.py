@@ -27,7 +27,8 @@ def _tree_files() -> list[Path]:
     """Tracked and untracked-but-not-ignored files (what a commit would contain)."""
     out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout
-    return [ROOT / p for p in out.splitlines() if (ROOT / p).is_file()]
+    # Virtualenvs (.venv, install.sh's .venv-host) are never ours to lint, ignored or not.
+    return [ROOT / p for p in out.splitlines() if not p.startswith(".venv") and (ROOT / p).is_file()]
 
 
 def shell_files() -> list[Path]:
