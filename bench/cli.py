@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api", choices=["chat", "completions"], default="chat", help="default: %(default)s")
     g.add_argument("--no-think", action="store_true",
                    help="send chat_template_kwargs.enable_thinking=false (the published figures keep thinking on)")
+    g.add_argument("--no-stream", action="store_true",
+                   help="non-streamed requests timed whole, exactly as the published script (no TTFT or decode rate)")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
 
     g = p.add_argument_group("suites")
@@ -127,7 +129,7 @@ def settings_from(args) -> Settings:
 
 async def _bench(args, names: list[str], settings: Settings) -> dict:
     extra = {"chat_template_kwargs": {"enable_thinking": False}} if args.no_think else {}
-    ep = Endpoint(args.base_url, args.api_key, args.model, args.api, args.timeout, extra)
+    ep = Endpoint(args.base_url, args.api_key, args.model, args.api, args.timeout, extra, stream=not args.no_stream)
     concurrency = max(settings.concurrency + [settings.capacity_streams, 1])
     progress = Progress(not args.no_progress)
     result: dict = {"suites": {}}
@@ -193,7 +195,8 @@ def run(args) -> int:
     rows = [r for s in body["suites"].values() for r in s["rows"]]
     failed = [r for r in rows if not r["ok"]]
     settings_record = {k: v for k, v in vars(settings).items()}
-    settings_record.update(api=args.api, no_think=args.no_think, timeout_s=args.timeout, suites=names)
+    settings_record.update(api=args.api, no_think=args.no_think, stream=not args.no_stream, timeout_s=args.timeout,
+                           suites=names)
     result = {
         "kind": "onespark-bench",
         "schema_version": report.SCHEMA_VERSION,

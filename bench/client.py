@@ -25,6 +25,7 @@ class Endpoint:
     api: str = "chat"  # "chat" (/v1/chat/completions) or "completions" (/v1/completions)
     timeout_s: float = 600.0
     extra_body: dict = field(default_factory=dict)  # e.g. {"chat_template_kwargs": {"enable_thinking": False}}
+    stream: bool = True  # False: whole-request timing only (the published script's way); no TTFT or decode
 
     def __post_init__(self) -> None:
         url = self.base_url.rstrip("/")
@@ -167,6 +168,25 @@ async def stream_request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, m
     t.t_end = time.perf_counter()
     if t.error is None and t.completion_tokens is None:
         t.error = "stream ended without usage: the server ignored stream_options.include_usage"
+    return t
+
+
+async def plain_request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, max_tokens: int,
+                        temperature: float = 0.0, extra: dict | None = None) -> RequestTiming:
+    """One non-streamed request, timed whole: exactly what the published script measures (no TTFT, no decode)."""
+    path, body = request_body(ep, prompt, max_tokens, stream=False, temperature=temperature, extra=extra)
+    t = RequestTiming(t_start=time.perf_counter(), t_end=0.0)
+    try:
+        r = await client.post(path, json=body)
+        t.t_end = time.perf_counter()
+        if r.status_code != 200:
+            t.error = f"HTTP {r.status_code}: {r.text[:300]}"
+        else:
+            usage = r.json().get("usage") or {}
+            t.prompt_tokens, t.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        t.t_end = time.perf_counter()
+        t.error = f"{type(e).__name__}: {e}"
     return t
 
 

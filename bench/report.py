@@ -98,7 +98,8 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         cc = s["cross_class"]
         rows.append(["cross-class", "", str(cc["classes_measured"]), _pm(cc["e2e_tok_s"]),
                      _ms(cc["e2e_tok_s"], "median"), _pm(cc["decode_tok_s"]), "", "", _accept(s.get("spec_decode"))])
-        out.append(("published: five prompt classes, single stream, temperature 0", headers, rows))
+        how = "" if result.get("settings", {}).get("stream", True) else ", non-streamed requests timed whole"
+        out.append((f"published: five prompt classes, single stream, temperature 0{how}", headers, rows))
     if "depth" in suites:
         s = suites["depth"]
         headers = ["depth", "prompt tok", "n", "TTFT s", "prefill tok/s", "decode tok/s", "e2e tok/s"]

@@ -17,7 +17,7 @@ from importlib import resources
 import httpx
 
 from onespark.bench import metrics as prom
-from onespark.bench.client import Endpoint, count_prompt_tokens, get_text, stream_request
+from onespark.bench.client import Endpoint, count_prompt_tokens, get_text, plain_request, stream_request
 from onespark.bench.stats import request_metrics, summarize, summarize_rows
 from onespark.errors import UserError
 
@@ -96,7 +96,8 @@ class Runner:
         return prom.snapshot(text) if text else None
 
     async def one(self, prompt: str, max_tokens: int, extra: dict | None = None, **labels) -> dict:
-        timing = await stream_request(self.client, self.ep, prompt, max_tokens, extra=extra)
+        send = stream_request if self.ep.stream else plain_request
+        timing = await send(self.client, self.ep, prompt, max_tokens, extra=extra)
         row = {**labels, "max_tokens": max_tokens, **request_metrics(timing), "t_start": timing.t_start,
                "t_end": timing.t_end}
         self.progress.step()

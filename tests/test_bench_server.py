@@ -203,3 +203,18 @@ def test_compare_two_real_results_and_progress(vllm_server, tmp_path, capsys):
     assert main(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"published\s+Math\s+e2e_tok_s", out) and "cross-class" in out
+
+
+def test_published_no_stream_is_the_scripts_method(vllm_server, tmp_path):
+    rc, res = _bench(vllm_server, tmp_path, "--suite", "published", "--no-stream", "--classes", "Code",
+                     "--runs", "2", "--max-tokens", "32")
+    assert rc == 0 and res["settings"]["stream"] is False
+    rows = [r for r in res["suites"]["published"]["rows"] if not r["warmup"]]
+    assert all(r["ttft_s"] is None and r["decode_tok_s"] is None for r in rows)  # not measurable: not faked
+    from onespark.bench.suites import published_classes
+
+    code = published_classes()["classes"][1]
+    n, wall = _timed_plain_request(vllm_server, code["prompt"], 32)
+    assert {r["completion_tokens"] for r in rows} == {n}
+    assert 0.25 < res["suites"]["published"]["groups"][0]["summary"]["e2e_tok_s"]["median"] / (n / wall) < 4
+    assert "non-streamed" in (tmp_path / "r.md").read_text()
