@@ -216,9 +216,11 @@ def download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dest", required=True, type=Path, help="directory for int4/ and fp8/")
     p.add_argument("--int4-repo", default=INT4_REPO)
-    p.add_argument("--int4-revision", default=INT4_REVISION, help="commit SHA (default: the pinned one)")
+    p.add_argument("--int4-revision", "--revision", default=INT4_REVISION,
+                   help=f"commit SHA of the INT4 repo (default: the pinned {INT4_REVISION[:12]})")
     p.add_argument("--fp8-repo", default=FP8_REPO)
-    p.add_argument("--fp8-revision", default=FP8_REVISION, help="commit SHA (default: the pinned one)")
+    p.add_argument("--fp8-revision", default=FP8_REVISION,
+                   help=f"commit SHA of the FP8 repo (default: the pinned {FP8_REVISION[:12]})")
     p.add_argument("--skip-int4", action="store_true", help="fetch only the FP8 tensors")
     p.add_argument("--skip-fp8", action="store_true", help="download only the INT4 checkpoint")
 

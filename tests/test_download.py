@@ -192,3 +192,33 @@ def test_step_0_script_downloads_then_says_already_done(hub, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     r = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "step 0 already done" in r.stdout, r.stdout + r.stderr
+
+
+def test_interrupted_fp8_fetch_resumes_without_refetching(hub, tmp_path, monkeypatch):
+    from onespark import download
+    d, endpoint = hub
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    real = download.Fetcher.get_to_file
+    calls = []
+
+    def dies_on_third(self, *a):
+        calls.append(a)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # what Ctrl-C (or a dropped connection) does mid-fetch
+        return real(self, *a)
+
+    monkeypatch.setattr(download.Fetcher, "get_to_file", dies_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        download.fetch_fp8(FP8, FP8_SHA, tmp_path / "fp8", log=lambda m: None)
+    kept = sorted(p.name for p in (tmp_path / "fp8" / ".parts").iterdir())
+    assert len(kept) == 2 and not (tmp_path / "fp8" / "onespark-download.json").exists()
+    monkeypatch.setattr(download.Fetcher, "get_to_file", real)
+    n = len(_log(d))
+    rec = download.fetch_fp8(FP8, FP8_SHA, tmp_path / "fp8", log=lambda m: None)
+    refetched = {x[4] for x in _log(d)[n:] if x[1].endswith(".safetensors") and x[3] > 1000}
+    assert refetched and rec["complete"]
+    for name in kept:  # the two finished parts were not requested again
+        start, end = name.rsplit(".", 1)[1].split("-")
+        assert f"bytes={start}-{int(end) - 1}" not in refetched
+    assert not (tmp_path / "fp8" / ".parts").exists()
