@@ -124,6 +124,10 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         headers = ["context", "KV cache tokens", "concurrent users", "source"]
         rows = [[str(e["context"]), str(e["kv_cache_tokens"] or "-"), str(e["users"] if e["users"] is not None else "-"),
                  e["source"] or "no log and no cache_config_info"] for e in s["estimates"]]
+        log = s.get("server_log") or {}
+        if log.get("max_concurrency_at_max_model_len") is not None:
+            rows.append([str(log["max_model_len"]), str(log.get("kv_cache_tokens", "-")),
+                         f"{log['max_concurrency_at_max_model_len']:.2f}x", "server log: vLLM's own figure"])
         if s.get("load"):
             ld = s["load"]
             use = "-" if ld["peak_kv_usage"] is None else f"{100 * ld['peak_kv_usage']:.3g}%"
