@@ -117,7 +117,9 @@ def request_body(ep: Endpoint, prompt: str, max_tokens: int, stream: bool = True
         body["prompt"] = prompt
     if stream:
         body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
+        # continuous_usage_stats (vLLM): every chunk says how many tokens so far, so tokens per chunk and a
+        # true per-token latency are known; the final usage chunk stays the count of record.
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     body.update(ep.extra_body)
     if extra:
         body.update(extra)
@@ -157,9 +159,11 @@ async def stream_request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, m
                     if "error" in chunk:
                         t.error = f"server error in stream: {json.dumps(chunk['error'])[:300]}"
                         break
+                    usage = chunk.get("usage")
                     if _chunk_has_text(chunk):
                         t.chunk_times.append(now)
-                    usage = chunk.get("usage")
+                        if usage and usage.get("completion_tokens") is not None:
+                            t.chunk_tokens.append(usage["completion_tokens"])
                     if usage:
                         t.prompt_tokens = usage.get("prompt_tokens")
                         t.completion_tokens = usage.get("completion_tokens")

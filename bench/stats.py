@@ -2,13 +2,17 @@
 
 Per request (all times in seconds from `time.perf_counter()`, tokens from the server's `usage`):
   ttft          = t_first - t_start         first streamed chunk that carries text (answer or reasoning)
-  decode_rate   = (n - 1) / (t_last - t_first)   tokens after the first one, over the time they took
+  decode_rate   = (n - n_first) / (t_last - t_first)   tokens after the first chunk, over the time they took;
+                                            n_first from the server's per-chunk usage, else 1
   e2e_rate      = n / (t_end - t_start)     the published method: completion tokens over wall time,
                                             prefill, HTTP and thinking tokens included
   tpot          = (t_end - t_start - ttft) / (n - 1)    as in vLLM's benchmarks/serve.py
   prefill_rate  = prompt_tokens / ttft
   chunk gaps    = time between consecutive text chunks. With speculative decoding one chunk can carry
                   several tokens, so a chunk gap is not a per-token latency; n comes from `usage` only.
+  itl           = per-token inter-token latency: each chunk gap divided by the tokens that chunk brought,
+                  counted by the server (vLLM's per-chunk usage); None when the server does not say.
+  tokens/chunk  = mean tokens per text chunk (1 without speculative decoding; up to 3 with MTP-2).
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ class RequestTiming:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None  # from the server's usage, never from counting chunks
     chunk_times: list[float] = field(default_factory=list)  # arrival time of each chunk that carried text
+    # cumulative completion tokens at each of those chunks, when the server reports them per chunk
+    # (vLLM: stream_options.continuous_usage_stats); empty otherwise
+    chunk_tokens: list[int] = field(default_factory=list)
     error: str | None = None
 
 
@@ -47,6 +54,8 @@ def request_metrics(t: RequestTiming) -> dict:
         "prefill_tok_s": None,
         "chunks": len(t.chunk_times),
         "chunk_gaps_ms": [],
+        "itl_ms": [],
+        "tokens_per_chunk": None,
     }
     if not out["ok"]:
         if out["error"] is None:
@@ -60,10 +69,21 @@ def request_metrics(t: RequestTiming) -> dict:
         out["ttft_s"] = ttft
         if t.prompt_tokens and ttft > 0:
             out["prefill_tok_s"] = t.prompt_tokens / ttft
-        if n > 1 and t_last > t_first:
-            out["decode_tok_s"] = (n - 1) / (t_last - t_first)
+        # Tokens that arrived with the first chunk: vLLM coalesces tokens into one chunk when the client or
+        # the API server falls behind (seen on a loaded CPU without any speculative decoding) and MTP sends
+        # up to 3 per chunk, so "1" is only the fallback when the server does not count per chunk.
+        counted = len(t.chunk_tokens) == len(t.chunk_times)
+        first = t.chunk_tokens[0] if counted else 1
+        if n > first and t_last > t_first:
+            out["decode_tok_s"] = (n - first) / (t_last - t_first)
+        if n > 1:
             out["tpot_ms"] = 1000.0 * (wall - ttft) / (n - 1)
         out["chunk_gaps_ms"] = [1000.0 * (b - a) for a, b in zip(t.chunk_times, t.chunk_times[1:])]
+        if counted and t.chunk_tokens[-1] > 0:
+            out["tokens_per_chunk"] = t.chunk_tokens[-1] / len(t.chunk_tokens)
+            for gap, before, now in zip(out["chunk_gaps_ms"], t.chunk_tokens, t.chunk_tokens[1:]):
+                k = now - before
+                out["itl_ms"] += [gap / k] * k if k > 0 else []
     return out
 
 
@@ -111,6 +131,8 @@ def summarize_rows(rows: Sequence[dict]) -> dict:
     ok = [r for r in rows if r["ok"]]
     out = {m: summarize(r.get(m) for r in ok) for m in METRICS}
     out["chunk_gap_ms"] = summarize(g for r in ok for g in r.get("chunk_gaps_ms", []))
+    out["itl_ms"] = summarize(x for r in ok for x in r.get("itl_ms", []))
+    out["tokens_per_chunk"] = summarize(r.get("tokens_per_chunk") for r in ok)
     out["requests"] = len(rows)
     out["failed"] = len(rows) - len(ok)
     return out

@@ -53,6 +53,10 @@ def test_published_suite(vllm_server, tmp_path):
     for r in rows:
         assert r["ok"] and 1 <= r["completion_tokens"] <= 32
         assert r["e2e_tok_s"] == pytest.approx(r["completion_tokens"] / r["latency_s"])
+        # The server's per-chunk counts add up to its final usage (chunks may carry several tokens even
+        # without speculative decoding when the API server falls behind: never count chunks).
+        assert r["tokens_per_chunk"] * r["chunks"] == pytest.approx(r["completion_tokens"])
+        assert len(r["itl_ms"]) < r["completion_tokens"]  # one latency per token after the first chunk
     for g in pub["groups"]:
         assert g["summary"]["e2e_tok_s"]["n"] == 2  # warm-up excluded
     # The server counted the same tokens and requests, and never saw more time than the client did.

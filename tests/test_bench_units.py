@@ -311,3 +311,17 @@ def test_text_chunks_include_reasoning_and_skip_role_and_usage():
     assert _chunk_has_text({"choices": [{"delta": {"content": "Hi"}}]})
     assert _chunk_has_text({"choices": [{"text": "Hi", "index": 0}]})  # /v1/completions
     assert not _chunk_has_text({"choices": [], "usage": {"completion_tokens": 3}})
+
+
+def test_per_chunk_token_counts_give_itl_and_exact_decode():
+    """vLLM's per-chunk usage: 7 tokens in 4 chunks (2, 2, 1, 2), as MTP or a busy server sends them."""
+    t = RequestTiming(t_start=0.0, t_end=1.7, prompt_tokens=9, completion_tokens=7,
+                      chunk_times=[1.0, 1.2, 1.3, 1.6], chunk_tokens=[2, 4, 5, 7])
+    m = request_metrics(t)
+    assert m["tokens_per_chunk"] == pytest.approx(7 / 4)
+    assert m["itl_ms"] == pytest.approx([100.0, 100.0, 100.0, 150.0, 150.0])  # each gap over its chunk's tokens
+    assert m["decode_tok_s"] == pytest.approx((7 - 2) / 0.6)  # the first chunk's 2 tokens are not decode time
+    assert m["tpot_ms"] == pytest.approx(1000 * (1.7 - 1.0) / 6)  # vLLM serve.py's definition, unchanged
+    # Without per-chunk counts: one token assumed in the first chunk, no per-token latency claimed.
+    m2 = request_metrics(RequestTiming(0.0, 1.7, 9, 7, chunk_times=[1.0, 1.2, 1.3, 1.6]))
+    assert m2["decode_tok_s"] == pytest.approx(6 / 0.6) and m2["itl_ms"] == [] and m2["tokens_per_chunk"] is None
