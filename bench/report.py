@@ -84,20 +84,22 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     if "published" in suites:
         s = suites["published"]
         headers = ["class", "max tok", "n", "e2e tok/s (published method)", "median", "decode tok/s", "TTFT s",
-                   "tokens", "accept len"]
+                   "tokens", "tok/chunk", "accept len"]
         rows = []
         for g in s["groups"]:
             m = g["summary"]
             rows.append([str(g["group"]), str(g["max_tokens"]), str(m["e2e_tok_s"]["n"] if m["e2e_tok_s"] else 0),
                          _pm(m["e2e_tok_s"]), _ms(m["e2e_tok_s"], "median"), _pm(m["decode_tok_s"]),
                          _ms(m["ttft_s"], "median", 3), _ms(m["completion_tokens"], "mean", 0),
+                         _ms(m.get("tokens_per_chunk"), "mean", 2),
                          _accept(g.get("spec_decode") if s.get("spec_decode") else None)])
         warm = summarize(r["e2e_tok_s"] for r in s["rows"] if r["warmup"] and r["ok"])
         if warm:
-            rows.append(["warm-up (excluded)", "", str(warm["n"]), _pm(warm), _ms(warm, "median"), "", "", "", ""])
+            rows.append(["warm-up (excluded)", "", str(warm["n"]), _pm(warm), _ms(warm, "median"), "", "", "", "",
+                         ""])
         cc = s["cross_class"]
         rows.append(["cross-class", "", str(cc["classes_measured"]), _pm(cc["e2e_tok_s"]),
-                     _ms(cc["e2e_tok_s"], "median"), _pm(cc["decode_tok_s"]), "", "", _accept(s.get("spec_decode"))])
+                     _ms(cc["e2e_tok_s"], "median"), _pm(cc["decode_tok_s"]), "", "", "", _accept(s.get("spec_decode"))])
         how = "" if result.get("settings", {}).get("stream", True) else ", non-streamed requests timed whole"
         out.append((f"published: five prompt classes, single stream, temperature 0{how}", headers, rows))
     if "depth" in suites:
@@ -113,10 +115,11 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     if "concurrency" in suites:
         s = suites["concurrency"]
         headers = ["streams", "n", "per-stream decode tok/s", "per-stream e2e tok/s", "aggregate tok/s",
-                   "TTFT p50 s", "TTFT p99 s"]
+                   "TTFT p50 s", "TTFT p99 s", "ITL p99 ms"]
         rows = [[str(g["group"]), str(g["summary"]["requests"] - g["summary"]["failed"]),
                  _pm(g["summary"]["decode_tok_s"]), _pm(g["summary"]["e2e_tok_s"]), _pm(g["aggregate_tok_s"]),
-                 _ms(g["summary"]["ttft_s"], "p50", 3), _ms(g["summary"]["ttft_s"], "p99", 3)] for g in s["groups"]]
+                 _ms(g["summary"]["ttft_s"], "p50", 3), _ms(g["summary"]["ttft_s"], "p99", 3),
+                 _ms(g["summary"].get("itl_ms"), "p99", 1)] for g in s["groups"]]
         out.append((f"concurrency: {s['max_tokens']} new tokens per stream, accept len "
                     f"{_accept(s.get('spec_decode'))}", headers, rows))
     if "capacity" in suites:
