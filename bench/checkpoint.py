@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {k: [{"wall_s": w, "peak_rss_bytes": r} for w, r in v] for k, v in runs.items()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"checkpoint-{platform.node()}-{result['date_utc'][:10]}.json"
+    path = args.out / f"checkpoint-{platform.node()}-{result['date_utc'][:16].replace(':', '')}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     if not args.keep:
         shutil.rmtree(int4, ignore_errors=True)
