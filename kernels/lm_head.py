@@ -376,6 +376,16 @@ def _int8_mm_large_kernel(
     tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+@triton.jit
+def _dequant_rows_kernel(w_ptr, s_ptr, o_ptr, numel, K, BLOCK: tl.constexpr):
+    """o = round(w_int8 * scale[row]) in o's dtype, over `numel` elements of contiguous rows."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    w = tl.load(w_ptr + offs, mask=ok, other=0).to(tl.float32)
+    s = tl.load(s_ptr + offs // K, mask=ok, other=0.0)
+    tl.store(o_ptr + offs, (w * s).to(o_ptr.dtype.element_ty), mask=ok)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_mm_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr,
@@ -427,34 +437,39 @@ _CONFIGS: dict[tuple[str, int], list[tuple]] = {
     ("int8", 32): [("swap", 64, 32, 128, 1, 2, 4)],
     ("int8", 64): [("swap", 128, 64, 128, 1, 4, 4), ("std", 256, 64, 64, 8, 4, 3)],
     ("int8", 128): [("std", 256, 128, 64, 8, 8, 3), ("swap", 128, 128, 128, 8, 8, 3)],
-    ("int8", 256): [("std", 256, 128, 64, 16, 8, 3), ("std", 128, 128, 64, 16, 4, 3)],
+    ("int8", 512): [("std", 128, 128, 64, 16, 4, 3), ("std", 128, 256, 64, 16, 8, 3)],
+    ("int8", 8192): [("cublas", 4096, 0, 0, 0, 0, 0), ("std", 128, 128, 64, 16, 4, 3)],
     ("int4", 16): [("swap", 128, 16, 0, 1, 2, 4), ("swap", 64, 16, 0, 1, 2, 6)],
     ("int4", 32): [("swap", 64, 32, 0, 1, 2, 4)],
     ("int4", 64): [("swap", 128, 64, 0, 1, 4, 4)],
     ("int4", 128): [("swap", 128, 128, 0, 8, 8, 3)],
-    ("int4", 256): [("swap", 128, 256, 0, 16, 8, 3)],
+    ("int4", 512): [("swap", 128, 256, 0, 16, 8, 3)],
+    ("int4", 8192): [("swap", 128, 256, 0, 16, 8, 3)],
 }
 _INTERPRET_CONFIG = {  # small tiles: the interpreter's cost grows with tile size
     ("int8", 16): ("swap", 32, 16, 32, 1, 4, 1), ("int8", 32): ("swap", 32, 32, 32, 1, 4, 1),
     ("int8", 64): ("swap", 32, 64, 32, 1, 4, 1), ("int8", 128): ("std", 32, 64, 32, 2, 4, 1),
-    ("int8", 256): ("std", 64, 32, 32, 2, 4, 1),
+    ("int8", 512): ("std", 64, 32, 32, 2, 4, 1), ("int8", 8192): ("cublas", 64, 0, 0, 0, 0, 0),
     ("int4", 16): ("swap", 32, 16, 0, 1, 4, 1), ("int4", 32): ("swap", 32, 32, 0, 1, 4, 1),
     ("int4", 64): ("swap", 32, 64, 0, 1, 4, 1), ("int4", 128): ("swap", 32, 128, 0, 2, 4, 1),
-    ("int4", 256): ("swap", 32, 256, 0, 2, 4, 1),
+    ("int4", 512): ("swap", 32, 256, 0, 2, 4, 1), ("int4", 8192): ("swap", 32, 256, 0, 2, 4, 1),
 }  # fmt: skip
 _chosen: dict[tuple, tuple] = {}  # (kind, bucket, N, K, dtype, device) -> config
 
 
 def _bucket(m: int) -> int:
-    for b in (16, 32, 64, 128):
+    """M -> the bucket whose kernel serves it: 16, 32, 64, 128, 512 or 8192 (anything larger)."""
+    for b in (16, 32, 64, 128, 512):
         if m <= b:
             return b
-    return 256
+    return 8192
 
 
 def _smem_bytes(kind: str, cfg: tuple, x_bytes: int) -> int:
     """Estimate of a config's shared memory: the load ring, plus the dequantised tile for "std"."""
     path, bn, bm, bk, _, _, stages = cfg
+    if path == "cublas":
+        return 0
     if kind == "int4":
         bk = INT4_GROUP
         return (bn * bk // 2 + bm * bk * x_bytes) * stages
@@ -602,6 +617,9 @@ def _launch_int8(x, w_int8, scale, out, cfg) -> None:
     """One launch with an explicit config (see _CONFIGS)."""
     (m, k), n = x.shape, w_int8.shape[0]
     path, bn, bm, bk, group, warps, stages = cfg
+    if path == "cublas":
+        _int8_via_cublas(x, w_int8, scale, out, rows=bn)
+        return
     grid = (triton.cdiv(n, bn) * triton.cdiv(m, bm),)
     kernel = {"swap": _int8_mm_kernel, "std": _int8_mm_large_kernel}[path]
     kernel[grid](
@@ -610,6 +628,21 @@ def _launch_int8(x, w_int8, scale, out, cfg) -> None:
         BLOCK_N=bn, BLOCK_M=bm, BLOCK_K=bk, GROUP_N=group, EVEN_K=(k % bk == 0),
         PRECISION=_precision(x), FAST=not _interpreting(), num_warps=warps, num_stages=stages,
     )  # fmt: skip
+
+
+def _int8_via_cublas(x, w_int8, scale, out, rows: int) -> None:
+    """Large M, where the GEMM is compute-bound: dequantise `rows` weight rows at a time to x's dtype
+    (scale folded in, rounded once: a 2^-9 relative change of each weight, the same as storing the
+    head in BF16) and let cuBLAS multiply them; the chunk (rows x K x 2 bytes, 25 MB at 4096 rows)
+    is read back from L2. Allocates one chunk per call, from PyTorch's caching allocator."""
+    n, k = w_int8.shape
+    rows = min(rows, n)
+    buf = torch.empty((rows, k), dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        numel = (n1 - n0) * k
+        _dequant_rows_kernel[(triton.cdiv(numel, 4096),)](w_int8[n0:n1], scale[n0:n1], buf, numel, k, BLOCK=4096)
+        torch.matmul(x, buf[: n1 - n0].T, out=out[:, n0:n1])
 
 
 def _launch_int4(x, w_int4, scale, out, cfg) -> None:
