@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from onespark import qwen35
 from onespark.synth import TINY_TEXT, synth
@@ -142,8 +143,7 @@ def test_download_int4_and_ranged_fp8_then_splice(hub, tmp_path):
                 src.update({k: g.get_tensor(k) for k in g.keys() if k in got.keys()})
         assert set(src) == set(got.keys())
         for k in got.keys():
-            assert got.get_tensor(k).view(-1).view(dtype=__import__("torch").uint8).equal(
-                src[k].view(-1).view(dtype=__import__("torch").uint8)), k
+            assert got.get_tensor(k).view(-1).view(torch.uint8).equal(src[k].view(-1).view(torch.uint8)), k
     out = tmp_path / "hybrid"
     man = hybrid(int4, str(fp8), out, log=lambda m: None)
     assert man["inputs"]["int4"]["revision"] == INT4_SHA and man["inputs"]["fp8"]["revision"] == FP8_SHA
