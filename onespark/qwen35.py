@@ -119,6 +119,35 @@ def language_modules(config: dict) -> list:
     return out
 
 
+def vision_modules(config: dict) -> list:
+    """The vision tower (`model.visual.*`, 16-bit in both releases; never touched by the steps).
+
+    Names and shapes: vLLM 0.19.1 `qwen3_vl.py` Qwen3_VisionTransformer: Conv3d `patch_embed.proj`
+    [hidden, in_channels, temporal_patch, patch, patch] + bias, `pos_embed` [num_position_embeddings, hidden],
+    per block LayerNorm `norm1`/`norm2`, `attn.qkv` [3 * hidden, hidden], `attn.proj`, `mlp.linear_fc1`
+    [intermediate, hidden], `mlp.linear_fc2` (all with bias), and the `merger` (LayerNorm on hidden, then
+    [4 * hidden] -> [4 * hidden] -> out_hidden_size with spatial_merge_size 2). For the real config
+    (27 blocks) that is 27 * 12 + 3 + 6 = 333 tensors, the count public model cards of the INT4 release give.
+    """
+    vc = config.get("vision_config")
+    if not vc:
+        return []
+    h, inter, v = vc["hidden_size"], vc["intermediate_size"], "model.visual."
+    merged = h * vc.get("spatial_merge_size", 2) ** 2
+    out: list = [Dense(v + "patch_embed.proj.weight", (h, vc.get("in_channels", 3), vc.get("temporal_patch_size", 2),
+                                                       vc["patch_size"], vc["patch_size"])),
+                 Dense(v + "patch_embed.proj.bias", (h,)),
+                 Dense(v + "pos_embed.weight", (vc["num_position_embeddings"], h))]
+    for i in range(vc["depth"]):
+        b = f"{v}blocks.{i}."
+        for name, shape in (("norm1", (h,)), ("norm2", (h,)), ("attn.qkv", (3 * h, h)), ("attn.proj", (h, h)),
+                            ("mlp.linear_fc1", (inter, h)), ("mlp.linear_fc2", (h, inter))):
+            out += [Dense(f"{b}{name}.weight", shape), Dense(f"{b}{name}.bias", shape[:1])]
+    for name, shape in (("norm", (h,)), ("linear_fc1", (merged, merged)), ("linear_fc2", (vc["out_hidden_size"], merged))):
+        out += [Dense(f"{v}merger.{name}.weight", shape), Dense(f"{v}merger.{name}.bias", shape[:1])]
+    return out
+
+
 def mtp_modules(config: dict) -> list:
     tc = text_config(config)
     h = tc["hidden_size"]
@@ -206,7 +235,7 @@ def expected_tensors(config: dict, *, include_mtp: bool = True) -> dict[str, Exp
     hybrid = qc.get(HYBRID_KEY) or {}
     fp8_layers = set(hybrid.get("layers", []))
     block = tuple(qc.get("weight_block_size") or hybrid.get("weight_block_size") or (128, 128))
-    mods = language_modules(config) + (mtp_modules(config) if include_mtp else [])
+    mods = language_modules(config) + vision_modules(config) + (mtp_modules(config) if include_mtp else [])
     out: dict[str, Expect] = {}
     for m in mods:
         if isinstance(m, Dense):

@@ -6,7 +6,7 @@
 `int4` is the layout of Intel/Qwen3.5-122B-A10B-int4-AutoRound, `fp8` that of Qwen/Qwen3.5-122B-A10B-FP8
 (tensor names, dtypes and shapes: onespark.qwen35, which cites its sources). What each file holds:
 
-- `config.json`: Qwen3_5MoeForConditionalGeneration, `text_config` (+ a `vision_config`), and
+- `config.json`: Qwen3_5MoeForConditionalGeneration, `text_config`, `vision_config`, and
   `quantization_config` at top level, as transformers writes it. INT4: auto-round's
   (`quant_method: auto-round`, `packing_format: auto_round:auto_gptq`, `bits 4`, `group_size 128`,
   `sym true`, `block_name_to_quantize`, `extra_config` marking the 16-bit layers: every
@@ -65,7 +65,15 @@ TINY_TEXT = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, nu
                  mtp_num_hidden_layers=1)
 
 
-def make_config(fmt: str, dims: dict, *, mtp_dtype: str = "bf16") -> dict:
+# vision_config of the real model (transformers Qwen3_5MoeVisionConfig defaults; out_hidden_size = text hidden),
+# and a tiny one that keeps every structural feature (Conv3d patches, a square position grid, 2x2 merge).
+REAL_VISION = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, in_channels=3, patch_size=16,
+                   spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304)
+TINY_VISION = dict(REAL_VISION, depth=2, hidden_size=64, intermediate_size=128, num_heads=2,
+                   num_position_embeddings=64)
+
+
+def make_config(fmt: str, dims: dict, *, mtp_dtype: str = "bf16", vision: dict | None = None) -> dict:
     tc = dict(dims)
     tc.update(model_type="qwen3_5_moe_text", hidden_act="silu", attn_output_gate=True, attention_bias=False,
               attention_dropout=0.0, full_attention_interval=4, max_position_embeddings=262144,
@@ -82,11 +90,8 @@ def make_config(fmt: str, dims: dict, *, mtp_dtype: str = "bf16") -> dict:
         "vision_start_token_id": 248053, "vision_end_token_id": 248054,
         "tie_word_embeddings": False,
         "text_config": tc,
-        # Kept for fidelity of config.json; synth writes no vision weights (the splice never touches them).
-        "vision_config": dict(model_type="qwen3_5_moe_vision", depth=27, hidden_size=1152, intermediate_size=4304,
-                              num_heads=16, in_channels=3, patch_size=16, spatial_merge_size=2,
-                              temporal_patch_size=2, out_hidden_size=dims["hidden_size"],
-                              num_position_embeddings=2304, hidden_act="gelu_pytorch_tanh"),
+        "vision_config": dict(vision or TINY_VISION, model_type="qwen3_5_moe_vision", hidden_act="gelu_pytorch_tanh",
+                              out_hidden_size=dims["hidden_size"]),
         "transformers_version": "4.57.0.dev0",
     }
     n = dims["num_hidden_layers"]
@@ -113,7 +118,7 @@ def make_config(fmt: str, dims: dict, *, mtp_dtype: str = "bf16") -> dict:
             "extra_config": extra,
         }
     elif fmt == "fp8":
-        skip = ["lm_head", qwen35.TEXT_PREFIX + "embed_tokens", "mtp.fc"]
+        skip = ["lm_head", qwen35.TEXT_PREFIX + "embed_tokens", "mtp.fc", "model.visual"]
         for i in range(n):
             p = f"{qwen35.LAYERS}{i}."
             if tc["layer_types"][i] == "linear_attention":
@@ -201,7 +206,7 @@ def _random_fp8(rng: np.random.Generator, shape) -> np.ndarray:
 def tensors_for(config: dict, fmt: str, seed: int, *, mtp: bool, g_idx: bool):
     """Yield (name, dtype, shape, bytes-producing thunk) in checkpoint order."""
     qc = config["quantization_config"]
-    mods = qwen35.mtp_modules(config) if mtp else qwen35.language_modules(config)
+    mods = qwen35.mtp_modules(config) if mtp else qwen35.language_modules(config) + qwen35.vision_modules(config)
     for m in mods:
         if isinstance(m, qwen35.Dense):
             yield m.name, ("F32" if m.name.endswith("A_log") else "BF16"), m.shape, _dense_thunk(seed, m)
@@ -278,13 +283,14 @@ def _write_group(path: Path, items: list) -> dict[str, str]:
 
 
 def synth(out: Path, fmt: str, *, dims: dict | None = None, seed: int = 0, mtp_in_index: bool = False,
-          mtp_dtype: str = "bf16", g_idx: bool = True, shards: int = 3, weights: bool = True) -> dict:
+          mtp_dtype: str = "bf16", g_idx: bool = True, shards: int = 3, weights: bool = True,
+          vision: dict | None = None) -> dict:
     """Write a checkpoint; returns its config. See the module docstring for what is written."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not empty: choose a new --out directory (nothing was written)")
     out.mkdir(parents=True, exist_ok=True)
-    config = make_config(fmt, dims or TINY_TEXT, mtp_dtype=mtp_dtype)
+    config = make_config(fmt, dims or TINY_TEXT, mtp_dtype=mtp_dtype, vision=vision)
     if weights:
         main = list(tensors_for(config, fmt, seed, mtp=False, g_idx=g_idx))
         mtp = list(tensors_for(config, fmt, seed, mtp=True, g_idx=g_idx))
@@ -354,7 +360,8 @@ def run(args: argparse.Namespace) -> int:
     if args.shards < 1:
         raise UserError("--shards must be at least 1")
     synth(args.out, args.format, dims=dims, seed=args.seed, mtp_in_index=args.mtp_in_index,
-          mtp_dtype=args.mtp_dtype, g_idx=args.g_idx, shards=args.shards, weights=weights)
+          mtp_dtype=args.mtp_dtype, g_idx=args.g_idx, shards=args.shards, weights=weights,
+          vision=REAL_VISION if args.preset == "real" else TINY_VISION)
     files = sorted(p.name for p in args.out.iterdir())
     size = sum((args.out / f).stat().st_size for f in files)
     print(f"wrote {args.format} checkpoint to {args.out}: {len(files)} files, {size / 1e6:.1f} MB")

@@ -25,7 +25,7 @@ from onespark.errors import UserError
 from onespark.hybrid import hybrid
 from onespark.mtp import mtp
 from onespark.safetensors_io import Range, read_header, write_safetensors
-from onespark.synth import REAL_TEXT, TINY_TEXT, synth
+from onespark.synth import REAL_TEXT, REAL_VISION, TINY_TEXT, synth
 from onespark.verify import verify
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,11 +167,12 @@ def test_pipeline_synth_hybrid_mtp_verify(tmp_path, mtp_in_index, mtp_dtype):
         assert all(n.endswith((".weight", "A_log", "dt_bias")) for n in mtp_names)
 
 
-def test_real_config_implies_785_mtp_tensors_and_144_targets(tmp_path):
-    synth(tmp_path / "real", "int4", dims=REAL_TEXT, weights=False)
+def test_real_config_implies_785_mtp_333_vision_tensors_and_144_targets(tmp_path):
+    synth(tmp_path / "real", "int4", dims=REAL_TEXT, weights=False, vision=REAL_VISION)
     cfg = json.loads((tmp_path / "real" / "config.json").read_text())
-    mtp_names = [n for n in qwen35.expected_tensors(cfg) if n.startswith("mtp.")]
-    assert len(mtp_names) == 785
+    expected = qwen35.expected_tensors(cfg)
+    assert len([n for n in expected if n.startswith("mtp.")]) == 785
+    assert len([n for n in expected if n.startswith("model.visual.")]) == 333  # the INT4 model card's count
     assert len(qwen35.shared_expert_weights(cfg)) == 144
 
 
