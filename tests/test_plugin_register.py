@@ -1,0 +1,168 @@
+"""register(): entry point, switches, version guard, idempotence; each scenario in a fresh process.
+
+Like vLLM's own plugin tests (tests/plugins_tests/test_oot_registration_offline.py), every scenario starts a
+new interpreter, because the plugin registers into process-global vLLM tables. The scenario runs this file
+as a script (bottom), which goes through vLLM's real `load_general_plugins()` (entry point discovery,
+VLLM_PLUGINS filtering) and reports what vLLM then holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from onespark.patches import SUPPORTED_VLLM, switch, version_supported
+
+HERE = Path(__file__).resolve()
+
+
+@pytest.mark.parametrize("version,ok", [
+    ("0.19.1", True), ("0.19.1+cu130", True), ("0.19.1.dev0+g1234abc", True), ("0.19.1+cpu", True),
+    ("0.19.10", False), ("0.19.2", False), ("0.19.0", False), ("0.19", False), ("1.0.19.1", False), ("", False),
+])
+def test_version_match(version, ok):
+    assert version_supported(version) is ok
+
+
+def test_switch_values(monkeypatch):
+    for raw, want in [("1", True), ("on", True), ("TRUE", True), ("0", False), ("off", False), ("", False)]:
+        monkeypatch.setenv("ONESPARK_X", raw)
+        assert switch("ONESPARK_X", not want) is want
+    monkeypatch.delenv("ONESPARK_X")
+    assert switch("ONESPARK_X", True) is True
+    monkeypatch.setenv("ONESPARK_X", "maybe")
+    with pytest.raises(ValueError, match="ONESPARK_X='maybe' is not a switch value: use 1 or 0"):
+        switch("ONESPARK_X", True)
+
+
+# -- fresh-process scenarios --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hybrid_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reg")
+    for args in (["synth", "--format", "int4", "--out", str(root / "int4")],
+                 ["synth", "--format", "fp8", "--out", str(root / "fp8")],
+                 ["hybrid", "--int4", str(root / "int4"), "--fp8", str(root / "fp8"), "--out", str(root / "hy")]):
+        r = subprocess.run([sys.executable, "-m", "onespark", *args], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+    return root / "hy"
+
+
+SCENARIOS = {  # name -> (environment, fake vLLM version)
+    "default": ({}, None),
+    "plugins-empty": ({"VLLM_PLUGINS": ""}, None),
+    "head-off": ({"ONESPARK_INT8_LM_HEAD": "0"}, None),
+    "fp8-off": ({"ONESPARK_HYBRID_FP8": "0"}, None),
+    "wrong-version": ({}, "0.20.0"),
+    "wrong-version-allowed": ({"ONESPARK_ALLOW_ANY_VLLM": "1"}, "0.20.0"),
+}
+
+
+@pytest.fixture(scope="module")
+def scenarios(hybrid_ckpt):
+    """Run every scenario at once (each is a fresh interpreter importing vLLM: ~20 s, mostly waiting)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("ONESPARK_", "VLLM_PLUGINS"))}
+    base.update({"HF_HUB_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
+    procs = {
+        name: subprocess.Popen([sys.executable, str(HERE), str(hybrid_ckpt), version or ""], env={**base, **env},
+                               cwd=HERE.parents[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, (env, version) in SCENARIOS.items()
+    }
+    results = {}
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=800)
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert lines, f"scenario {name} printed no result (exit {proc.returncode}):\n{out[-2000:]}\n{err[-4000:]}"
+        results[name] = json.loads(lines[-1][len("RESULT "):]) | {"log": err + out}
+    return results
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_default_activates_both_through_the_entry_point(scenarios):
+    r = scenarios["default"]
+    assert r["error"] is None, r["log"][-3000:]
+    assert r["lm_head_oot"] == "onespark.patches.lm_head.OnesparkParallelLMHead"
+    assert r["hybrid_registered"] and r["quantization"] == "onespark_hybrid"
+    assert r["register_again"] == ["hybrid-fp8", "int8-lm-head"]  # idempotent: vLLM calls it per process
+    assert "onespark plugin active on vLLM 0.19.1: hybrid-fp8, int8-lm-head" in r["log"]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_vllm_plugins_empty_means_nothing_of_ours(scenarios, hybrid_ckpt):
+    r = scenarios["plugins-empty"]
+    assert r["error"] is None, r["log"][-3000:]
+    assert r["lm_head_oot"] is None and not r["hybrid_registered"]
+    assert r["quantization"] == "inc", "without the plugin the hybrid checkpoint must load as stock INC"
+    assert "onespark" not in r["log"].replace(str(hybrid_ckpt), "")
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name,off,still", [("head-off", "ONESPARK_INT8_LM_HEAD", "hybrid-fp8"),
+                                            ("fp8-off", "ONESPARK_HYBRID_FP8", "int8-lm-head")])
+def test_each_technique_switches_off_alone(scenarios, name, off, still):
+    r = scenarios[name]
+    assert r["error"] is None, r["log"][-3000:]
+    assert r["register_again"] == [still]
+    assert (r["lm_head_oot"] is not None) is (still == "int8-lm-head")
+    assert r["hybrid_registered"] is (still == "hybrid-fp8")
+    assert r["quantization"] == ("onespark_hybrid" if still == "hybrid-fp8" else "inc")
+    assert f"off: {'int8-lm-head' if still == 'hybrid-fp8' else 'hybrid-fp8'} ({off}=0)" in r["log"]
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+def test_wrong_vllm_version_is_refused_by_name_unless_overridden(scenarios):
+    r = scenarios["wrong-version"]
+    assert r["error"] is not None, "a vLLM 0.20.0 was accepted"
+    assert "installed vLLM is 0.20.0" in r["error"] and f"tested for vLLM {SUPPORTED_VLLM}" in r["error"]
+    assert "ONESPARK_ALLOW_ANY_VLLM=1" in r["error"]
+    assert r["lm_head_oot"] is None and not r["hybrid_registered"], "refused, yet something was registered"
+    r = scenarios["wrong-version-allowed"]
+    assert r["error"] is None and r["lm_head_oot"] is not None
+    assert "vLLM 0.20.0 is NOT the tested 0.19.1" in r["log"]
+
+
+def _scenario_main(ckpt: str, fake_version: str) -> None:
+    import vllm
+
+    if fake_version:
+        vllm.__version__ = fake_version  # what register() reads; the rest of vLLM is untouched
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from vllm.plugins import load_general_plugins
+
+    error = None
+    try:
+        load_general_plugins()  # exceptions from register() propagate: vLLM would not start
+    except RuntimeError as e:
+        error = str(e)
+    oot = op_registry_oot.get("ParallelLMHead")
+    result = {
+        "error": error,
+        "lm_head_oot": f"{oot.__module__}.{oot.__qualname__}" if oot else None,
+        "hybrid_registered": "onespark_hybrid" in QUANTIZATION_METHODS,
+        "quantization": None,
+        "register_again": None,
+    }
+    if error is None and os.environ.get("VLLM_PLUGINS") != "":
+        from onespark.patches import register
+
+        result["register_again"] = register()
+    if ckpt and error is None and not fake_version:
+        from vllm.config import ModelConfig
+
+        result["quantization"] = ModelConfig(model=ckpt, skip_tokenizer_init=True, max_model_len=512).quantization
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    _scenario_main(sys.argv[1], sys.argv[2])
