@@ -233,6 +233,7 @@ def _tq_decode_kernel(
     WS_ACC, WS_ML, num_splits, block_bytes, v_offset, s_offset,
     H: tl.constexpr, G: tl.constexpr, T: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_DELTA: tl.constexpr, V_DELTA: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    FUSE_Q: tl.constexpr,
 ):
     tl.static_assert(D == 256)  # four 64-column chunks below
     bh = tl.program_id(0)
@@ -253,11 +254,17 @@ def _tq_decode_kernel(
     cols = tl.arange(0, D)
     c64 = tl.arange(0, 64)
     qrow = Q + b.to(tl.int64) * stride_qb + (h * G + g) * stride_qh + t * stride_qt
-    qf = tl.load(qrow[:, None] + cols[None, :], mask=rvalid[:, None], other=0.0).to(tl.float32).to(tl.float16)
-    q0 = (tl.dot(qf, tl.load(RT16 + cols[:, None] * D + c64[None, :])) * qscale).to(tl.float16)
-    q1 = (tl.dot(qf, tl.load(RT16 + cols[:, None] * D + 64 + c64[None, :])) * qscale).to(tl.float16)
-    q2 = (tl.dot(qf, tl.load(RT16 + cols[:, None] * D + 128 + c64[None, :])) * qscale).to(tl.float16)
-    q3 = (tl.dot(qf, tl.load(RT16 + cols[:, None] * D + 192 + c64[None, :])) * qscale).to(tl.float16)
+    if FUSE_Q:
+        qf = tl.load(qrow[:, None] + cols[None, :], mask=rvalid[:, None], other=0.0).to(tl.float32).to(tl.float16)
+        q0 = (tl.dot(qf, tl.load(RT16 + cols[:, None] * D + c64[None, :])) * qscale).to(tl.float16)
+        q1 = (tl.dot(qf, tl.load(RT16 + cols[:, None] * D + 64 + c64[None, :])) * qscale).to(tl.float16)
+        q2 = (tl.dot(qf, tl.load(RT16 + cols[:, None] * D + 128 + c64[None, :])) * qscale).to(tl.float16)
+        q3 = (tl.dot(qf, tl.load(RT16 + cols[:, None] * D + 192 + c64[None, :])) * qscale).to(tl.float16)
+    else:  # Q already rotated and scaled (fp16) by rotate_queries
+        q0 = tl.load(qrow[:, None] + c64[None, :], mask=rvalid[:, None], other=0.0)
+        q1 = tl.load(qrow[:, None] + 64 + c64[None, :], mask=rvalid[:, None], other=0.0)
+        q2 = tl.load(qrow[:, None] + 128 + c64[None, :], mask=rvalid[:, None], other=0.0)
+        q3 = tl.load(qrow[:, None] + 192 + c64[None, :], mask=rvalid[:, None], other=0.0)
     last = L - T + t  # last key position each row may see (causal within an MTP verify step)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -352,6 +359,11 @@ def _tq_merge_kernel(
         tl.store(optr[:, None] + c * 64 + c64[None, :], oc.to(OUT.dtype.element_ty), mask=omask)
 
 
+def rotate_queries(q: torch.Tensor, r: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """q [B, Hq, T, d] -> fp16 q @ R^T * sm_scale * log2(e) (the unfused path; the kernel's softmax is base 2)."""
+    return ((q.to(torch.float32) @ r.T) * (sm_scale * LOG2E)).to(torch.float16)
+
+
 def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
     """Enough (sequence, head, split) programs to give every SM several (latency hiding), each with >= 4 tiles
     of work, at most 128 splits (the merge reads them all at once). Depends only on host-known sizes, so a
@@ -364,6 +376,7 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int
 def decode_attention(
     q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float, max_seq_len: int,
     num_splits: int | None = None, block_n: int = 32, num_warps: int | None = None, num_stages: int = 1, out=None,
+    fuse_q: bool = True,
 ):
     """q [B, Hq, T, d] -> out [B, Hq, T, d] (q's dtype). seq_lens [B] int32 on the device (no sync);
     max_seq_len: a host-side upper bound that sizes the split grid."""
@@ -376,6 +389,7 @@ def decode_attention(
     if q.stride(-1) != 1:
         raise ValueError("q needs a contiguous last dimension")
     G = Hq // H
+    out_dtype = q.dtype
     block_m = max(16, triton.next_power_of_2(G * T))
     t = _tables(layout.preset, seed, q.device, d)
     if "rt16" not in t:
@@ -389,16 +403,18 @@ def decode_attention(
     ws_ml = torch.empty(B * H * num_splits * block_m * 2, dtype=torch.float32, device=q.device)
     if num_warps is None:
         num_warps = 8 if block_m >= 64 else 4
+    if not fuse_q:
+        q = rotate_queries(q, t["r"], sm_scale)
     _tq_decode_kernel[(B * H, num_splits)](
         q, q.stride(0), q.stride(1), q.stride(2), t["rt16"], sm_scale * LOG2E, cache, cache.view(torch.float32),
         block_table, block_table.stride(0), seq_lens, t["kcb"], t["vcb"], ws_acc, ws_ml, num_splits,
         layout.block_bytes, layout.v_offset, layout.s_offset,
         H=H, G=G, T=T, PAGE=layout.page, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
-        K_DELTA=t["kdelta"], V_DELTA=t["vdelta"], D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        K_DELTA=t["kdelta"], V_DELTA=t["vdelta"], D=d, BLOCK_M=block_m, BLOCK_N=block_n, FUSE_Q=fuse_q,
         num_warps=num_warps, num_stages=num_stages,
     )
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(B, Hq, T, d, dtype=out_dtype, device=q.device)
     _tq_merge_kernel[(B * H, block_m // 16)](
         ws_acc, ws_ml, t["r"], out, out.stride(0), out.stride(1), out.stride(2), num_splits,
         H=H, G=G, T=T, D=d, BLOCK_M=block_m, S_PAD=max(2, triton.next_power_of_2(num_splits)), SB=4, num_warps=8,
