@@ -45,8 +45,8 @@ from onespark import __version__, qwen35
 from onespark.checkpoint import (DOWNLOAD_RECORD, INDEX_FILE, MANIFEST_FILE, Checkpoint, is_inside, load_json,
                                  open_checkpoint, sha256_file)
 from onespark.errors import UserError
-from onespark.safetensors_io import (Range, copy_file_atomic, encode_header, finalize, write_json_atomic,
-                                     write_safetensors_tmp)
+from onespark.safetensors_io import (Range, copy_file_atomic, copy_file_tmp, encode_header, finalize,
+                                     write_json_atomic, write_safetensors_tmp)
 
 PROGRESS_FILE = ".onespark-hybrid-progress.json"
 CONFIG_FILES = ("config.json", "quantization_config.json")  # rewritten, not copied
@@ -149,9 +149,13 @@ class Plan:
                 else:
                     items.append((t.name, t.dtype, t.shape, Range(h.path, t.begin, t.nbytes)))
             self.files[fname] = items
+        # A file without a replaced tensor (model_extra_tensors.safetensors: the MTP head) is copied whole,
+        # byte-identical to its input; the others get a new header.
+        self.verbatim = {f for f, items in self.files.items() if not any(n in self.replace for n, *_ in items)}
         self.headers = {f: encode_header([(n, d, s) for n, d, s, _ in items], int4.headers[f].metadata)
-                        for f, items in self.files.items()}
-        self.sizes = {f: len(self.headers[f]) + sum(r.length for *_, r in items) for f, items in self.files.items()}
+                        for f, items in self.files.items() if f not in self.verbatim}
+        self.sizes = {f: (int4.headers[f].file_size if f in self.verbatim else
+                          len(self.headers[f]) + sum(r.length for *_, r in items)) for f, items in self.files.items()}
         self.aux = [p for p in sorted(int4.path.iterdir()) if p.is_file() and not p.name.startswith(".")
                     and p.suffix != ".safetensors" and p.name not in CONFIG_FILES + (INDEX_FILE, MANIFEST_FILE, DOWNLOAD_RECORD)]
 
@@ -246,7 +250,10 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
         for fname, items in plan.files.items():
             if fname in done:
                 continue
-            tmp, size = write_safetensors_tmp(out / fname, items, header=plan.headers[fname])
+            if fname in plan.verbatim:
+                tmp, size = copy_file_tmp(int4.path / fname, out / fname)
+            else:
+                tmp, size = write_safetensors_tmp(out / fname, items, header=plan.headers[fname])
             assert size == plan.sizes[fname], (fname, size, plan.sizes[fname])
             synced.append(syncer.submit(sync_and_rename, tmp, fname, size))
             log(f"  {fname}: {size / 1e6:.1f} MB")

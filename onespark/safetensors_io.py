@@ -271,16 +271,23 @@ def write_json_atomic(path: Union[str, Path], obj) -> None:
 
 
 def copy_file_atomic(src: Union[str, Path], dst: Union[str, Path]) -> int:
-    """Whole-file copy through copy_range, temp name + rename. Returns the size."""
+    """Whole-file copy through copy_range, temp name + fsync + rename. Returns the size."""
+    tmp, size = copy_file_tmp(src, dst)
+    finalize(tmp, dst)
+    return size
+
+
+def copy_file_tmp(src: Union[str, Path], dst: Union[str, Path]) -> tuple[Path, int]:
+    """Whole-file copy to dst's temp name, not yet synced or renamed (see write_safetensors_tmp)."""
     src, dst = Path(src), Path(dst)
     tmp = _tmp_name(dst)
+    ok = False
     try:
         size = src.stat().st_size
         with open(src, "rb") as fi, open(tmp, "wb") as fo:
             copy_range(fi.fileno(), fo.fileno(), 0, size)
-            os.fsync(fo.fileno())
-        os.replace(tmp, dst)
+        ok = True
     finally:
-        if tmp.exists():
+        if not ok and tmp.exists():
             tmp.unlink()
-    return size
+    return tmp, size

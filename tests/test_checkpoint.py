@@ -122,6 +122,9 @@ def test_hybrid_splices_fp8_equal_to_bf16_and_copies_everything_else(pair, tmp_p
         if name not in targets:
             assert torch.equal(res[name].view(torch.uint8), t.view(torch.uint8)), name
     assert set(res) == set(src) | {n[:-6] + "weight_scale_inv" for n in targets}
+    # the MTP head's file has nothing to replace: it is carried byte for byte
+    extra = "model_extra_tensors.safetensors"
+    assert (out / extra).read_bytes() == (pair / "int4" / extra).read_bytes()
     cfg = json.loads((out / "config.json").read_text())
     h = cfg["quantization_config"]["onespark_fp8"]
     assert sorted(h["layers"]) == sorted(n[: -len(".weight")] for n in targets)
