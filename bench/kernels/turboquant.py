@@ -196,7 +196,7 @@ def bench_encode(pools, name, T, B):
 
 def sweep(pools):
     """A few tile configs on the largest configs; returns the best per q_len."""
-    variants = [dict(block_n=bn, num_warps=w) for bn, w in ((32, 4), (64, 4), (64, 8))]
+    variants = [dict(block_n=bn, num_warps=w) for bn, w in ((32, 4), (64, 4))]
     best = {}
     for T in (1, 3):
         scores = []
