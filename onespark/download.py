@@ -8,8 +8,10 @@
                JSON header, then the tensors' bytes (neighbours coalesced into one request). Never a whole shard.
 
 Both directories carry `onespark-download.json` (repo, revision, bytes); step 1 copies that into its manifest.
-Re-running resumes: snapshot_download skips complete files and continues partial ones; fetched FP8 byte
-ranges are kept as parts until the file is assembled. A finished directory is reported "already done".
+Re-running resumes: snapshot_download keeps every file it finished (huggingface_hub 2.4 restarts the file
+it was in, which it writes to a per-process temp name, its PR #4228; on the Hub, hf_xet's chunk cache spares
+the bytes already fetched); fetched FP8 byte ranges are kept as parts until the file is assembled.
+A finished directory is reported "already done".
 Endpoint: HF_ENDPOINT (as huggingface_hub reads it); token: HF_TOKEN or `hf auth login`, never printed.
 """
 
@@ -199,7 +201,7 @@ def download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
             open_checkpoint(dest)
             log(f"INT4 checkpoint already downloaded: {dest} ({repo}@{revision[:12]})")
             return rec
-    log(f"downloading {repo}@{revision[:12]} -> {dest} (resumable: re-run to continue)")
+    log(f"downloading {repo}@{revision[:12]} -> {dest} (interrupted? re-run: finished files are kept)")
     try:
         snapshot_download(repo, revision=revision, local_dir=dest, max_workers=4, endpoint=_endpoint())
     except Exception as e:  # huggingface_hub's errors name the repo and the HTTP status

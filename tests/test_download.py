@@ -1,7 +1,8 @@
 """Step 0 against a local nginx standing in for the Hugging Face Hub.
 
 nginx serves synthesized repositories in the Hub's URL layout: files at `/{repo}/resolve/{revision}/{file}`
-(with the `X-Repo-Commit` header huggingface_hub requires, ETags and `Range` support as nginx gives them)
+(with the `X-Repo-Commit` header huggingface_hub requires, ETags and `Range` support as nginx gives them;
+`Slow/int4` is the INT4 repo again at 1 MB/s per connection, to interrupt a download half way)
 and the file listing snapshot_download asks for at `/api/models/{repo}/tree/{revision}`. Its access log is
 the independent record of what was transferred: status and body bytes of every request.
 """
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.skipif(NGINX is None, reason="needs nginx (Debian packa
 ROOT = Path(__file__).resolve().parents[1]
 INT4, FP8 = "Intel/Qwen3.5-122B-A10B-int4-AutoRound", "Qwen/Qwen3.5-122B-A10B-FP8"
 INT4_SHA, FP8_SHA = "1" * 40, "2" * 40
+SLOW = "Slow/int4"
 
 NGINX_CONF = """
 daemon off;
@@ -48,6 +50,7 @@ http {{
     listen 127.0.0.1:{port};
     root {d}/www;
     location /api/ {{ default_type application/json; }}
+    location ~ ^/Slow/[^/]+/resolve/(?<srev>[^/]+)/ {{ add_header X-Repo-Commit $srev always; limit_rate 1m; }}
     location ~ ^/[^/]+/[^/]+/resolve/(?<rev>[^/]+)/ {{ add_header X-Repo-Commit $rev always; }}
   }}
 }}
@@ -75,6 +78,7 @@ def hub(tmp_path_factory):
     synth(d / "src-fp8", "fp8", seed=3, dims=dims, shards=4)
     _publish(d / "www", INT4, INT4_SHA, d / "src-int4")
     _publish(d / "www", FP8, FP8_SHA, d / "src-fp8")
+    _publish(d / "www", SLOW, INT4_SHA, d / "src-int4")  # the same files, served at 1 MB/s
     (d / "tmp").mkdir()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -222,3 +226,36 @@ def test_interrupted_fp8_fetch_resumes_without_refetching(hub, tmp_path, monkeyp
         start, end = name.rsplit(".", 1)[1].split("-")
         assert f"bytes={start}-{int(end) - 1}" not in refetched
     assert not (tmp_path / "fp8" / ".parts").exists()
+
+
+def test_killed_int4_download_keeps_finished_files_and_completes(hub, tmp_path):
+    """huggingface_hub 2.4 writes each file to a per-process temp name (its PR #4228), so a killed run
+    restarts the file it was in; what it finished is kept and not fetched again (on the real Hub, hf_xet's
+    chunk cache also spares the restarted file's bytes; nginx here serves plain HTTP)."""
+    d, endpoint = hub
+    env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_XET="1",
+               NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
+    dest = tmp_path / "m" / "int4"
+    cmd = [sys.executable, "-m", "onespark", "download", "--dest", str(tmp_path / "m"), "--skip-fp8",
+           "--int4-repo", SLOW, "--int4-revision", INT4_SHA]
+    n0 = len(_log(d))
+    child = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # killed once config.json is in and a shard is half way
+        if (dest / "config.json").exists() and any(p.stat().st_size > 300_000 for p in dest.rglob("*.incomplete")):
+            break
+        time.sleep(0.02)
+    else:
+        child.kill()
+        pytest.fail("never saw a partial shard")
+    child.kill()
+    child.wait()
+    assert not (dest / "onespark-download.json").exists()
+    n = len(_log(d))
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    again = {x[1].rsplit("/", 1)[1] for x in _log(d)[n:] if x[0] == "GET" and x[1].startswith(f"/{SLOW}/")}
+    assert "config.json" not in again and any(f.endswith(".safetensors") for f in again), again
+    assert any(x[1].endswith("config.json") for x in _log(d)[n0:n])
+    for p in (d / "src-int4").iterdir():
+        assert (dest / p.name).read_bytes() == p.read_bytes(), p.name
