@@ -3,29 +3,52 @@
     out[M, N] = (x[M, K] @ w_int8[N, K].T) * scale[N]          in x's dtype, fp32 accumulation
     out[M, N] = sum_g (x[:, g] @ q4[N, g].T) * scale4[N, g]     (INT4, groups of 128 along K)
 
-One kernel family, `tl.dot` with the operands swapped: each program computes a tile of out.T,
-W_tile[BLOCK_N, K] @ x_tile.T[K, BLOCK_M], so the weight is the *left* operand. Hopper's wgmma
-(and mma.sync on sm_12x) takes the left operand from registers, which is where the weight is
-dequantised (int8 -> bf16 is exact), and the token dimension only needs to be >= 16: with
-BLOCK_M = 16 every program reads its weight rows once for up to 16 rows of x. Larger M buckets
-use larger BLOCK_M; at M >= 256 it is an ordinary tensor-core GEMM over (N, M) tiles with
-grouped ordering so a band of weight tiles stays in L2 while all token tiles pass over it.
+Three paths, picked by M bucket (16, 32, 64, 128, 512, more); M itself is `do_not_specialize`d, so
+a new M never compiles a new kernel:
+  * "swap" (M <= 32; every INT4 bucket): `tl.dot` with the operands swapped, each program computes
+    out.T[BLOCK_N, BLOCK_M] = W_tile @ x_tile.T, so the weight is the left operand, which the
+    tensor cores take from registers, where it is dequantised. BLOCK_M = 16 is the smallest
+    dot, so each program reads its weight rows once for up to 16 rows of x. These configs use
+    2 warps, so Triton emits mma.sync, whose int8 register operand it loads 4 bytes at a time
+    (wgmma's register operand gets 2-byte loads plus re-packing: 1.3-1.45x slower at M = 1, H200).
+    No split-K: N / BLOCK_N = 3,880 programs already fill 132 SMs 29 times over.
+  * "std" (64 <= M <= 512): the usual orientation, x as wgmma's shared-memory A operand and the
+    dequantised weight tile stored to shared memory as B; grouped tile order keeps a band of
+    weight tiles in L2 while all token tiles pass over it.
+  * "cublas" (M > 512, compute-bound): dequantise 4,096-32,768 weight rows at a time (scale folded,
+    one rounding to x's dtype) and let cuBLAS multiply; the only path that allocates (one chunk).
 
-Dequantisation avoids I2F (cvt.rn.f32.s8 issues at a quarter of the FP32 rate on sm_90, which
-would cost as much time as reading the weight): int8 -> fp32 is `bits(w + 0x4B400000) - 2^23*1.5`
-(one integer add, one float add, exact for |w| < 2^22), fp32 -> bf16 is the top 16 bits (exact,
-the value is a small integer). For fp16 x the nibble/byte goes straight into an fp16 mantissa
-(0x6400 | u = 1024 + u, exact for u < 1024) and one half-precision subtract removes the offset.
+Dequantisation avoids I2F (cvt.rn.f32.s8, which Triton uses for int8 -> bf16, issues at a quarter of
+the FP32 rate on sm_90: as long as reading the weight). On the GPU, 4 bytes at a time in PTX: XOR
+to offset binary, PRMT each byte under the exponent of 1.5 * 2^23, FSUB, PRMT the top halves
+together (exact: the values are small integers). INT4 nibbles become bf16 128 + u with one PRMT per
+pair and one packed FMA subtracts 136. Plain Triton forms of the same tricks run in the interpreter.
 
-M is `do_not_specialize`d and bucketed (16, 32, 64, 128, >=256): one compiled kernel per bucket,
-none per M. No host syncs and no allocations besides the output (which `out=` can supply), so the
-call is safe inside CUDA-graph capture. Configs come from `_CONFIGS` (a short list per bucket,
-pruned to what fits in the GPU's shared memory, timed once per shape when more than one is left).
+No host syncs; "swap"/"std" allocate nothing but the output (which `out=` can supply), so calls are
+safe inside CUDA-graph capture. Configs: `_CONFIGS`, 1-2 per bucket, pruned to the GPU's shared
+memory and timed once per (bucket, N, K) when two remain (never while capturing).
 
-Bytes moved (Qwen3.5-122B-A10B head, N = 248,320, K = 3,072): the INT8 weight is 762.8 MB
-+ 1.0 MB of scales; BF16 is 1,525.6 MB; INT4 is 381.4 MB + 11.9 MB of fp16 scales. At the 4.27 TB/s
-device-to-device copy rate measured on an H200 (bench/kernels/lm_head.py), the INT8 floor is
-0.179 ms; measured numbers: bench/results/lm_head_h200.json and the README's kernels section.
+Bytes and floors (Qwen3.5-122B-A10B head, N = 248,320, K = 3,072; H200, 4.26 TB/s measured copy
+rate, read + write, bench/kernels/lm_head.py): INT8 762.8 MB weight + 1.0 MB scales -> 0.179 ms;
+BF16 1,525.6 MB -> 0.358 ms; INT4 381.4 MB + 11.9 MB scales -> 0.092 ms.
+Measured (bench/results/lm_head_h200.json, 2026-11-30, medians of CUDA-graph replays, cuBLAS BF16
+in the same run): INT8 M = 1: 0.187 ms = 4.08 TB/s = 95% of the floor, 1.98x cuBLAS (0.371 ms);
+M = 2-4: 1.87-1.97x; 6-12: 1.80-1.88x; 16: 1.67x (1.84x in the sweep run: runs differ by up to
+10% here); 32: 1.31x; 64: 1.11x; 128: 0.84x; 256: 0.71x; 1,024: 0.85x; 4,096: 0.96x; 8,192: 0.91x
+(1.00x with 4,096-row chunks in the sweep). INT4 M <= 3: 0.153-0.157 ms = 2.4x, 60% of its floor.
+Where targets are missed, and why (numbers from SASS of the shipped configs, sm_90):
+  * M <= 4 (target 2.0x): 2.0x needs the INT8 read to run at the bandwidth cuBLAS gets for BF16
+    (4.12 TB/s); we reach 3.8-4.1. The loop issues 4.3 instructions per weight byte (PRMT 1.5,
+    FADD 1, IMAD moves 0.6, LDS/LDGSTS/HMMA ...), ~0.1 ms of issue per SM against 0.187 ms.
+  * M = 64-1,024 (targets 1.3x / 1.0x): the "std" kernel's dequantise -> st.shared -> fence -> wgmma
+    chain is not overlapped with the previous wgmma by Triton's pipeliner (M = 8,192: 27.5 ms, 450
+    TFLOP/s, vs cuBLAS 18.4 ms), and the cuBLAS path pays the dequant pass plus small GEMMs (M =
+    1,024: 2.91 vs 2.47 ms). A warp-specialised kernel (producer warps dequantising into shared
+    memory for consumer warpgroups) is the known fix and is not written. In vLLM the head sees
+    only sampled positions (decode batch x (1 + draft tokens)), so M > 64 means > 21 sequences
+    in flight under MTP-2.
+  * INT4 (target 3.5x): 5.1 instructions per byte (~0.06 ms of issue) yet 0.153 ms: not issue-bound;
+    likely latency with 4 programs of 2 warps per SM (shared memory); not resolved.
 """
 
 from __future__ import annotations
