@@ -8,9 +8,9 @@
                JSON header, then the tensors' bytes (neighbours coalesced into one request). Never a whole shard.
 
 Both directories carry `onespark-download.json` (repo, revision, bytes); step 1 copies that into its manifest.
-Re-running resumes: snapshot_download keeps every file it finished (huggingface_hub 2.4 restarts the file
-it was in, which it writes to a per-process temp name, its PR #4228; on the Hub, hf_xet's chunk cache spares
-the bytes already fetched); fetched FP8 byte ranges are kept as parts until the file is assembled.
+Re-running resumes: snapshot_download keeps every file it finished (huggingface_hub 2.4 starts the file it
+was in again: it writes each download to a per-process temp name, its PR #4228); fetched FP8 byte ranges are
+kept as parts until the file is assembled.
 A finished directory is reported "already done".
 Endpoint: HF_ENDPOINT (as huggingface_hub reads it); token: HF_TOKEN or `hf auth login`, never printed.
 """

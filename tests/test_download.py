@@ -230,8 +230,7 @@ def test_interrupted_fp8_fetch_resumes_without_refetching(hub, tmp_path, monkeyp
 
 def test_killed_int4_download_keeps_finished_files_and_completes(hub, tmp_path):
     """huggingface_hub 2.4 writes each file to a per-process temp name (its PR #4228), so a killed run
-    restarts the file it was in; what it finished is kept and not fetched again (on the real Hub, hf_xet's
-    chunk cache also spares the restarted file's bytes; nginx here serves plain HTTP)."""
+    restarts the file it was in; what it finished is kept and not fetched again."""
     d, endpoint = hub
     env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_XET="1",
                NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
