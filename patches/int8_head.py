@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from onespark.kernels.lm_head import int8_gemv, int8_gemv_ref, quantize_int8_rows
+from onespark.kernels import int8_gemv, int8_gemv_ref, quantize_int8_rows
 
 
 def quantize_head(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

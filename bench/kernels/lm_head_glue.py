@@ -1,0 +1,141 @@
+"""The INT8 LM head as the vLLM plugin runs it, against F.linear on the BF16 weight (real shape).
+
+    python bench/kernels/lm_head_glue.py --git-sha SHA [--out bench/results/lm_head_glue_h200.json]
+
+What is timed, per M (tokens per logits call: 1 decode, 3 MTP-2 verify, 12 = 4 x 3 concurrent, 96 prefill
+chunk / 32 x 3):
+  bf16     torch.nn.functional.linear(x, w_bf16)          what vLLM's unquantized head runs on CUDA
+  kernel   onespark.kernels.int8_gemv(x, w_int8, scale)   the bare kernel
+  method   onespark.patches.int8_head.int8_logits(...)    exactly what Int8LMHeadMethod.apply calls: the
+                                                          reshape to [T, K], the CUDA/CPU dispatch, the
+                                                          kernel, the view back (vLLM-free, so no vLLM here)
+each two ways: `graph` = median per call of CUDA-graph replays (how vLLM runs decode: device time only),
+`eager` = median per call of back-to-back Python calls between CUDA events (adds the host cost of the
+glue and the launch). glue_us = method - kernel. Shape: N = 248,320 (vocab; a multiple of 64, so vLLM's
+padding adds nothing at TP = 1) x K = 3,072. Weight N(0, 0.02^2) in BF16 (never zero), x N(0, 1);
+x rotates over 8 buffers; the weights (763 MB INT8, 1,526 MB BF16) are 13x / 25x the H200's 60 MB L2.
+Correctness: the method's logits vs a float64 reference of the same INT8 weight (rel. Frobenius error)
+and top-1 agreement with the float64 logits of the BF16 weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+try:
+    from onespark.patches.int8_head import int8_logits, quantize_head
+except ImportError:  # a bare checkout (the GPU host has no `pip install -e .`): map onespark.X onto ./X
+    sys.path.insert(0, str(ROOT))
+    import onespark
+
+    onespark.__path__.append(str(ROOT))
+    from onespark.patches.int8_head import int8_logits, quantize_head
+from onespark.kernels import int8_gemv, int8_gemv_ref
+
+N, K = 248_320, 3_072
+MS = [1, 3, 12, 96]
+NBUF = 8
+
+
+def _median_ms(fn, reps: int, graph: bool) -> float:
+    for i in range(NBUF):  # warm-up: compilation, autotune, handles
+        fn(i)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if graph:
+        stream = torch.cuda.Stream()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
+            for r in range(reps):
+                fn(r % NBUF)
+        run = g.replay
+    else:
+        def run():
+            for r in range(reps):
+                fn(r % NBUF)
+    run()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(9):
+        start.record()
+        run()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / reps)
+    return statistics.median(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--git-sha", required=True)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lm_head_glue_h200.json")
+    ap.add_argument("--reps", type=int, default=32, help="calls per timed sample (default 32)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("lm_head_glue: needs a CUDA GPU", file=sys.stderr)
+        return 1
+    torch.manual_seed(0)
+    w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+    w_int8, scale = quantize_head(w)
+    rows = []
+    for m in MS:
+        xs = [torch.randn(m, K, device="cuda").to(torch.bfloat16) for _ in range(NBUF)]
+        fns = {
+            "bf16": lambda i: torch.nn.functional.linear(xs[i], w),
+            "kernel": lambda i: int8_gemv(xs[i], w_int8, scale),
+            "method": lambda i: int8_logits(xs[i], w_int8, scale),
+        }
+        row = {"m": m}
+        for mode in ("graph", "eager"):
+            for name, fn in fns.items():
+                row[f"{name}_{mode}_ms"] = round(_median_ms(fn, args.reps, mode == "graph"), 5)
+            row[f"glue_{mode}_us"] = round(1000 * (row[f"method_{mode}_ms"] - row[f"kernel_{mode}_ms"]), 2)
+            row[f"speedup_{mode}"] = round(row[f"bf16_{mode}_ms"] / row[f"method_{mode}_ms"], 3)
+        x = xs[0]
+        out = int8_logits(x, w_int8, scale)
+        ref = int8_gemv_ref(x, w_int8, scale, acc_dtype=torch.float64, out_dtype=torch.float64)
+        full = torch.nn.functional.linear(x.double(), w.double())
+        row["method_rel_err"] = float((out.double() - ref).norm() / ref.norm())
+        row["top1_vs_bf16_weight"] = float((out.argmax(-1) == full.argmax(-1)).double().mean())
+        row["method_gbps_graph"] = round((N * K + 4 * N + 2 * m * (K + N)) / row["method_graph_ms"] / 1e6, 1)
+        rows.append(row)
+        del xs, fns
+    result = {
+        "schema_version": 1,
+        "what": "INT8 LM head as Int8LMHeadMethod.apply runs it (onespark.patches.int8_head.int8_logits) vs F.linear BF16",
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "git_sha": args.git_sha,
+        "command": f"python bench/kernels/lm_head_glue.py --git-sha {args.git_sha}",
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "shape": {"n": N, "k": K, "dtype": "bfloat16"},
+        "reps_per_sample": args.reps,
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    os.replace(tmp, args.out)
+    print(f"{result['device']}, torch {result['torch']}, N={N} K={K}; ms per call (median), graph | eager")
+    print(f"{'M':>4} {'bf16':>8} {'kernel':>8} {'method':>8} {'glue us':>8} {'x bf16':>7} | "
+          f"{'bf16':>8} {'method':>8} {'glue us':>8} {'x bf16':>7} {'relerr':>8} {'top1':>5}")
+    for r in rows:
+        print(f"{r['m']:>4} {r['bf16_graph_ms']:>8.4f} {r['kernel_graph_ms']:>8.4f} {r['method_graph_ms']:>8.4f} "
+              f"{r['glue_graph_us']:>8.2f} {r['speedup_graph']:>7.3f} | {r['bf16_eager_ms']:>8.4f} "
+              f"{r['method_eager_ms']:>8.4f} {r['glue_eager_us']:>8.2f} {r['speedup_eager']:>7.3f} "
+              f"{r['method_rel_err']:>8.2e} {r['top1_vs_bf16_weight']:>5.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
