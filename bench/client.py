@@ -41,9 +41,10 @@ class Endpoint:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
-def make_client(ep: Endpoint, concurrency: int = 1) -> httpx.AsyncClient:
+def make_client(ep: Endpoint, concurrency: int = 1, transport: httpx.AsyncBaseTransport | None = None
+                ) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=max(4, concurrency + 2), max_keepalive_connections=max(4, concurrency + 2))
-    return httpx.AsyncClient(base_url=ep.base_url, headers=ep.headers(), limits=limits,
+    return httpx.AsyncClient(base_url=ep.base_url, headers=ep.headers(), limits=limits, transport=transport,
                              timeout=httpx.Timeout(ep.timeout_s, connect=10.0))
 
 
