@@ -14,6 +14,8 @@ Exit status 0 when all hold; otherwise 1, with every problem on stderr and the f
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import os
 import sys
 from collections import Counter
 from pathlib import Path
@@ -86,6 +88,7 @@ def verify(path: Path, *, fast: bool = False) -> tuple[list[str], dict]:
     if man_path.is_file():
         man = load_json(man_path, "manifest")
         listed = man.get("files", {})
+        to_hash = []
         for fname, entry in sorted(listed.items()):
             f = path / fname
             if not f.is_file():
@@ -93,9 +96,14 @@ def verify(path: Path, *, fast: bool = False) -> tuple[list[str], dict]:
             elif f.stat().st_size != entry.get("size"):
                 problem("manifest", f"{fname} is {f.stat().st_size} bytes, the manifest says {entry.get('size')}")
             elif not fast and entry.get("sha256"):
-                if sha256_file(f) != entry["sha256"]:
-                    problem("manifest", f"{fname}: sha256 differs from the manifest (the file changed or is corrupt)")
-                hashed += 1
+                to_hash.append(fname)
+        # sha256 is CPU-bound (~1 GB/s a core): hash up to 4 files at once
+        with cf.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+            digests = dict(zip(to_hash, pool.map(lambda f: sha256_file(path / f), to_hash)))
+        for fname in to_hash:
+            if digests[fname] != listed[fname]["sha256"]:
+                problem("manifest", f"{fname}: sha256 differs from the manifest (the file changed or is corrupt)")
+        hashed = len(to_hash)
         for fname in sorted(ck.headers):
             if fname not in listed:
                 problem("manifest", f"{fname} is not in the manifest")
