@@ -26,7 +26,8 @@ pair and one packed FMA subtracts 136. Plain Triton forms of the same tricks run
 
 No host syncs; "swap"/"std" allocate nothing but the output (which `out=` can supply), so calls are
 safe inside CUDA-graph capture. Configs: `_CONFIGS`, 1-2 per bucket, pruned to the GPU's shared
-memory and timed once per (bucket, N, K) when two remain (never while capturing).
+memory (`_SMALL_SMEM_CONFIGS` where none fits) and timed once per (bucket, N, K) when two remain
+(never while capturing).
 
 Bytes and floors (Qwen3.5-122B-A10B head, N = 248,320, K = 3,072; H200, 4.26 TB/s measured copy
 rate, read + write, bench/kernels/lm_head.py): INT8 762.8 MB weight + 1.0 MB scales -> 0.179 ms;
@@ -59,6 +60,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 __all__ = [
     "quantize_int8_rows",
@@ -471,6 +473,17 @@ _CONFIGS: dict[tuple[str, int], list[tuple]] = {
     ("int4", 512): [("swap", 128, 128, 0, 8, 8, 3)],  # (128, 256, ...) took 1.56 ms at M=256
     ("int4", 8192): [("swap", 128, 128, 0, 8, 8, 3)],
 }
+# Used only where no _CONFIGS entry fits the GPU's shared memory per block (sm_12x, e.g. the DGX
+# Spark's GB10: ~99 KB); each ran correctly in the H200 sweep but is untimed on a Spark.
+_SMALL_SMEM_CONFIGS = {
+    ("int8", 32): ("swap", 64, 32, 128, 1, 2, 4),
+    ("int8", 128): ("std", 128, 64, 64, 8, 4, 3),
+    ("int8", 512): ("std", 128, 64, 64, 8, 4, 3),
+    ("int4", 64): ("swap", 64, 64, 0, 1, 4, 4),
+    ("int4", 128): ("swap", 64, 64, 0, 1, 4, 4),
+    ("int4", 512): ("swap", 64, 64, 0, 1, 4, 4),
+    ("int4", 8192): ("swap", 64, 64, 0, 1, 4, 4),
+}
 _INTERPRET_CONFIG = {  # small tiles: the interpreter's cost grows with tile size
     ("int8", 16): ("swap", 32, 16, 32, 1, 4, 1), ("int8", 32): ("swap", 32, 32, 32, 1, 4, 1),
     ("int8", 64): ("swap", 32, 64, 32, 1, 4, 1), ("int8", 128): ("std", 32, 64, 32, 2, 4, 1),
@@ -507,36 +520,45 @@ def _candidates(kind: str, bucket: int, x: torch.Tensor) -> list[tuple]:
         return [_INTERPRET_CONFIG[(kind, bucket)]]
     limit = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
     fits = [c for c in _CONFIGS[(kind, bucket)] if _smem_bytes(kind, c, x.element_size()) <= limit]
-    return fits or [_CONFIGS[(kind, bucket)][-1]]
+    small = _SMALL_SMEM_CONFIGS.get((kind, bucket))
+    return fits or ([small] if small else []) + [_CONFIGS[(kind, bucket)][-1]]
 
 
 def _pick(kind: str, bucket: int, x: torch.Tensor, n: int, k: int, launch) -> tuple:
-    """The config for this (bucket, shape): the first that fits when only one does, when capturing
-    a CUDA graph, or with ONESPARK_LM_HEAD_AUTOTUNE=0; otherwise each candidate is timed once
-    (3 launches each) and the fastest kept for the process's lifetime."""
+    """The config for this (bucket, shape), chosen on its first call and kept for the process:
+    candidates that fit the shared memory are launched in order (one that the GPU refuses,
+    OutOfResources, is dropped); if two work they are timed (3 launches each) and the faster kept,
+    unless ONESPARK_LM_HEAD_AUTOTUNE=0. While a CUDA graph is being captured nothing is tried or
+    timed: the first candidate is used (and not remembered)."""
     key = (kind, bucket, n, k, x.dtype, x.device)
     cfg = _chosen.get(key)
     if cfg is not None:
         return cfg
     cands = _candidates(kind, bucket, x)
-    if (
-        len(cands) == 1
-        or _interpreting()
-        or os.environ.get("ONESPARK_LM_HEAD_AUTOTUNE", "1") == "0"
-        or torch.cuda.is_current_stream_capturing()
-    ):
-        cfg = cands[0]
-    else:
+    if _interpreting():
+        return cands[0]
+    if torch.cuda.is_current_stream_capturing():
+        return cands[0]
+    working = []
+    for c in cands:
+        try:
+            launch(c)  # compiles; its result is overwritten by the caller's launch
+        except OutOfResources:
+            continue
+        working.append(c)
+    if not working:
+        raise RuntimeError(f"no {kind} LM-head config fits this GPU's shared memory (tried {cands})")
+    cfg = working[0]
+    if len(working) > 1 and os.environ.get("ONESPARK_LM_HEAD_AUTOTUNE", "1") != "0":
         times = []
-        for c in cands:
-            launch(c)  # compile + warm
+        for c in working:
             torch.cuda.synchronize(x.device)
             t0 = time.perf_counter()
             for _ in range(3):
                 launch(c)
             torch.cuda.synchronize(x.device)
             times.append(time.perf_counter() - t0)
-        cfg = cands[min(range(len(cands)), key=times.__getitem__)]
+        cfg = working[min(range(len(working)), key=times.__getitem__)]
     _chosen[key] = cfg
     return cfg
 

@@ -244,13 +244,15 @@ def test_quantize_int4_groups_round_trip_and_layout():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dname)
 @pytest.mark.parametrize("kind,bucket", sorted(lm_head._CONFIGS))
 def test_every_shipped_config(kind, bucket, dtype):
-    # Each config is its own compiled kernel: check them all, not just the one autotuning picks.
+    # Each config is its own compiled kernel: check them all (and the small-shared-memory fallbacks),
+    # not just the one autotuning picks.
     m = {16: 5, 32: 29, 64: 50, 128: 100, 512: 300, 8192: 600}[bucket]
     n, k = 1000, 3072  # K = the real head's; N with a tail for every BLOCK_N
     gen = torch.Generator().manual_seed(bucket)
     w = torch.randn(n, k, generator=gen) * 0.02
     x = _rand_x(m, k, dtype, gen)
-    for cfg in lm_head._CONFIGS[(kind, bucket)]:
+    small = lm_head._SMALL_SMEM_CONFIGS.get((kind, bucket))
+    for cfg in lm_head._CONFIGS[(kind, bucket)] + ([small] if small else []):
         out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
         if kind == "int8":
             q, s = (t.cuda() for t in quantize_int8_rows(w))
