@@ -146,7 +146,10 @@ def _bytes(kind: str, m: int) -> int:
 def bench_row(d: Data, m: int) -> dict:
     nbuf = 4 if m <= 1024 else 2
     xs = [d.x(m) for _ in range(nbuf)]
-    outs = {k: [torch.empty(m, N, device="cuda", dtype=torch.bfloat16) for _ in range(nbuf)] for k in ("bf16", "int8", "int4")}
+    outs = {
+        kind: [torch.empty(m, N, device="cuda", dtype=torch.bfloat16) for _ in range(nbuf)]
+        for kind in ("bf16", "int8", "int4")
+    }
     fns = {  # cuBLAS: x @ W.T is the GEMM F.linear runs (vLLM's unquantized head)
         "bf16": lambda i: torch.matmul(xs[i], d.w.T, out=outs["bf16"][i]),
         "int8": lambda i: int8_gemv(xs[i], d.q8, d.s8, out=outs["int8"][i]),
@@ -221,7 +224,8 @@ def _compile_one(item):
 
 
 def sweep(d: Data, ms: list[int]) -> list[dict]:
-    todo = sorted({(kind, c) for (kind, b), cs in SWEEP.items() for c in cs if any(lm_head._bucket(m) == b for m in ms)})
+    buckets = {lm_head._bucket(m) for m in ms}
+    todo = sorted({(kind, c) for (kind, b), cs in SWEEP.items() if b in buckets for c in cs})
     _precompile(todo)
     rows = []
     for m in ms:
@@ -244,7 +248,10 @@ def sweep(d: Data, ms: list[int]) -> list[dict]:
                 row = {"m": m, "kind": kind, "cfg": cfg, "ms": t, "bf16_ms": bf16, "speedup": bf16 / t, "rel_err": err,
                        "gbps": _bytes(kind, m) / t / 1e6}  # fmt: skip
                 rows.append(row)
-                print(f"M={m:5d} {kind} {str(cfg):36s} {t:8.4f} ms  x{bf16 / t:5.2f}  {row['gbps']:7.0f} GB/s  err {err}", flush=True)
+                print(
+                    f"M={m:5d} {kind} {str(cfg):36s} {t:8.4f} ms  x{bf16 / t:5.2f}  {row['gbps']:7.0f} GB/s  err {err}",
+                    flush=True,
+                )
     return rows
 
 
