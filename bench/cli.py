@@ -95,6 +95,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _recorded_quality(a: dict, b: dict, path_a: str, path_b: str) -> dict | None:
+    """The quality A/B from two results that each recorded greedy generations (`--suite quality` alone)."""
+    from onespark.bench.quality import compare_records
+
+    rec_a = (a.get("quality") or {}).get("record") or (a.get("quality") or {}).get("record_a")
+    rec_b = (b.get("quality") or {}).get("record") or (b.get("quality") or {}).get("record_a")
+    if not rec_a or not rec_b:
+        return None
+    try:
+        return compare_records(rec_a, rec_b)
+    except ValueError as e:
+        raise UserError(f"cannot compare the quality recordings of {path_a} and {path_b}: {e}; "
+                        "record both with the same --max-tokens and --top-k") from e
+
+
 def _git_sha() -> str | None:
     here = Path(__file__).resolve().parent
     try:
@@ -150,19 +165,25 @@ async def _bench(args, names: list[str], settings: Settings) -> dict:
 async def _quality(args, ep_a: Endpoint, client_a, settings: Settings, progress: Progress) -> dict:
     from onespark.bench.quality import run_ab
 
-    if not args.b_base_url:
-        raise UserError("--suite quality needs --b-base-url: the second endpoint to compare against")
-    ep_b = Endpoint(args.b_base_url, args.b_api_key, args.b_model, args.api, args.timeout, dict(ep_a.extra_body))
+    from onespark.bench.quality import record
+
     classes = published_classes()["classes"]
     if settings.classes:
         classes = [c for c in classes if c["name"] in settings.classes]
     prompts = [(c["name"], c["prompt"]) for c in classes]
+    max_tokens = settings.max_tokens_cap or 256
+    if not args.b_base_url:  # record A only; `onespark bench compare` pairs it with B's recording later
+        progress.start("quality (record)", len(prompts))
+        try:
+            return {"record": await record(ep_a, client_a, prompts, max_tokens, args.top_k, progress)}
+        finally:
+            progress.close()
+    ep_b = Endpoint(args.b_base_url, args.b_api_key, args.b_model, args.api, args.timeout, dict(ep_a.extra_body))
     async with make_client(ep_b) as client_b:
         ep_b.model = (await detect_model(client_b, ep_b))["id"]
-        progress.start("quality", len(prompts))
+        progress.start("quality", 2 * len(prompts))
         try:
-            q = await run_ab(ep_a, ep_b, client_a, client_b, prompts, settings.max_tokens_cap or 256, args.top_k,
-                             progress)
+            q = await run_ab(ep_a, ep_b, client_a, client_b, prompts, max_tokens, args.top_k, progress)
         finally:
             progress.close()
     q["model_b"] = ep_b.model
@@ -177,15 +198,19 @@ def run(args) -> int:
                 raise UserError(f"{path} has {r['failed_requests']} failed requests: its figures are incomplete; "
                                 "re-run that benchmark")
         rows = report.compare(a, b)
-        if not rows:
+        quality = _recorded_quality(a, b, args.a, args.b)
+        if not rows and quality is None:
             raise UserError(f"{args.a} and {args.b} share no suite and group to compare")
-        print(report.compare_table(rows, args.a, args.b, md=args.markdown))
+        if rows:
+            print(report.compare_table(rows, args.a, args.b, md=args.markdown))
+        if quality is not None:
+            view = {"quality": quality, "endpoint": args.a, "endpoint_b": args.b}
+            for title, headers, body in report.tables(view):
+                print(report.table_text(title, headers, body, md=args.markdown))
         return 0
 
     names = _suites(args.suite)
     settings = settings_from(args)
-    if "quality" in names and not args.b_base_url:
-        raise UserError("--suite quality needs --b-base-url: the second endpoint to compare against")
     if args.no_think and args.api != "chat":
         raise UserError("--no-think works through the chat template: use it with --api chat")
     if args.top_k < 1 or args.top_k > 20:

@@ -12,7 +12,6 @@ this is the exact KL; a larger k gives a tighter estimate.
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import httpx
@@ -79,23 +78,39 @@ def compare_sequences(tokens_a: list[str], tops_a: list[dict], tokens_b: list[st
     }
 
 
-async def run_ab(ep_a: Endpoint, ep_b: Endpoint, client_a: httpx.AsyncClient, client_b: httpx.AsyncClient,
-                 prompts: list[tuple[str, str]], max_tokens: int, top_k: int, progress=None) -> dict:
-    """Greedy requests with top-k logprobs to both endpoints, prompt by prompt (same order, one at a time)."""
-    def extra(ep: Endpoint) -> dict:
-        # chat: logprobs is a flag and top_logprobs the count; completions: logprobs is the count
-        lp = {"logprobs": True, "top_logprobs": top_k} if ep.api == "chat" else {"logprobs": top_k}
-        return {**lp, "return_tokens_as_token_ids": True}
+async def record(ep: Endpoint, client: httpx.AsyncClient, prompts: list[tuple[str, str]], max_tokens: int,
+                 top_k: int, progress=None) -> dict:
+    """Greedy generations with top-k logprobs from one endpoint, prompt by prompt: half of an A/B.
 
+    Kept in the result JSON, so two servers that cannot run side by side (two 122B servers do not fit in one
+    Spark) are compared later with `onespark bench compare A.json B.json`.
+    """
+    # chat: logprobs is a flag and top_logprobs the count; completions: logprobs is the count
+    lp = {"logprobs": True, "top_logprobs": top_k} if ep.api == "chat" else {"logprobs": top_k}
+    extra = {**lp, "return_tokens_as_token_ids": True}
     rows = []
     for name, prompt in prompts:
-        ra, rb = await asyncio.gather(complete(client_a, ep_a, prompt, max_tokens, extra(ep_a)),
-                                      complete(client_b, ep_b, prompt, max_tokens, extra(ep_b)))
-        ta, pa = parse_logprobs(ra)
-        tb, pb = parse_logprobs(rb)
-        rows.append({"group": name, **compare_sequences(ta, pa, tb, pb)})
+        tokens, tops = parse_logprobs(await complete(client, ep, prompt, max_tokens, dict(extra)))
+        rows.append({"group": name, "prompt": prompt, "tokens": tokens, "top_logprobs": tops})
         if progress is not None:
             progress.step()
+    return {"rows": rows, "top_k": top_k, "max_tokens": max_tokens, "api": ep.api}
+
+
+def compare_records(a: dict, b: dict) -> dict:
+    """The A/B figures from two recordings of the same prompts (matched by name and prompt text)."""
+    if (a["top_k"], a["max_tokens"]) != (b["top_k"], b["max_tokens"]):
+        raise ValueError(f"recorded with different settings: top_k {a['top_k']} vs {b['top_k']}, "
+                         f"max_tokens {a['max_tokens']} vs {b['max_tokens']}")
+    rows_b = {(r["group"], r["prompt"]): r for r in b["rows"]}
+    rows = []
+    for ra in a["rows"]:
+        rb = rows_b.get((ra["group"], ra["prompt"]))
+        if rb is not None:
+            rows.append({"group": ra["group"], **compare_sequences(ra["tokens"], ra["top_logprobs"], rb["tokens"],
+                                                                   rb["top_logprobs"])})
+    if not rows:
+        raise ValueError("the two recordings share no prompt")
     kl_all = [r["kl_mean"] for r in rows if r["kl_mean"] is not None]
     return {
         "rows": rows,
@@ -104,7 +119,14 @@ async def run_ab(ep_a: Endpoint, ep_b: Endpoint, client_a: httpx.AsyncClient, cl
         "first_divergence_min": min((r["first_divergence"] for r in rows if r["first_divergence"] is not None),
                                     default=None),
         "kl_mean": summarize(kl_all),
-        "top_k": top_k,
-        "max_tokens": max_tokens,
+        "top_k": a["top_k"],
+        "max_tokens": a["max_tokens"],
     }
 
+
+async def run_ab(ep_a: Endpoint, ep_b: Endpoint, client_a: httpx.AsyncClient, client_b: httpx.AsyncClient,
+                 prompts: list[tuple[str, str]], max_tokens: int, top_k: int, progress=None) -> dict:
+    """Both halves live, one endpoint after the other, then the comparison."""
+    rec_a = await record(ep_a, client_a, prompts, max_tokens, top_k, progress)
+    rec_b = await record(ep_b, client_b, prompts, max_tokens, top_k, progress)
+    return {**compare_records(rec_a, rec_b), "record_a": rec_a, "record_b": rec_b}

@@ -140,25 +140,34 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         out.append(("capacity: KV cache and concurrent users per context length", headers, rows))
     if "quality" in result:
         q = result["quality"]
-        headers = ["prompt", "tokens A/B", "identical tokens", "first divergence", "KL mean (nats)", "KL max"]
-        rows = [[str(r["group"]), f"{r['tokens_a']}/{r['tokens_b']}", f"{100 * r['identical_token_frac']:.1f}%",
-                 "none" if r["first_divergence"] is None else str(r["first_divergence"]),
-                 _f(r["kl_mean"], 5), _f(r["kl_max"], 5)] for r in q["rows"]]
-        out.append((f"quality A/B: greedy, top-{q['top_k']} logprobs, A={result['endpoint']} "
-                    f"B={result['endpoint_b']}", headers, rows))
+        if "rows" in q:
+            headers = ["prompt", "tokens A/B", "identical tokens", "first divergence", "KL mean (nats)", "KL max"]
+            rows = [[str(r["group"]), f"{r['tokens_a']}/{r['tokens_b']}", f"{100 * r['identical_token_frac']:.1f}%",
+                     "none" if r["first_divergence"] is None else str(r["first_divergence"]),
+                     _f(r["kl_mean"], 5), _f(r["kl_max"], 5)] for r in q["rows"]]
+            out.append((f"quality A/B: greedy, top-{q['top_k']} logprobs, A={result['endpoint']} "
+                        f"B={result['endpoint_b']}", headers, rows))
+        else:
+            rec = q["record"]
+            rows = [[str(r["group"]), str(len(r["tokens"]))] for r in rec["rows"]]
+            out.append((f"quality, recorded (greedy, top-{rec['top_k']} logprobs): pair it with another "
+                        "recording in `onespark bench compare`", ["prompt", "tokens"], rows))
     return out
 
 
+def table_text(title: str, headers: list[str], rows: list[list[str]], md: bool = False) -> str:
+    if md:
+        lines = [f"*{title}*", "", "| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+        return "\n".join(lines) + "\n"
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines) + "\n"
+
+
 def console(result: dict) -> str:
-    lines = [_provenance(result), ""]
-    for title, headers, rows in tables(result):
-        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-        lines.append(title)
-        lines.append("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
-        lines.append("  ".join("-" * w for w in widths))
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-        lines.append("")
-    return "\n".join(lines)
+    return "\n".join([_provenance(result), ""] + [table_text(*t) for t in tables(result)])
 
 
 def _provenance(result: dict) -> str:
@@ -171,14 +180,7 @@ def markdown(result: dict) -> str:
     lines = [f"**{_provenance(result)}**", "", f"Command: `{result.get('command')}`", ""]
     if result.get("note"):
         lines[3:3] = [f"Note: {result['note']}", ""]
-    for title, headers, rows in tables(result):
-        lines.append(f"*{title}*")
-        lines.append("")
-        lines.append("| " + " | ".join(headers) + " |")
-        lines.append("|" + "|".join("---" for _ in headers) + "|")
-        lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
-        lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + [table_text(*t, md=True) for t in tables(result)])
 
 
 # ------------------------------------------------------------------ plots

@@ -283,3 +283,15 @@ def test_published_figure_matches_transport_timing(vllm_server):
             by_class.setdefault(row["group"], []).append(row["completion_tokens"] / wall)
     figure = sum(sum(v) / len(v) for v in by_class.values()) / len(by_class)
     assert pub["cross_class"]["e2e_tok_s"]["mean"] == pytest.approx(figure, rel=0.05)
+
+
+def test_quality_recorded_then_compared(vllm_server, tmp_path, capsys):
+    """One Spark cannot hold two 122B servers: record A, then B, and compare the two results later."""
+    for name in ("qa", "qb"):
+        rc, res = _bench(vllm_server, tmp_path, "--suite", "quality", "--classes", "Q&A,Math", "--max-tokens", "6",
+                         name=name)
+        assert rc == 0 and [len(r["tokens"]) for r in res["quality"]["record"]["rows"]] == [6, 6]
+    capsys.readouterr()
+    assert main(["bench", "compare", str(tmp_path / "qa.json"), str(tmp_path / "qb.json")]) == 0
+    out = capsys.readouterr().out
+    assert "quality A/B" in out and re.search(r"Q&A\s+6/6\s+100.0%\s+none", out)

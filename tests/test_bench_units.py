@@ -284,10 +284,10 @@ def test_plot_writes_a_png(tmp_path):
     (["--runs", "0"], "--runs must be at least 1"),
     (["--base-url", "localhost:8000"], "is not an http(s) URL"),
     (["--base-url", "http://127.0.0.1:9"], "cannot reach http://127.0.0.1:9/v1/models"),
-    (["--suite", "quality"], "needs --b-base-url"),
+    (["--top-k", "50"], "--top-k must be 1..20"),
     (["--concurrency", "0"], "--concurrency needs levels"),
     (["--api", "completions", "--no-think"], "--no-think works through the chat template"),
-], ids=["suite", "runs", "url", "unreachable", "quality-b", "concurrency", "no-think"])
+], ids=["suite", "runs", "url", "unreachable", "top-k", "concurrency", "no-think"])
 def test_cli_bad_input(argv, message, tmp_path, capsys):
     assert main(["bench", *argv, "--out", str(tmp_path), "--no-progress"]) == 1
     assert message in capsys.readouterr().err
@@ -325,3 +325,17 @@ def test_per_chunk_token_counts_give_itl_and_exact_decode():
     # Without per-chunk counts: one token assumed in the first chunk, no per-token latency claimed.
     m2 = request_metrics(RequestTiming(0.0, 1.7, 9, 7, chunk_times=[1.0, 1.2, 1.3, 1.6]))
     assert m2["decode_tok_s"] == pytest.approx(6 / 0.6) and m2["itl_ms"] == [] and m2["tokens_per_chunk"] is None
+
+
+def test_compare_records_checks_settings_and_prompts():
+    from onespark.bench.quality import compare_records
+
+    lp = [{"token_id:1": -0.1}]
+    a = {"top_k": 5, "max_tokens": 8, "rows": [{"group": "Q&A", "prompt": "p", "tokens": ["token_id:1"],
+                                                 "top_logprobs": lp}]}
+    same = compare_records(a, a)
+    assert same["all_identical"] and same["rows"][0]["kl_mean"] == 0.0
+    with pytest.raises(ValueError, match="different settings"):
+        compare_records(a, {**a, "top_k": 10})
+    with pytest.raises(ValueError, match="share no prompt"):
+        compare_records(a, {**a, "rows": [{**a["rows"][0], "prompt": "other"}]})
