@@ -7,7 +7,9 @@ Two lanes run the same kernel tests:
     process would also change every other module that uses Triton. So `test_interpreter_lane`
     re-runs this file in a child pytest with TRITON_INTERPRET=1 (fp16 and fp32: the interpreter
     computes bf16 wrongly) and fails with the child's report; in the parent the kernel tests skip.
-Quantizer tests need no Triton and run in the parent.
+Quantizer tests need no Triton and run in the parent. On a GPU host without the test venv (the
+H200 used for bench/results), with onespark importable: python -P -m pytest tests/test_kernels_lm_head.py
+(-P keeps the repository root, whose onespark/ lacks the kernels mapping, off sys.path).
 """
 
 from __future__ import annotations
@@ -179,6 +181,13 @@ def test_empty_and_bad_inputs():
 
 
 # ------------------------------------------------------------------ quantizers (plain torch, parent lane)
+
+
+def test_import_touches_no_gpu():
+    # vLLM imports the plugin (and so these kernels) in processes that must not create a CUDA context.
+    code = "import torch, onespark.kernels; assert not torch.cuda.is_initialized(), 'CUDA initialised at import'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_quantize_int8_rows_round_trip():
