@@ -222,6 +222,10 @@ step_bench() {
   else
     args+=(--suite published --hardware "DGX Spark GB10" --image "onespark/v2:$VERSION")
   fi
+  # The bench reads the key from the environment (never argv): the same key the server was started with.
+  if [[ -n ${ONESPARK_API_KEY:-} ]]; then
+    export OPENAI_API_KEY=$ONESPARK_API_KEY
+  fi
   ospk "${args[@]}"
 }
 
@@ -252,4 +256,4 @@ main() {
   timing_summary
 }
 
-main "$@" || exit 1
+main "$@" || exit 1; exit 0

@@ -32,4 +32,4 @@ main() {
   echo "docker-up: engine ready after ${waited}s ($(docker version --format '{{.Server.Version}}'))"
 }
 
-main "$@" || exit 1
+main "$@" || exit 1; exit 0

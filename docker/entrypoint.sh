@@ -75,4 +75,4 @@ user_has() {
   return 1
 }
 
-main "$@" || exit 1
+main "$@" || exit 1; exit 0

@@ -46,7 +46,17 @@ main() {
   if ((demo)); then
     tag=${tag:-$DEMO_BASE_IMAGE_TAG}
     dockerfile=demo/Dockerfile.cpu-base
-    fp=$(fingerprint "$dockerfile" tests/requirements.txt tests/overrides.txt)
+    # The rootfs first (it skips itself when up to date): the base is only current for this rootfs.
+    local -a rootfs=(demo/rootfs.sh)
+    ((no_cache)) && rootfs+=(--no-cache)
+    [[ $DRY_RUN == 1 ]] && rootfs+=(--dry-run)
+    timed "demo rootfs (debootstrap + docker import)" "${rootfs[@]}"
+    local rootfs_id=onespark-demo/debian:bookworm
+    if [[ $DRY_RUN != 1 ]]; then
+      rootfs_id=$(docker image inspect --format '{{.Id}}' onespark-demo/debian:bookworm) \
+        || die "demo rootfs image missing after demo/rootfs.sh"
+    fi
+    fp=$(fingerprint "$dockerfile" tests/requirements.txt tests/overrides.txt "$rootfs_id")
   else
     tag=${tag:-$BASE_IMAGE_TAG}
     dockerfile=Dockerfile.base
@@ -65,14 +75,8 @@ main() {
   ((no_cache)) && args+=(--no-cache)
   args+=(--label "$LABEL_KEY=$fp" -f "$dockerfile" -t "$tag" .)
   say "step 3: building $tag from $dockerfile"
-  if ((demo)); then
-    local -a rootfs=(demo/rootfs.sh)
-    ((no_cache)) && rootfs+=(--no-cache)
-    [[ $DRY_RUN == 1 ]] && rootfs+=(--dry-run)
-    timed "demo rootfs (debootstrap + docker import)" "${rootfs[@]}"
-  fi
   timed "docker build $tag" "${args[@]}"
   timing_summary
 }
 
-main "$@" || exit $?
+main "$@" || exit $?; exit 0

@@ -81,4 +81,4 @@ main() {
   timing_summary
 }
 
-main "$@" || exit $?
+main "$@" || exit $?; exit 0

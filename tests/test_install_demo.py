@@ -16,6 +16,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -68,11 +70,13 @@ def test_install_demo_end_to_end(tmp_path, demo_container):
     # The test venv already has this checkout installed (tests/run.sh): install.sh reuses it.
     env["ONESPARK_VENV"] = str(Path(sys.executable).parent.parent)
     t0 = time.monotonic()
-    r = subprocess.run(["./install.sh", "--demo", "-y", "--port", str(port), "--work", str(work)],
+    key = "sk-demo-" + os.urandom(8).hex()
+    r = subprocess.run(["./install.sh", "--demo", "-y", "--port", str(port), "--work", str(work), "--api-key", key],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3300, stdin=subprocess.DEVNULL)
     elapsed = time.monotonic() - t0
     out = r.stdout + r.stderr
     assert r.returncode == 0, f"install.sh --demo failed after {elapsed:.0f} s:\n{out[-6000:]}"
+    assert key not in out, "the API key must never be printed"
 
     # Steps 0-2 ran on generated checkpoints and the result verifies.
     assert (work / "hybrid" / "onespark-manifest.json").is_file()
@@ -87,6 +91,14 @@ def test_install_demo_end_to_end(tmp_path, demo_container):
                            image[0]], capture_output=True, text=True, check=True).stdout.strip()
     assert base == "1", "v2 should inherit the stand-in base's labels (FROM VLLM_BASE)"
     assert _listeners(port) == {"127.0.0.1"}, f"server must listen on 127.0.0.1 only, got {_listeners(port)}"
+    # The API key is enforced on /v1 (the smoke request and the bench above sent it); /health stays open.
+    models = f"http://127.0.0.1:{port}/v1/models"
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(models, timeout=30)
+    assert e.value.code == 401
+    req = urllib.request.Request(models, headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=30) as ok:
+        assert json.loads(ok.read())["data"][0]["id"] == "onespark-tiny"
     # The short bench wrote its result, with every request successful.
     results = list((work / "bench").glob("*.json"))
     assert len(results) == 1, f"expected one bench result in {work / 'bench'}, got {results}"
@@ -116,7 +128,7 @@ def test_v2_tq_refuses_to_pretend():
     v2 = f"onespark-demo/v2:{__version__}"
     if subprocess.run(["docker", "image", "inspect", v2], capture_output=True).returncode != 0:
         pytest.skip(f"{v2} not built (test_install_demo_end_to_end builds it)")
-    r = subprocess.run(["docker", "build", "--network", "host", "-f", "Dockerfile.v2-tq",
+    r = subprocess.run(["docker", "build", "--network", "host", "--force-rm", "-f", "Dockerfile.v2-tq",
                         "--build-arg", f"ONESPARK_V2={v2}", "-t", "onespark-test/v2-tq:never", "."],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert r.returncode != 0, "Dockerfile.v2-tq built: TurboQuant landed? Then replace this test by a real one"
