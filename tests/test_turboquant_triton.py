@@ -157,8 +157,6 @@ def test_decode_split_count_does_not_change_the_result():
     q = torch.randn(1, 32, 1, 256, generator=g).to(DEV)
     args = (cache.to(DEV), lay, bt.to(DEV), torch.tensor([200], dtype=torch.int32, device=DEV), SEED, 1 / 16, 200)
     one = tt.decode_attention(q, *args, num_splits=1).float()
-    # the unfused path (Q rotated by a torch matmul before the launch) computes the same function
-    assert_rel(tt.decode_attention(q, *args, num_splits=3, fuse_q=False).float(), one, 1e-3, "fuse_q=False")
     for s in (2, 7):
         # same math; only the fp16 rounding of probabilities (relative to each split's max) moves: ~1e-4
         assert_rel(tt.decode_attention(q, *args, num_splits=s).float(), one, 1e-3, f"{s} splits vs 1")

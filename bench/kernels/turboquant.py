@@ -34,7 +34,6 @@ HQ, HKV, D = 32, 2, 256
 PAGE = 16
 SM_SCALE = 1 / 16
 DEPTHS = [8192, 32768, 65536, 131072, 262144]
-FUSE = dict(fuse_q=True)  # --no-fuse-q: rotate Q by a torch matmul before the kernel instead
 
 
 def median_ms(fn, reps=15):
@@ -108,7 +107,7 @@ def check_correctness(out_rows):
         sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
         for T in (1, 3):
             q = torch.randn(2, HQ, T, D, device="cuda", generator=g).to(torch.bfloat16)
-            out = tt.decode_attention(q, cache_k, lay, bt, sl, seed, SM_SCALE, max(lens), **FUSE)
+            out = tt.decode_attention(q, cache_k, lay, bt, sl, seed, SM_SCALE, max(lens))
             ref = tq.decode_attention_reference(q, cache_k, lay, bt, sl, tq.rotation(seed, device="cuda"), SM_SCALE)
             out_rows.append(dict(preset=name, q_len=T, lens=lens, decode_rel_err=rel(out, ref), encode_code_mismatch=code_mismatch))
             print(f"check {name} T={T}: decode rel err {out_rows[-1]['decode_rel_err']:.2e}, encode code mismatch {code_mismatch:.1e}", flush=True)
@@ -157,7 +156,7 @@ def bench_config(pools, name, depth, T, B, copies_cap=32, **kcfg):
 
     def run_tq():
         for c in range(copies):
-            tt.decode_attention(q, cache, lay, tables[c], seq_lens, seed, SM_SCALE, depth, out=outs[c], **kcfg, **FUSE)
+            tt.decode_attention(q, cache, lay, tables[c], seq_lens, seed, SM_SCALE, depth, out=outs[c], **kcfg)
 
     tq_ms = median_ms(run_tq) / copies
     return tq_ms, copies
@@ -250,7 +249,7 @@ def needle(rows):
             scores = khat @ u.double()
             top = int(scores.argmax())
             second = float(scores[torch.arange(L, device="cuda") != pos].max())
-            out = tt.decode_attention(q, cache, lay, bt, torch.tensor([L], dtype=torch.int32, device="cuda"), seed, SM_SCALE, L, **FUSE)
+            out = tt.decode_attention(q, cache, lay, bt, torch.tensor([L], dtype=torch.int32, device="cuda"), seed, SM_SCALE, L)
             cos = float(F.cosine_similarity(out[0, :, 0].float(), v[pos, 0][None].float()).min())
             rows.append(dict(preset=name, keys=L, needle_pos=pos, top1=top == pos, exact_top1=exact_top == pos,
                              margin=(float(scores[pos]) - second) / float(nd.norm()), out_cos_to_needle_value=cos))
@@ -283,15 +282,13 @@ def main():
     ap.add_argument("--git-sha", default="unknown")
     ap.add_argument("--quick", action="store_true", help="two depths only (a smoke run)")
     ap.add_argument("--probe", action="store_true", help="only the correctness checks; exit 1 on any failure")
-    ap.add_argument("--no-fuse-q", action="store_true", help="rotate Q before the kernel (torch matmul), not in it")
     args = ap.parse_args()
-    FUSE["fuse_q"] = not args.no_fuse_q
     if args.probe:
         rows = []
         check_correctness(rows)
         torch.cuda.synchronize()
         bad = [r for r in rows if not r["decode_rel_err"] < 1e-2]
-        print(f"probe fuse_q={FUSE['fuse_q']}: {'FAILED ' + str(bad) if bad else 'ok'}")
+        print(f"probe: {'FAILED ' + str(bad) if bad else 'ok'}")
         return 1 if bad else 0
     t0 = time.time()
     torch.manual_seed(0)
@@ -302,7 +299,7 @@ def main():
     result = dict(schema_version=1, gpu=gpu, git_sha=args.git_sha, torch=torch.__version__, triton=triton.__version__,
                   command="python bench/kernels/turboquant.py " + " ".join(sys.argv[1:]),
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page=PAGE), fuse_q=FUSE["fuse_q"], rows=[], checks=[], needle=[])
+                  shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page=PAGE), rows=[], checks=[], needle=[])
     result["copy_gbps"] = copy_gbps()
     print(f"copy bandwidth {result['copy_gbps']:.0f} GB/s", flush=True)
     section(result, "correctness", check_correctness, result["checks"])
