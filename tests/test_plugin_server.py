@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from tests.vllm_server import VLLMServer
+from tests.vllm_server import ServerError, VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
 
@@ -107,3 +107,13 @@ def test_int8_head_matches_bf16_head(vllm_server, bf16_head_server, record_prope
     assert agree >= 0.99, summary
     # The heads differ (a no-op plugin would give 0.0), but only by INT8 rounding of the logits.
     assert 0 < lp_diff < 0.5, summary
+
+
+def test_a_server_that_cannot_start_fails_fast_with_its_log(tmp_path):
+    (tmp_path / "config.json").write_text('{"architectures": ["NoSuchModelForCausalLM"], "model_type": "nope"}')
+    server = VLLMServer(tmp_path, startup_timeout_s=300)
+    with pytest.raises(ServerError, match=r"exited with code \d+ during start-up\n--- last \d+ lines of "):
+        server.start()
+    assert not server.running
+    server.stop()  # idempotent
+    assert str(tmp_path) in server.log_text()  # the log names what it tried to load
