@@ -82,7 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--b-base-url", help="quality: the second endpoint (B)")
     g.add_argument("--b-model", help="quality: B's model name (default: its first)")
     g.add_argument("--b-api-key", default=os.environ.get("OPENAI_API_KEY"), help="quality: B's bearer token")
-    g.add_argument("--top-k", type=int, default=5, help="quality: top logprobs per position (default: %(default)s)")
+    g.add_argument("--top-k", type=int, default=20,
+                   help="quality: top logprobs per position (default: %(default)s, vLLM's default limit; more needs "
+                        "the server started with --max-logprobs N; the whole vocabulary makes KL exact)")
 
     g = p.add_argument_group("output")
     g.add_argument("--out", default="bench-results", help="output directory (default: %(default)s)")
@@ -213,8 +215,8 @@ def run(args) -> int:
     settings = settings_from(args)
     if args.no_think and args.api != "chat":
         raise UserError("--no-think works through the chat template: use it with --api chat")
-    if args.top_k < 1 or args.top_k > 20:
-        raise UserError("--top-k must be 1..20 (vLLM's default max_logprobs is 20)")
+    if args.top_k < 1:
+        raise UserError("--top-k must be at least 1 (above 20, start vLLM with --max-logprobs N)")
     created = dt.datetime.now(dt.timezone.utc)
     body = asyncio.run(_bench(args, names, settings))
     rows = [r for s in body["suites"].values() for r in s["rows"]]

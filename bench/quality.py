@@ -5,9 +5,10 @@ differ, and the KL divergence KL(A || B) of the top-k next-token distributions a
 first divergence (after it the two contexts differ and the distributions are not comparable).
 
 KL from top-k only is an estimate. Each side's top-k leaves a remaining mass r = 1 - sum(top-k probs); tokens
-one side lists and the other does not get an equal share r / (m + 1) of the other side's remainder (m such
-tokens), the last share going to an "everything else" bucket on both sides. With k = the whole vocabulary
-this is the exact KL; a larger k gives a tighter estimate.
+one side lists and the other does not get, on the other side, an equal share min(r / (m + 1), that side's k-th
+probability) (m such tokens; a token outside the top-k cannot be likelier than the k-th), and what is left of
+r goes to an "everything else" bucket on both sides. With k = the whole vocabulary this is the exact KL; a
+larger k gives a tighter estimate.
 """
 
 from __future__ import annotations
@@ -46,10 +47,12 @@ def topk_kl(a: dict[str, float], b: dict[str, float]) -> float:
         p = {t: math.exp(lp) for t, lp in top.items()}
         rest = max(0.0, 1.0 - math.fsum(p.values()))
         missing = [t for t in union if t not in p]
-        share = rest / (len(missing) + 1)
+        # A token outside this side's top-k is at most as likely as its k-th token: without that cap a flat
+        # tail (a small model, or any long tail) hands each missing token a huge share and inflates KL.
+        share = min(rest / (len(missing) + 1), min(p.values(), default=rest))
         for t in missing:
             p[t] = share
-        p[None] = share  # everything outside the union
+        p[None] = rest - share * len(missing)  # everything outside the union
         return p
 
     pa, pb = complete_dist(a), complete_dist(b)

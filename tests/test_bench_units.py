@@ -284,7 +284,7 @@ def test_plot_writes_a_png(tmp_path):
     (["--runs", "0"], "--runs must be at least 1"),
     (["--base-url", "localhost:8000"], "is not an http(s) URL"),
     (["--base-url", "http://127.0.0.1:9"], "cannot reach http://127.0.0.1:9/v1/models"),
-    (["--top-k", "50"], "--top-k must be 1..20"),
+    (["--top-k", "0"], "--top-k must be at least 1"),
     (["--concurrency", "0"], "--concurrency needs levels"),
     (["--api", "completions", "--no-think"], "--no-think works through the chat template"),
 ], ids=["suite", "runs", "url", "unreachable", "top-k", "concurrency", "no-think"])
@@ -339,3 +339,21 @@ def test_compare_records_checks_settings_and_prompts():
         compare_records(a, {**a, "top_k": 10})
     with pytest.raises(ValueError, match="share no prompt"):
         compare_records(a, {**a, "rows": [{**a["rows"][0], "prompt": "other"}]})
+
+
+def test_topk_kl_does_not_inflate_a_flat_tail():
+    """700 tokens, one peak, a flat tail, two nearly equal distributions (like BF16 vs INT8 heads): the top-20
+    sets differ in the tail. Tokens missing from one side's top-k must not get more than its k-th probability."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 0.3, 700)
+    logits[5] += 5
+    p = np.exp(logits) / np.exp(logits).sum()
+    q2 = np.exp(logits + rng.normal(0, 0.01, 700))
+    q = q2 / q2.sum()
+
+    def top(x, k=20):
+        return {f"t{i}": math.log(x[i]) for i in np.argsort(-x)[:k]}
+
+    exact = _exact_kl(p, q)
+    assert set(top(p)) != set(top(q))  # the case that matters
+    assert topk_kl(top(p), top(q)) < 2 * exact  # was ~1e3 x exact with an uncapped share of the rest
