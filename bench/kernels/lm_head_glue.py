@@ -9,9 +9,10 @@ chunk / 32 x 3):
   method   onespark.patches.int8_head.int8_logits(...)    exactly what Int8LMHeadMethod.apply calls: the
                                                           reshape to [T, K], the CUDA/CPU dispatch, the
                                                           kernel, the view back (vLLM-free, so no vLLM here)
-each two ways: `graph` = median per call of CUDA-graph replays (how vLLM runs decode: device time only),
-`eager` = median per call of back-to-back Python calls between CUDA events (adds the host cost of the
-glue and the launch). Three interleaved rounds per variant; the median round is reported. glue_us =
+each two ways: `eager` = median per call of back-to-back Python calls between CUDA events, which is how
+vLLM 0.19.1 calls it (GPUModelRunner runs compute_logits outside the CUDA graph of the forward pass), so
+host cost of the glue and the launch counts where the GPU waits for it; `graph` = median per call of
+CUDA-graph replays (device time only). Three interleaved rounds per variant; the median round is reported. glue_us =
 method - kernel; kernel_spread_us = the kernel's max - min over the rounds (a smaller glue_us is noise). Shape: N = 248,320 (vocab; a multiple of 64, so vLLM's
 padding adds nothing at TP = 1) x K = 3,072. Weight N(0, 0.02^2) in BF16 (never zero), x N(0, 1);
 x rotates over 8 buffers; the weights (763 MB INT8, 1,526 MB BF16) are 13x / 25x the H200's 60 MB L2.
