@@ -153,6 +153,15 @@ def _tq_encode_kernel(
     tl.store(CACHE_F32 + sidx + 1, vscale, mask=rmask)
 
 
+def _check_cache(cache: torch.Tensor, layout: tq.CacheLayout):
+    if cache.dtype != torch.uint8 or cache.dim() != 2 or cache.shape[1] != layout.block_bytes or not cache.is_contiguous():
+        raise ValueError(
+            f"cache must be a contiguous uint8 [num_blocks, {layout.block_bytes}] tensor for {layout.preset.name} "
+            f"with {layout.num_kv_heads} KV heads and page {layout.page} (CacheLayout.empty makes one); "
+            f"got {cache.dtype} {tuple(cache.shape)}"
+        )
+
+
 def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t: int = 16):
     """Write k, v [num_tokens, H, d] (fp16/bf16; fp32 in the interpreter) into the paged cache."""
     n, H, d = k.shape
@@ -160,6 +169,9 @@ def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match the layout (H={layout.num_kv_heads}, d={layout.head_dim})")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v need a contiguous last dimension")
+    if slot_mapping.shape != (n,) or slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32/int64 [{n}], got {slot_mapping.dtype} {tuple(slot_mapping.shape)}")
+    _check_cache(cache, layout)
     if n == 0:
         return
     t = _tables(layout.preset, seed, k.device, d)
@@ -337,6 +349,13 @@ def decode_attention(
         raise ValueError(f"decode_attention supports head_dim 256 (the layout has {layout.head_dim}, q has {d})")
     if Hq % H:
         raise ValueError(f"{Hq} query heads do not divide into {H} KV heads")
+    _check_cache(cache, layout)
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"block_table must be int32 [{B}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (B,):
+        raise ValueError(f"seq_lens must be int32 [{B}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if block_table.shape[1] * layout.page < max_seq_len:
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds the block table ({block_table.shape[1]} blocks of {layout.page})")
     G = Hq // H
     block_m = max(16, triton.next_power_of_2(G * T))
     t = _tables(layout.preset, seed, q.device, d)

@@ -111,6 +111,12 @@ def test_encode_refuses_mismatched_shapes():
     lay = tq.CacheLayout(tq.PRESETS[tq.DEFAULT_PRESET], num_kv_heads=2, page=16)
     with pytest.raises(ValueError, match="do not match the layout"):
         tt.encode(torch.randn(3, 4, 256), torch.randn(3, 4, 256), torch.arange(3), lay.empty(1), lay, SEED)
+    k = torch.randn(3, 2, 256)
+    with pytest.raises(ValueError, match="slot_mapping must be int32/int64"):
+        tt.encode(k, k, torch.arange(3.0), lay.empty(1), lay, SEED)
+    other = tq.CacheLayout(tq.PRESETS["turboquant_k8v4"], num_kv_heads=2, page=16)
+    with pytest.raises(ValueError, match="cache must be a contiguous uint8"):  # a cache made for another preset
+        tt.encode(k, k, torch.arange(3), other.empty(1), lay, SEED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,6 +176,15 @@ def test_decode_refuses_bad_shapes():
         tt.decode_attention(torch.randn(1, 3, 1, 256), lay.empty(1), lay, bt, sl, SEED, 1 / 16, 1)
     with pytest.raises(ValueError, match="head_dim 256"):
         tt.decode_attention(torch.randn(1, 4, 1, 128), lay.empty(1), lay, bt, sl, SEED, 1 / 16, 1)
+    q = torch.randn(1, 4, 1, 256)
+    with pytest.raises(ValueError, match="block_table must be int32"):
+        tt.decode_attention(q, lay.empty(1), lay, bt.long(), sl, SEED, 1 / 16, 1)
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        tt.decode_attention(q, lay.empty(1), lay, bt, sl.long(), SEED, 1 / 16, 1)
+    with pytest.raises(ValueError, match="exceeds the block table"):
+        tt.decode_attention(q, lay.empty(1), lay, bt, sl, SEED, 1 / 16, 17)
+    with pytest.raises(ValueError, match="cache must be a contiguous uint8"):
+        tt.decode_attention(q, lay.empty(1).float(), lay, bt, sl, SEED, 1 / 16, 1)
 
 
 def test_encode_then_decode_end_to_end_vs_unquantized():
