@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
