@@ -357,3 +357,27 @@ def test_topk_kl_does_not_inflate_a_flat_tail():
     exact = _exact_kl(p, q)
     assert set(top(p)) != set(top(q))  # the case that matters
     assert topk_kl(top(p), top(q)) < 2 * exact  # was ~1e3 x exact with an uncapped share of the rest
+
+
+def test_topk_kl_estimate_on_recorded_server_distributions():
+    """Real next-token distributions recorded from the vLLM CPU server (tiny model, whole 677-token vocabulary,
+    BF16 vs INT8 LM head: bench/results/cpu-tiny-*-head-greedy.json): the top-20 estimate against exact KL."""
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parent.parent / "bench" / "results"
+    a = report.load_result(str(results / "cpu-tiny-bf16-head-greedy.json"))["quality"]["record"]["rows"]
+    b = report.load_result(str(results / "cpu-tiny-int8-head-greedy.json"))["quality"]["record"]["rows"]
+    exact, est = [], []
+    for ra, rb in zip(a, b):
+        assert ra["tokens"] == rb["tokens"]  # greedy output unchanged by the INT8 head
+        for pa, pb in zip(ra["top_logprobs"], rb["top_logprobs"]):
+            assert math.fsum(math.exp(v) for v in pa.values()) == pytest.approx(1.0, abs=1e-5)  # whole vocabulary
+            exact.append(topk_kl(pa, pb))
+
+            def top20(d):
+                return dict(sorted(d.items(), key=lambda kv: -kv[1])[:20])
+
+            est.append(topk_kl(top20(pa), top20(pb)))
+    ratio = math.fsum(est) / math.fsum(exact)
+    assert 0 < math.fsum(exact) / len(exact) < 1e-3  # an INT8 head is a small change
+    assert 0.3 < ratio < 1.5, ratio  # measured 0.62: the tail the top-20 cannot see
