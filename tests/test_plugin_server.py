@@ -117,3 +117,18 @@ def test_a_server_that_cannot_start_fails_fast_with_its_log(tmp_path):
     assert not server.running
     server.stop()  # idempotent
     assert str(tmp_path) in server.log_text()  # the log names what it tried to load
+
+
+def test_tied_head_stays_bf16_and_serves(tmp_path):
+    # Qwen2-MoE ties by assigning the embedding's Parameter to lm_head.weight: quantizing would free
+    # nothing (the embedding keeps it), so the plugin must leave that head alone, and serving must work.
+    from onespark.tinymodel import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tied", seed=0, tie_word_embeddings=True)
+    with VLLMServer(model) as server:
+        r = server.post_json("/v1/completions", {"model": server.model, "prompt": "The quick brown fox",
+                                                 "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        log = server.log_text()
+    assert r["usage"]["completion_tokens"] == 4
+    assert "tied to the input embedding: INT8 head not applied" in log
+    assert "INT8 LM head lm_head in use" not in log
