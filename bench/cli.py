@@ -244,7 +244,10 @@ def run(args) -> int:
     }
     stem = args.name or f"{'-'.join(names)}-{created.strftime('%Y%m%dT%H%M%SZ')}"
     out = Path(args.out)
-    report.write_atomic(out / f"{stem}.json", json.dumps(result, indent=1) + "\n")
+    text = json.dumps(result, indent=1)
+    if len(text) > 200_000:  # e.g. whole-vocabulary logprobs: indentation would double a file nobody reads by eye
+        text = json.dumps(result, separators=(",", ":"))
+    report.write_atomic(out / f"{stem}.json", text + "\n")
     report.write_atomic(out / f"{stem}.md", report.markdown(result) + "\n")
     wrote = [out / f"{stem}.json", out / f"{stem}.md"]
     if not args.no_png and report.plot(result, out / f"{stem}.png"):
