@@ -144,8 +144,7 @@ class OnesparkHybridConfig(INCConfig):
 
 
 def install() -> None:
-    from vllm.model_executor.layers.quantization import get_quantization_config
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
+    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
 
     if NAME in QUANTIZATION_METHODS and get_quantization_config(NAME) is OnesparkHybridConfig:
         return
