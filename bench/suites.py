@@ -56,6 +56,12 @@ class Settings:
             raise UserError("--concurrency needs levels of at least 1, e.g. 1,2,4,8")
         if any(c < 1 for c in self.capacity_contexts) or self.capacity_context < 1:
             raise UserError("capacity context lengths must be positive")
+        if self.server_log:
+            try:
+                with open(self.server_log, "rb"):
+                    pass
+            except OSError as e:  # say so before any request is sent
+                raise UserError(f"cannot read --server-log {self.server_log}: {e.strerror}") from e
 
 
 def published_classes() -> dict:

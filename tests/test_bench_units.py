@@ -287,7 +287,8 @@ def test_plot_writes_a_png(tmp_path):
     (["--top-k", "0"], "--top-k must be at least 1"),
     (["--concurrency", "0"], "--concurrency needs levels"),
     (["--api", "completions", "--no-think"], "--no-think works through the chat template"),
-], ids=["suite", "runs", "url", "unreachable", "top-k", "concurrency", "no-think"])
+    (["--suite", "capacity", "--server-log", "/nonexistent/server.log"], "cannot read --server-log"),
+], ids=["suite", "runs", "url", "unreachable", "top-k", "concurrency", "no-think", "server-log"])
 def test_cli_bad_input(argv, message, tmp_path, capsys):
     assert main(["bench", *argv, "--out", str(tmp_path), "--no-progress"]) == 1
     assert message in capsys.readouterr().err
