@@ -165,9 +165,7 @@ async def _bench(args, names: list[str], settings: Settings) -> dict:
 
 
 async def _quality(args, ep_a: Endpoint, client_a, settings: Settings, progress: Progress) -> dict:
-    from onespark.bench.quality import run_ab
-
-    from onespark.bench.quality import record
+    from onespark.bench.quality import record, run_ab
 
     classes = published_classes()["classes"]
     if settings.classes:

@@ -56,6 +56,11 @@ class Settings:
             raise UserError("--concurrency needs levels of at least 1, e.g. 1,2,4,8")
         if any(c < 1 for c in self.capacity_contexts) or self.capacity_context < 1:
             raise UserError("capacity context lengths must be positive")
+        if self.classes:
+            known = [c["name"] for c in published_classes()["classes"]]
+            unknown = [c for c in self.classes if c not in known]
+            if unknown:
+                raise UserError(f"unknown class {', '.join(unknown)}: choose from {', '.join(known)}")
         if self.server_log:
             try:
                 with open(self.server_log, "rb"):

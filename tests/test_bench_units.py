@@ -288,7 +288,8 @@ def test_plot_writes_a_png(tmp_path):
     (["--concurrency", "0"], "--concurrency needs levels"),
     (["--api", "completions", "--no-think"], "--no-think works through the chat template"),
     (["--suite", "capacity", "--server-log", "/nonexistent/server.log"], "cannot read --server-log"),
-], ids=["suite", "runs", "url", "unreachable", "top-k", "concurrency", "no-think", "server-log"])
+    (["--suite", "quality", "--classes", "Q&A,Poetry"], "unknown class Poetry"),
+], ids=["suite", "runs", "url", "unreachable", "top-k", "concurrency", "no-think", "server-log", "class"])
 def test_cli_bad_input(argv, message, tmp_path, capsys):
     assert main(["bench", *argv, "--out", str(tmp_path), "--no-progress"]) == 1
     assert message in capsys.readouterr().err
