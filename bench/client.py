@@ -97,6 +97,8 @@ async def count_prompt_tokens(client: httpx.AsyncClient, ep: Endpoint, prompt: s
     body: dict = {"model": ep.model}
     if ep.api == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
+        if "chat_template_kwargs" in ep.extra_body:  # --no-think changes the template, so the count
+            body["chat_template_kwargs"] = ep.extra_body["chat_template_kwargs"]
     else:
         body["prompt"] = prompt
     try:
