@@ -164,18 +164,18 @@ step_checkpoints() {
   done
 }
 
-# Demo steps 0-2: the same tools on generated checkpoints in the real formats (tiny sizes), then the
-# tiny model that vLLM can serve on CPU (the synthetic 122B layout is not servable on CPU).
+# Demo steps 0-2: step 0 generates the two source checkpoints (`onespark synth`: the real formats at tiny
+# sizes) instead of downloading them; steps 1-2 are the real scripts. Then the tiny model that vLLM can
+# serve on CPU (the synthetic 122B layout is not servable on CPU).
 step_checkpoints_demo() {
   if [[ -f $WORK/hybrid/onespark-manifest.json ]]; then
-    say "demo steps 0-2: $WORK/hybrid exists, skipping"
+    say "demo step 0: $WORK/hybrid exists, skipping"
   else
     [[ -d $WORK/int4 ]] || ospk synth --format int4 --out "$WORK/int4"
     [[ -d $WORK/fp8 ]] || ospk synth --format fp8 --out "$WORK/fp8"
-    ospk hybrid --int4 "$WORK/int4" --fp8 "$WORK/fp8" --out "$WORK/hybrid"
-    ospk mtp "$WORK/hybrid" --source "$WORK/int4"
   fi
-  ospk verify "$WORK/hybrid"
+  step_script "step 1-hybrid" steps/1-hybrid.sh --work "$WORK"
+  step_script "step 2-mtp" steps/2-mtp.sh --work "$WORK"
   [[ -d $WORK/tiny ]] || ospk tiny-model --out "$WORK/tiny"
 }
 
