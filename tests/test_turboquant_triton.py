@@ -131,7 +131,7 @@ def test_encode_refuses_mismatched_shapes():
 
 DECODE_CASES = [
     # (B, Hq, H, T, lens, page, splits)
-    pytest.param(1, 4, 2, 1, [70], 16, 1, id="B1-G2-T1-L70-S1"),
+    pytest.param(1, 4, 2, 1, [70], 24, 1, id="B1-G2-T1-L70-P24-S1"),  # a page that is no power of two
     pytest.param(3, 32, 2, 3, [5, 37, 100], 16, 3, id="B3-G16-T3-L5.37.100-S3"),
     pytest.param(2, 32, 2, 1, [129, 1], 32, 4, id="B2-G16-T1-L129.1-S4-emptysplits"),
     pytest.param(1, 6, 3, 3, [3], 16, 2, id="B1-G2-T3-L3-causal-only"),
