@@ -44,7 +44,7 @@ def installed_vllm_root() -> Path:
 
 def apply(diff: Path, root: Path, dry_run: bool) -> subprocess.CompletedProcess:
     if shutil.which("patch"):
-        cmd = ["patch", "-p1", "--forward", "--batch", "-d", str(root), "-i", str(diff)] + (["--dry-run"] if dry_run else [])
+        cmd = ["patch", "-p1", "--forward", "--fuzz=0", "--batch", "-d", str(root), "-i", str(diff)] + (["--dry-run"] if dry_run else [])
     else:  # git apply works outside a repository too
         cmd = ["git", "apply", "-p1", str(diff)] + (["--check"] if dry_run else [])
         return subprocess.run(cmd, cwd=root, capture_output=True, text=True)
