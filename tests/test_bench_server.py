@@ -295,3 +295,11 @@ def test_quality_recorded_then_compared(vllm_server, tmp_path, capsys):
     assert main(["bench", "compare", str(tmp_path / "qa.json"), str(tmp_path / "qb.json")]) == 0
     out = capsys.readouterr().out
     assert "quality A/B" in out and re.search(r"Q&A\s+6/6\s+100.0%\s+none", out)
+
+
+def test_no_think_and_depth_with_template_kwargs(vllm_server, tmp_path):
+    """--no-think goes to the server as chat_template_kwargs (requests and /tokenize sizing alike)."""
+    rc, res = _bench(vllm_server, tmp_path, "--no-think", "--suite", "published,depth", "--classes", "Math",
+                     "--depths", "200", "--depth-max-tokens", "4", "--runs", "1", "--max-tokens", "4")
+    assert rc == 0 and res["settings"]["no_think"] is True
+    assert abs(res["suites"]["depth"]["groups"][0]["summary"]["prompt_tokens"]["mean"] - 200) <= 16
