@@ -292,6 +292,17 @@ def compare(a: dict, b: dict) -> list[dict]:
         if suite == "published":
             for m in ("e2e_tok_s", "decode_tok_s"):
                 add(suite, "cross-class", m, sa["cross_class"].get(m), sb["cross_class"].get(m))
+    ca, cb = a.get("suites", {}).get("capacity"), b.get("suites", {}).get("capacity")
+    if ca and cb:  # v2 vs v2-tq is mostly this: counts from the server, no run-to-run noise
+        eb = {e["context"]: e for e in cb["estimates"]}
+        for e in ca["estimates"]:
+            e2 = eb.get(e["context"])
+            for m in ("kv_cache_tokens", "users"):
+                if e2 is not None and e.get(m) is not None and e2.get(m) is not None:
+                    d = e2[m] - e[m]
+                    out.append({"suite": "capacity", "group": e["context"], "metric": m, "a": e[m], "b": e2[m],
+                                "n_a": 1, "n_b": 1, "delta": d, "delta_pct": 100.0 * d / e[m] if e[m] else None,
+                                "se": None, "significant": None, "count": True})
     return out
 
 
@@ -299,7 +310,12 @@ def compare_table(rows: list[dict], path_a: str, path_b: str, md: bool = False) 
     headers = ["suite", "group", "metric", "A", "B", "delta", "delta %", "± 2 SE", "verdict"]
     body = []
     for r in rows:
-        verdict = "n<2: noise unknown" if r["significant"] is None else ("beyond noise" if r["significant"] else "within noise")
+        if r.get("count"):
+            verdict = "a count: no noise"
+        elif r["significant"] is None:
+            verdict = "n<2: noise unknown"
+        else:
+            verdict = "beyond noise" if r["significant"] else "within noise"
         body.append([r["suite"], str(r["group"]), r["metric"], _f(r["a"], 3), _f(r["b"], 3), _f(r["delta"], 3),
                      _f(r["delta_pct"], 1), _f(2 * r["se"], 3) if r["se"] is not None else "-", verdict])
     title = f"B = {path_b} vs A = {path_a}"

@@ -383,3 +383,17 @@ def test_topk_kl_estimate_on_recorded_server_distributions():
     ratio = math.fsum(est) / math.fsum(exact)
     assert 0 < math.fsum(exact) / len(exact) < 1e-3  # an INT8 head is a small change
     assert 0.3 < ratio < 1.5, ratio  # measured 0.62: the tail the top-20 cannot see
+
+
+def test_compare_capacity_counts():
+    def cap(tokens):
+        est = [{"context": 262144, **metrics_estimate(tokens)}]
+        return {**_result(50.0, 1.0), "suites": {"capacity": {"estimates": est, "rows": [], "groups": []}}}
+
+    def metrics_estimate(tokens):
+        return prom.capacity_estimate(tokens, None, None, 262144)
+
+    rows = report.compare(cap(355_000), cap(1_400_000))  # the recipe's v2 vs v2-tq
+    users = next(r for r in rows if r["metric"] == "users")
+    assert (users["a"], users["b"], users["delta"]) == (1, 5, 4)
+    assert "a count: no noise" in report.compare_table(rows, "v2.json", "v2-tq.json")
