@@ -73,8 +73,11 @@ CAUSES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"CUDA out of memory|OutOfMemoryError|Cannot allocate memory"),
      "out of memory: lower --gpu-memory-utilization (default 0.82) or --max-model-len, and close other "
      "programs using the GPU (nvidia-smi)."),
-    (re.compile(r"larger than the maximum number of tokens that can be stored in KV cache|max_model_len.*exceed"),
-     "the KV cache cannot hold --max-model-len tokens: lower --max-model-len."),
+    (re.compile(r"than the derived max_model_len"),
+     "--max-model-len is longer than the model's config allows (max_position_embeddings): lower it."),
+    (re.compile(r"larger than the available KV cache"),
+     "the KV cache cannot hold --max-model-len tokens: lower --max-model-len, or raise "
+     "--gpu-memory-utilization a little (0.82 is the stable default on a 128 GB Spark)."),
     (re.compile(r"No CUDA GPUs are available|could not select device driver|Found no NVIDIA driver|"
                 r"no CUDA-capable device"),
      "the container sees no GPU: install and configure the NVIDIA container toolkit (onespark doctor prints "

@@ -416,6 +416,17 @@ def test_stage_messages_exist_in_vllm(literal):
     assert any(p.search(literal) or p.pattern.split("[")[0].split("|")[0] in literal for p, _ in serve.STAGES)
 
 
+@pytest.mark.vllm
+@pytest.mark.parametrize("literal", [
+    "Invalid repository ID or local directory", "than the derived max_model_len",
+    "which is larger than the available KV cache",
+])
+def test_cause_messages_exist(literal):
+    """The likely causes keyed on vLLM's own error messages use words vLLM 0.19.1 really prints."""
+    assert literal in _vllm_source()
+    assert serve.likely_cause("ValueError: " + literal, 1) != serve.likely_cause("ValueError: nothing", 1)
+
+
 def test_detect_stage_follows_the_log():
     log = textwrap.dedent("""\
         INFO 11-30 06:01:17 [__init__.py:251] Automatically detected platform cuda.
@@ -445,6 +456,12 @@ def test_detect_stage_follows_the_log():
      1, False, "ptxas"),
     ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", 1, False, "out of memory"),
     ("OSError: [Errno 98] Address already in use", 1, False, "port is taken"),
+    ("ValueError: User-specified max_model_len (4096) is greater than the derived max_model_len "
+     "(max_position_embeddings=2048 or model_max_length=None in model's config.json).", 1, False,
+     "longer than the model's config allows"),
+    ("ValueError: To serve at least one request with the models's max seq len (262144), (24.0 GiB KV "
+     "cache is needed, which is larger than the available KV cache memory (8.1 GiB).", 1, False,
+     "KV cache cannot hold"),
     ("RuntimeError: No CUDA GPUs are available", 1, False, "sees no GPU"),
     ("KeyError: 'mtp.layers.0.mlp.experts.0.down_proj.weight'", 1, False, "MTP"),
     ("ValueError: Invalid repository ID or local directory specified: '/model'", 1, False, "no model at /model"),

@@ -136,3 +136,29 @@ def test_v2_tq_refuses_to_pretend():
     said = [ln for ln in (r.stdout + r.stderr).splitlines()
             if "Dockerfile.v2-tq:" in ln and "RUN " not in ln and "The command" not in ln]
     assert said, f"no explanation in the build output:\n{(r.stdout + r.stderr)[-3000:]}"
+
+
+def test_serve_reports_a_dying_container(tmp_path):
+    """A container that dies during start-up: `onespark serve` exits 1 with the log tail and the cause."""
+    reason = _docker_ok()
+    if reason:
+        pytest.skip(reason)
+    from onespark import __version__
+    from onespark.tinymodel import write_tiny_model
+    image = f"onespark-demo/v2:{__version__}"
+    if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode != 0:
+        pytest.skip(f"{image} not built (test_install_demo_end_to_end builds it)")
+    model = write_tiny_model(tmp_path / "tiny")
+    name = "onespark-test-dies"
+    try:
+        # The tiny model allows 2048 positions; ask for 4096 (later flags win over the demo's 1024).
+        r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--model", str(model),
+                            "--name", name, "--replace", "--port", str(_free_port()), "--timeout", "600",
+                            "--", "--max-model-len", "4096"],
+                           capture_output=True, text=True, timeout=900)
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"container {name} exited" in r.stderr and "--- last 40 log lines ---" in r.stderr
+    assert "max_model_len" in r.stderr  # the tail shows vLLM's own error
+    assert "likely cause: --max-model-len is longer than the model's config allows" in r.stderr
