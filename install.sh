@@ -38,10 +38,10 @@ Serves Qwen3.5-122B-A10B from one DGX Spark (GB10) through vLLM 0.19.1's OpenAI 
 
   --launch          after the images, start the server and send one chat request
   --tq              use the TurboQuant image (onespark/v2-tq:$VERSION) instead of onespark/v2:$VERSION
-  --bench           after --launch, run a short benchmark (onespark bench)
+  --bench           after the launch, run onespark bench --suite published (implies --launch)
   --host ADDR       address the server binds (default: $HOST, this machine only)
   --port N          port (default: $PORT)
-  --api-key KEY     require this key on /v1 (default: none; \$ONESPARK_API_KEY works too)
+  --api-key KEY     require this key on /v1 (default: none; \$ONESPARK_API_KEY keeps it out of ps)
   --work DIR        checkpoints go here (default: $WORK; with --demo: $DEMO_WORK)
   --no-cache        rebuild the images even if they are up to date
   --demo            no GPU needed: tiny generated checkpoints for steps 0-2, a CPU stand-in base image
@@ -61,7 +61,7 @@ parse_args() {
     case $1 in
       --launch) LAUNCH=1 ;;
       --tq) TQ=1 ;;
-      --bench) BENCH=1 ;;
+      --bench) BENCH=1; LAUNCH=1 ;;
       --host) HOST=${2:?--host needs a value}; shift ;;
       --port) PORT=${2:?--port needs a value}; shift ;;
       --api-key) export ONESPARK_API_KEY=${2:?--api-key needs a value}; shift ;;
