@@ -89,7 +89,7 @@ class Fetcher:
                             f"the file is shorter than its header says; try again later")
         return r.content
 
-    def get_to_file(self, filename: str, start: int, end: int, path: Path) -> None:
+    def get_to_file(self, filename: str, start: int, end: int, path: Path, progress=lambda n: None) -> None:
         """Stream bytes [start, end) into `path` (temp name + rename: a part exists only when complete)."""
         tmp = path.with_name(path.name + ".tmp")
         headers = _headers({"Range": f"bytes={start}-{end - 1}"})
@@ -101,6 +101,7 @@ class Fetcher:
                 for block in r.iter_bytes(CHUNK):
                     f.write(block)
                     self.bytes += len(block)
+                    progress(len(block))
                 f.flush()
                 os.fsync(f.fileno())
         if tmp.stat().st_size != end - start:
@@ -158,22 +159,25 @@ def fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
     by_shard: dict[str, list[str]] = {}
     for n in names:
         by_shard.setdefault(wm[n], []).append(n)
-    items, needed = [], 0
+    plan = []  # (shard, start, end, tensors): every header first, so the progress bar knows the total
     for shard, shard_names in sorted(by_shard.items()):
         header = f.header(shard)
-        infos = []
         for n in shard_names:
             if n not in header:
                 raise UserError(f"{repo}: {shard} lacks {n}, which the index puts there: try another revision")
-            infos.append(header[n])
-        for start, end, ts in _ranges(infos):
+        plan += [(shard, s, e, ts) for s, e, ts in _ranges([header[n] for n in shard_names])]
+    from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
+    items, needed = [], 0
+    with tqdm(total=sum(e - s for _, s, e, _ in plan), unit="B", unit_scale=True, desc="FP8 shared experts") as bar:
+        for shard, start, end, ts in plan:
             part = parts / f"{shard}.{start}-{end}"
             if not part.is_file() or part.stat().st_size != end - start:
-                f.get_to_file(shard, start, end, part)
+                f.get_to_file(shard, start, end, part, progress=bar.update)
+            else:
+                bar.update(end - start)
             for t in ts:
                 items.append((t.name, t.dtype, t.shape, Range(part, t.begin - start, t.nbytes)))
                 needed += t.nbytes
-        log(f"  {shard}: {len(infos)} tensors")
     items.sort(key=lambda i: names.index(i[0]))
     write_safetensors(dest / FP8_FILE, items, {"format": "pt"})
     write_json_atomic(dest / "config.json", config)
