@@ -114,7 +114,7 @@ def quantize_int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((n, k), dtype=torch.int8, device=w.device)
     scale = torch.empty((n,), dtype=torch.float32, device=w.device)
     for i, j in _row_chunks(w):
-        c = w[i:j].to(torch.float32)  # the one temporary
+        c = w[i:j].to(torch.float32, copy=True)  # the one temporary (copy: an fp32 w must stay untouched)
         amax = torch.maximum(c.amax(dim=1), -c.amin(dim=1))
         if not bool(torch.isfinite(amax).all()):
             bad = i + int((~torch.isfinite(amax)).nonzero()[0, 0])

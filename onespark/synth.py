@@ -73,6 +73,14 @@ TINY_VISION = dict(REAL_VISION, depth=2, hidden_size=64, intermediate_size=128, 
                    num_position_embeddings=64)
 
 
+def _mrope_section(head_dim: int, partial_rotary_factor: float) -> list[int]:
+    """The real config's [11, 11, 10] (t, h, w) split of the 32 rotary frequency pairs, scaled to any head_dim:
+    vLLM's mrope requires the sections to sum to rotary_dim / 2."""
+    pairs = int(head_dim * partial_rotary_factor) // 2
+    t = h = round(pairs * 11 / 32)
+    return [t, h, pairs - t - h]
+
+
 def make_config(fmt: str, dims: dict, *, mtp_dtype: str = "bf16", vision: dict | None = None) -> dict:
     tc = dict(dims)
     tc.update(model_type="qwen3_5_moe_text", hidden_act="silu", attn_output_gate=True, attention_bias=False,
@@ -81,7 +89,7 @@ def make_config(fmt: str, dims: dict, *, mtp_dtype: str = "bf16", vision: dict |
               use_cache=True, tie_word_embeddings=False, dtype="bfloat16", mtp_use_dedicated_embeddings=False,
               eos_token_id=248044 if dims["vocab_size"] > 248044 else dims["vocab_size"] - 1,
               rope_parameters=dict(rope_type="default", rope_theta=10000000, partial_rotary_factor=0.25,
-                                   mrope_interleaved=True, mrope_section=[11, 11, 10]))
+                                   mrope_interleaved=True, mrope_section=_mrope_section(dims["head_dim"], 0.25)))
     tc["layer_types"] = qwen35.layer_types(tc)
     config = {
         "architectures": ["Qwen3_5MoeForConditionalGeneration"],

@@ -207,6 +207,16 @@ def test_quantize_int8_rows_round_trip():
     assert bool((err <= s[:, None] * (0.5 + 1e-5)).all()), f"max err {(err / s[:, None].clamp_min(1e-30)).max()} steps"
 
 
+def test_quantize_leaves_the_weight_untouched():
+    # an fp32 weight once came back divided by its scales: the chunk was a view, not a copy
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(300, 40, generator=torch.Generator().manual_seed(1)).to(dtype)
+        before = w.clone()
+        quantize_int8_rows(w)
+        quantize_int4_groups(w)
+        assert torch.equal(w, before), dtype
+
+
 def test_quantize_chunks_bound_peak_memory():
     # the only large temporary is one fp32 chunk of ceil(N/32) rows: 6.25% of a BF16 weight
     w = torch.empty(248_320, 1, dtype=torch.bfloat16)

@@ -39,19 +39,6 @@ def _cli(*args: str) -> None:
     assert r.returncode == 0, f"onespark {' '.join(args)} failed:\n{r.stderr}"
 
 
-def _fix_mrope(ckpt: Path) -> None:
-    """synth's tiny config keeps the real model's mrope_section [11, 11, 10] (sum 32 = rotary_dim/2 for
-    head_dim 256); vLLM asserts the sum equals rotary_dim/2 of *this* config. Scale it if it does not."""
-    path = ckpt / "config.json"
-    cfg = json.loads(path.read_text())
-    tc = cfg.get("text_config", cfg)
-    rope = tc["rope_parameters"]
-    half = int(tc["head_dim"] * rope.get("partial_rotary_factor", 1.0)) // 2
-    if sum(rope.get("mrope_section", [])) != half:
-        rope["mrope_section"] = [half - 2 * (half // 3), half // 3, half // 3]
-        path.write_text(json.dumps(cfg, indent=2))
-
-
 @pytest.fixture(scope="module")
 def hybrid_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid")
@@ -61,7 +48,6 @@ def hybrid_checkpoints(tmp_path_factory):
         _cli("synth", "--format", "int4", "--mtp-dtype", mtp, "--out", str(root / f"int4-mtp-{mtp}"))
         _cli("hybrid", "--int4", str(root / f"int4-mtp-{mtp}"), "--fp8", str(root / "fp8"),
              "--out", str(root / f"hybrid-mtp-{mtp}"))
-        _fix_mrope(root / f"hybrid-mtp-{mtp}")
         out[mtp] = root / f"hybrid-mtp-{mtp}"
     return out
 
