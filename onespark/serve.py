@@ -106,6 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("ONESPARK_API_KEY"),
                    help="require this key on /v1 (default: $ONESPARK_API_KEY; none)")
     p.add_argument("--timeout", type=float, help="seconds to wait for /health (default: 1800; --demo: 600)")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra container environment, repeatable (e.g. ONESPARK_INT8_LM_HEAD=0 for an A/B run)")
     p.add_argument("--replace", action="store_true", help="remove an existing container of the same name first")
     p.add_argument("--prompt", default="In one sentence: what is a DGX Spark?", help="the smoke-test question")
     p.add_argument("--max-tokens", type=int, default=64, help="smoke-test answer length (default: 64)")
@@ -127,6 +129,13 @@ def docker_run_command(args: argparse.Namespace, image: str) -> tuple[list[str],
     else:
         # Unified memory: --ipc host for PyTorch's shared memory; unlimited locked memory for NCCL/UCX.
         cmd += ["--gpus", "all", "--ipc", "host", "--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
+    for item in getattr(args, "env", None) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise UserError(f"--env {item!r}: expected KEY=VALUE, e.g. --env ONESPARK_INT8_LM_HEAD=0")
+        if key == "VLLM_API_KEY":
+            raise UserError("--env VLLM_API_KEY=...: use --api-key (or $ONESPARK_API_KEY) so the key stays off argv")
+        env[key] = value
     if args.api_key:
         env["VLLM_API_KEY"] = args.api_key
     for k, v in env.items():
@@ -154,9 +163,15 @@ def detect_stage(log: str) -> str | None:
 
 
 def likely_cause(log: str, exit_code: int | None = None, oom_killed: bool = False) -> str:
-    if oom_killed or exit_code == 137:
+    if oom_killed:
         return ("the container was killed for memory (OOM): lower --gpu-memory-utilization (default 0.82) or "
                 "--max-model-len; on a Spark, CPU and GPU share the 128 GB, so close other programs too.")
+    if exit_code == 137:
+        # Docker sets OOMKilled only for its own memory limit; the host's OOM killer (no limit set, the
+        # usual case on a Spark) and a `docker kill` / `docker rm -f` both show up as a bare SIGKILL.
+        return ("the container was killed (SIGKILL): if `dmesg | grep -i oom` shows it, host memory ran out (OOM): "
+                "lower --gpu-memory-utilization (default 0.82) or --max-model-len and close other programs; "
+                "otherwise something stopped it (docker kill / rm -f, another `onespark serve --replace`).")
     # Only error lines: the config dump at start-up mentions mtp, speculative, memory... harmlessly.
     errors = [ln for ln in log.splitlines() if re.search(r"Error|error|Exception|fatal|Killed", ln)]
     text = "\n".join(errors[-30:])

@@ -448,7 +448,8 @@ def test_detect_stage_follows_the_log():
 
 
 @pytest.mark.parametrize("log, code, oom, expect", [
-    ("", 137, False, "OOM"),
+    ("", 137, False, "SIGKILL"),
+    ("", 137, False, "dmesg"),
     ("", 0, True, "OOM"),
     ("ImportError: /opt/venv/lib/python3.12/site-packages/vllm/_C.abi3.so: undefined symbol: "
      "_ZN2at4cuda26getCurrentCUDABlasHandleEv", 1, False, "torch ABI mismatch"),
@@ -513,3 +514,15 @@ def test_install_stops_at_preflight_without_a_spark(fakebin, tmp_path):
     assert "./install.sh --demo" in r.stdout + r.stderr
     assert not [c for c in _calls(fakebin) if c.startswith(("docker build ", "docker run ", "sudo", "apt-get"))]
     assert not (tmp_path / "work").exists()
+
+
+def test_serve_env_passthrough_for_ab_runs():
+    p = argparse.ArgumentParser()
+    serve.add_arguments(p)
+    args = p.parse_args(["--model", "/tmp/m", "--env", "ONESPARK_INT8_LM_HEAD=0", "--env", "A_B=x=y"])
+    cmd, env = serve.docker_run_command(args, "img")
+    assert "ONESPARK_INT8_LM_HEAD=0" in cmd and "A_B=x=y" in cmd and env["A_B"] == "x=y"
+    for bad in (["--env", "NOVALUE"], ["--env", "1BAD=x"], ["--env", "VLLM_API_KEY=secret"]):
+        args = p.parse_args(["--model", "/tmp/m", *bad])
+        with pytest.raises(serve.UserError):
+            serve.docker_run_command(args, "img")
