@@ -71,7 +71,9 @@ def qjl_vs_mse(r, n=8000, m=256):
     return out
 
 
-def structured(kind, L=4096, seed=0, d=256):
+def structured(kind: str, L: int = 4096, seed: int = 0, d: int = 256):
+    """K, V [L, d] and queries [16, d] for: random; outlier channels (8 channels x20 + a shared offset,
+    as LLM keys show); near-duplicate keys (64 prototypes + 5% noise, queries aligned with prototypes)."""
     g = torch.Generator().manual_seed(seed)
     k, v, q = (torch.randn(n, d, generator=g) for n in (L, L, 16))
     if kind == "outlier":

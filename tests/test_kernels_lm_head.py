@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +31,7 @@ from onespark.kernels import (
 )
 from onespark.kernels import lm_head
 from tests._compare import assert_close
+from tests._interpreter import run_interpreter_lane
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -322,8 +322,4 @@ def test_real_shape_bf16_no_recompile_and_cuda_graph():
 
 @pytest.mark.skipif(CUDA or INTERPRET, reason="kernel tests run in this process")
 def test_interpreter_lane():
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not interpreter_lane"]
-    r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=1200)
-    assert r.returncode == 0, f"interpreter lane failed ({' '.join(cmd)}):\n{r.stdout[-8000:]}\n{r.stderr[-3000:]}"
+    run_interpreter_lane(__file__, timeout_s=1200)

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from onespark.bench.turboquant_quality import structured
 from onespark.kernels import turboquant as tq
 
 PAPER_BOUND = math.sqrt(3) * math.pi / 2  # 2.72
@@ -169,22 +170,6 @@ def test_zero_vector_encodes_to_zero():
 # Paged cache and attention
 
 
-def make_structured(kind: str, L: int, d: int = 256, seed: int = 0):
-    """K, V [L, d] and queries [16, d] for: random; outlier channels (8 channels x20 + a shared offset,
-    as LLM keys show); near-duplicate keys (64 prototypes + 5% noise, queries aligned with prototypes)."""
-    g = torch.Generator().manual_seed(seed)
-    k, v, q = (torch.randn(n, d, generator=g) for n in (L, L, 16))
-    if kind == "outlier":
-        k[:, :8] *= 20
-        k += 3 * torch.randn(d, generator=g)
-        q[:, :8] *= 3
-    elif kind == "neardup":
-        base = torch.randn(64, d, generator=g)
-        k = base[torch.randint(0, 64, (L,), generator=g)] + 0.05 * torch.randn(L, d, generator=g)
-        q = 1.5 * base[:16]
-    return k, v, q
-
-
 # Attention-output relative error vs float64 on unquantized data, L = 4096, 16 query heads, sm_scale 1/16.
 # Measured on this reference (2026-11-30): random 0.137 / 0.207 / 0.095, outlier 0.300 / 0.334 / 0.093,
 # neardup 0.095 / 0.181 / 0.095 for K4V4 / K4V3 / K8V4. Limits are those + 15% (a regression guard), and
@@ -198,7 +183,7 @@ ATTN_LIMITS = {
 
 @pytest.mark.parametrize("kind", list(ATTN_LIMITS))
 def test_attention_output_error_vs_unquantized(kind):
-    k, v, q = make_structured(kind, 4096)
+    k, v, q = structured(kind, 4096)
     r = tq.rotation(tq.rotation_seed(0), dtype=torch.float64)
     ref = tq.attention_reference(q[:, None], k[:, None], v[:, None], 1 / 16)
     errs = []
