@@ -130,16 +130,27 @@ def _ranges(infos: list) -> list[tuple[int, int, list]]:
     return out
 
 
+def _finished_record(dest: Path, repo: str, revision: str) -> dict | None:
+    """The download record of a complete earlier fetch of repo@revision into dest, re-validated (headers
+    parse, file sizes match), or None when there is work left."""
+    rec_path = dest / DOWNLOAD_RECORD
+    if not rec_path.is_file():
+        return None
+    rec = load_json(rec_path, "download record")
+    if rec.get("repo") != repo or rec.get("revision") != revision or not rec.get("complete"):
+        return None
+    open_checkpoint(dest)
+    return rec
+
+
 def fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
     """Fetch config.json and the shared-expert FP8 weights + scales of `repo` into `dest` (a small checkpoint)."""
     dest = Path(dest)
     rec_path = dest / DOWNLOAD_RECORD
-    if rec_path.is_file():
-        rec = load_json(rec_path, "download record")
-        if rec.get("repo") == repo and rec.get("revision") == revision and rec.get("complete"):
-            open_checkpoint(dest)  # re-validates the header and size of what is there
-            log(f"FP8 tensors already fetched: {dest} ({rec['tensors']} tensors from {repo}@{revision[:12]})")
-            return rec
+    rec = _finished_record(dest, repo, revision)
+    if rec:
+        log(f"FP8 tensors already fetched: {dest} ({rec['tensors']} tensors from {repo}@{revision[:12]})")
+        return rec
     dest.mkdir(parents=True, exist_ok=True)
     parts = dest / ".parts"
     parts.mkdir(exist_ok=True)
@@ -199,12 +210,10 @@ def download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
     from huggingface_hub import snapshot_download
     dest = Path(dest)
     rec_path = dest / DOWNLOAD_RECORD
-    if rec_path.is_file():
-        rec = load_json(rec_path, "download record")
-        if rec.get("repo") == repo and rec.get("revision") == revision and rec.get("complete"):
-            open_checkpoint(dest)
-            log(f"INT4 checkpoint already downloaded: {dest} ({repo}@{revision[:12]})")
-            return rec
+    rec = _finished_record(dest, repo, revision)
+    if rec:
+        log(f"INT4 checkpoint already downloaded: {dest} ({repo}@{revision[:12]})")
+        return rec
     log(f"downloading {repo}@{revision[:12]} -> {dest} (interrupted? re-run: finished files are kept)")
     try:
         snapshot_download(repo, revision=revision, local_dir=dest, max_workers=4, endpoint=_endpoint())
