@@ -4,20 +4,21 @@ Decode attention, one program per (sequence, KV head, split):
   * the G = Hq/H query heads of the KV head times the T query positions (16 x 3 for an MTP-2 verify
     step on Qwen3.5-122B) form ONE [BLOCK_M, d] tile, so each compressed K/V tile is read once for
     all of them and every product is a tl.dot (tensor cores);
-  * codes are decoded in registers: 4/3-bit through the codebook (a 16/8-entry fp16 table that
-    stays in L1), 8-bit by one multiply-add;
+  * every code byte is loaded once, 16 bytes per load, and decoded in registers: 4-bit codes through a
+    256-entry table of fp16 PAIRS (one L1 gather per byte yields both nibbles' values; `pairs=False`
+    gathers per nibble from the 16-entry table), 3-bit through the 8-entry table, 8-bit codes are
+    their own fp16 value (code - 127.5 is exact; the grid step joins the per-token scale);
   * scores are scaled per key by its stored scale (q . x_hat = scale * (Rq) . c), probabilities per
     value by its scale; online softmax in base 2;
-  * a second kernel merges the splits and applies the inverse rotation R^T in its epilogue.
-Queries are rotated (and pre-scaled by sm_scale * log2 e) by one small matmul before the launch.
+  * a merge kernel, one program per output row, weighs all splits at once (vector loads over the
+    split axis) and applies the inverse rotation R^T in its epilogue.
+Queries are rotated by one matmul with R^T (entries +-1/16: exact in every dtype) before the launch.
 Bytes moved per decode step and KV head: L * (k_bytes + v_bytes + 8), e.g. 264 B/token for K4V4
 against 1024 B for BF16. No host syncs: split bounds come from seq_lens on the device, the grid
 only from host-known sizes, so the launch is CUDA-graph safe.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
@@ -26,7 +27,6 @@ import triton.language as tl
 from . import turboquant as tq
 
 LOG2E = 1.4426950408889634
-CHUNK = 64  # the head dim is processed as d/64 column chunks of 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -35,29 +35,35 @@ CHUNK = 64  # the head dim is processed as d/64 column chunks of 64
 _TABLES: dict = {}
 
 
+def _pair_table(levels16: torch.Tensor) -> torch.Tensor:
+    """int32 [256]: entry b holds fp16(level[b & 15]) in its low half and fp16(level[b >> 4]) in its high half."""
+    bits = levels16.view(torch.int16).to(torch.int64) & 0xFFFF
+    b = torch.arange(256)
+    pair = bits[b & 15] | (bits[b >> 4] << 16)
+    return torch.where(pair >= 2**31, pair - 2**32, pair).to(torch.int32)
+
+
 def _tables(preset: tq.Preset, seed: int, device, d: int = tq.HEAD_DIM):
     key = (preset, seed, str(device), d)
     if key not in _TABLES:
-        r = tq.rotation(seed, d, torch.float32, device)
+        r = tq.rotation(seed, d, torch.float32)
         kcb, vcb = tq.codebook(preset.k_bits), tq.codebook(preset.v_bits)
 
-        def levels(cb):  # fp16 table (8-bit: unused placeholder, decoded arithmetically)
-            return cb.levels.to(torch.float16).to(device) if cb.delta == 0 else torch.zeros(1, dtype=torch.float16, device=device)
+        def levels(cb):  # fp16 table; 8-bit codes decode arithmetically (placeholder)
+            return cb.levels.to(torch.float16) if cb.delta == 0 else torch.zeros(1, dtype=torch.float16)
 
-        def bounds(cb):
-            return cb.bounds.to(torch.float32).to(device)
+        def pairs(cb):
+            return _pair_table(cb.levels.to(torch.float16)) if cb.bits == 4 else torch.zeros(1, dtype=torch.int32)
 
-        _TABLES[key] = dict(
-            r=r,
-            kcb=levels(kcb),
-            vcb=levels(vcb),
-            kbnd=bounds(kcb),
-            vbnd=bounds(vcb),
-            klev32=kcb.levels.to(torch.float32).to(device),
-            vlev32=vcb.levels.to(torch.float32).to(device),
-            kdelta=kcb.delta,
-            vdelta=vcb.delta,
-        )
+        _TABLES[key] = {
+            "r": r.to(device),
+            "rt": {dt: r.T.contiguous().to(dt).to(device) for dt in (torch.float32, torch.float16, torch.bfloat16)},
+            "kcb": levels(kcb).to(device), "vcb": levels(vcb).to(device),
+            "kpair": pairs(kcb).to(device), "vpair": pairs(vcb).to(device),
+            "kbnd": kcb.bounds.to(torch.float32).to(device), "vbnd": vcb.bounds.to(torch.float32).to(device),
+            "klev32": kcb.levels.to(torch.float32).to(device), "vlev32": vcb.levels.to(torch.float32).to(device),
+            "kdelta": kcb.delta, "vdelta": vcb.delta,
+        }
     return _TABLES[key]
 
 
@@ -66,67 +72,70 @@ def _tables(preset: tq.Preset, seed: int, device, d: int = tq.HEAD_DIM):
 
 
 @triton.jit
-def _quantize_rows(
-    X, stride_xn, stride_xh, RT, BND, LEV, n0, h, n_tokens,
-    BITS: tl.constexpr, DELTA: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-):
-    """Rotate, normalise and quantize BLOCK_T rows; -> codes int32 [BLOCK_T, D], scale fp32 [BLOCK_T]."""
-    rows = n0 + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, D)
-    rmask = rows < n_tokens
-    x = tl.load(X + rows[:, None].to(tl.int64) * stride_xn + h * stride_xh + cols[None, :], mask=rmask[:, None], other=0.0)
-    if x.dtype == tl.bfloat16:
-        # fp16 holds every bf16 value in [6e-5, 65504] exactly; K/V stay far inside that range. (Also the
-        # interpreter mis-reads bf16 dot operands.) RT entries are +-1/16, exact in fp16: the dot is exact
-        # products with fp32 accumulation.
-        x = x.to(tl.float32).to(tl.float16)
-    xr = tl.dot(x, tl.load(RT + cols[:, None] * D + cols[None, :]))
-    xf = x.to(tl.float32)
-    norm = tl.sqrt(tl.sum(xf * xf, 1))
-    safe = tl.where(norm > 0, norm, 1.0)
-    z = xr * (tl.sqrt(D * 1.0) / safe)[:, None]
+def _quantize_chunk(xr, zs, BND, LEV, BITS: tl.constexpr, DELTA: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Rotated coordinates xr [BLOCK_T, 64] times zs = sqrt(d)/|x| -> (codes int32, codebook values fp32)."""
+    z = xr * zs[:, None]
     if DELTA > 0:  # uniform grid, bounds at (i - 2^(b-1) + 1) delta: code = #bounds below z, as the reference
         half: tl.constexpr = ((1 << BITS) - 1) / 2
         code = tl.ceil(z / DELTA + (half - 0.5))
         code = tl.minimum(tl.maximum(code, 0.0), (1 << BITS) - 1.0).to(tl.int32)
         c = (code.to(tl.float32) - half) * DELTA
     else:  # binary search over the 2^b - 1 sorted bounds: code = #bounds below z
-        code = tl.zeros([BLOCK_T, D], dtype=tl.int32)
+        code = tl.zeros([BLOCK_T, 64], dtype=tl.int32)
         step: tl.constexpr = 1 << (BITS - 1)
         for i in tl.static_range(BITS):
             cand = code + (step >> i)
             code = tl.where(z > tl.load(BND + cand - 1), cand, code)
         c = tl.load(LEV + code)
-    cn = tl.sqrt(tl.sum(c * c, 1))
-    scale = norm / cn
-    return code, scale
+    return code, c
 
 
 @triton.jit
-def _store_codes(CACHE, row_base, code, BITS: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, rmask):
-    """Pack codes [BLOCK_T, D] into the row layout of turboquant.py and store at row_base [BLOCK_T] (int64)."""
+def _high_bits(c, A: tl.constexpr, BLOCK_T: tl.constexpr):
+    """3-bit codes of chunk A (coordinates 64A + j) -> their high bits at the high plane's bit positions:
+    coordinate i + 32m sits in byte i at bit m, and chunk A holds m = 2A (j < 32) and 2A + 1."""
+    first, second = tl.split(tl.permute(tl.reshape(c >> 2, [BLOCK_T, 2, 32]), [0, 2, 1]))  # columns 0-31, 32-63
+    return (first << (2 * A)) | (second << (2 * A + 1))
+
+
+@triton.jit
+def _encode_rows(X, stride_xn, stride_xh, RT, BND, LEV, rows, rmask, h, OUT, s_ptr,
+                 BITS: tl.constexpr, DELTA: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Quantize BLOCK_T rows of one head and store codes at OUT [BLOCK_T] (int64 byte offsets), scale at s_ptr."""
+    tl.static_assert(D == 256)  # four 64-column chunks
+    cols = tl.arange(0, D)
+    j = tl.arange(0, 64)
+    x = tl.load(X + rows[:, None].to(tl.int64) * stride_xn + h * stride_xh + cols[None, :], mask=rmask[:, None], other=0.0)
+    if x.dtype == tl.bfloat16:
+        # fp16 holds every bf16 value in [6e-5, 65504] exactly; K/V stay far inside that range. (Also the
+        # interpreter mis-reads bf16 dot operands.) RT entries are +-1/16, exact in fp16: the dot is exact
+        # products with fp32 accumulation.
+        x = x.to(tl.float32).to(tl.float16)
+    xf = x.to(tl.float32)
+    norm = tl.sqrt(tl.sum(xf * xf, 1))
+    zs = tl.sqrt(D * 1.0) / tl.where(norm > 0, norm, 1.0)
+    # R^T one 64-column chunk at a time: a whole [256, 256] tile would spill registers
+    rt = RT + cols[:, None] * D + j[None, :]
+    c0, v0 = _quantize_chunk(tl.dot(x, tl.load(rt)), zs, BND, LEV, BITS, DELTA, BLOCK_T)
+    c1, v1 = _quantize_chunk(tl.dot(x, tl.load(rt + 64)), zs, BND, LEV, BITS, DELTA, BLOCK_T)
+    c2, v2 = _quantize_chunk(tl.dot(x, tl.load(rt + 128)), zs, BND, LEV, BITS, DELTA, BLOCK_T)
+    c3, v3 = _quantize_chunk(tl.dot(x, tl.load(rt + 192)), zs, BND, LEV, BITS, DELTA, BLOCK_T)
+    cn = tl.sqrt(tl.sum(v0 * v0, 1) + tl.sum(v1 * v1, 1) + tl.sum(v2 * v2, 1) + tl.sum(v3 * v3, 1))
+    tl.store(s_ptr, norm / cn, mask=rmask)
+    out = OUT[:, None] + j[None, :]
+    m = rmask[:, None]
     if BITS == 8:
-        tl.store(CACHE + row_base[:, None] + tl.arange(0, D)[None, :], code.to(tl.uint8), mask=rmask[:, None])
-    elif BITS == 4:
-        lo, hi = tl.split(tl.permute(tl.reshape(code, [BLOCK_T, 2, D // 2]), [0, 2, 1]))
-        tl.store(CACHE + row_base[:, None] + tl.arange(0, D // 2)[None, :], (lo | (hi << 4)).to(tl.uint8), mask=rmask[:, None])
-    else:  # 3 bit: 2-bit plane (4 fields of d/4 coords) + high-bit plane (8 fields of d/8 coords)
-        c4 = tl.permute(tl.reshape(code & 3, [BLOCK_T, 2, 2, D // 4]), [0, 3, 1, 2])  # [..., m // 2, m % 2]
-        e0, e1 = tl.split(c4)  # m even / odd
-        m0, m2 = tl.split(e0)
-        m1, m3 = tl.split(e1)
-        low = m0 | (m1 << 2) | (m2 << 4) | (m3 << 6)
-        tl.store(CACHE + row_base[:, None] + tl.arange(0, D // 4)[None, :], low.to(tl.uint8), mask=rmask[:, None])
-        c8 = tl.permute(tl.reshape(code >> 2, [BLOCK_T, 2, 2, 2, D // 8]), [0, 4, 1, 2, 3])  # bit m = 4a+2b+c
-        a0, a1 = tl.split(c8)  # c = 0 / 1
-        b00, b01 = tl.split(a0)  # (c=0, b=0/1)
-        b10, b11 = tl.split(a1)
-        h0, h4 = tl.split(b00)  # (c, b) = (0, 0): a = 0 / 1 -> m = 0 / 4
-        h2, h6 = tl.split(b01)
-        h1, h5 = tl.split(b10)
-        h3, h7 = tl.split(b11)
-        high = h0 | (h1 << 1) | (h2 << 2) | (h3 << 3) | (h4 << 4) | (h5 << 5) | (h6 << 6) | (h7 << 7)
-        tl.store(CACHE + row_base[:, None] + D // 4 + tl.arange(0, D // 8)[None, :], high.to(tl.uint8), mask=rmask[:, None])
+        tl.store(out, c0.to(tl.uint8), mask=m)
+        tl.store(out + 64, c1.to(tl.uint8), mask=m)
+        tl.store(out + 128, c2.to(tl.uint8), mask=m)
+        tl.store(out + 192, c3.to(tl.uint8), mask=m)
+    elif BITS == 4:  # byte i: coordinate i (low nibble), i + 128 (high)
+        tl.store(out, (c0 | (c2 << 4)).to(tl.uint8), mask=m)
+        tl.store(out + 64, (c1 | (c3 << 4)).to(tl.uint8), mask=m)
+    else:  # 3 bit: 2-bit plane, byte i: coordinates i + 64m at bits 2m; high plane, byte i: i + 32m at bit m
+        tl.store(out, ((c0 & 3) | ((c1 & 3) << 2) | ((c2 & 3) << 4) | ((c3 & 3) << 6)).to(tl.uint8), mask=m)
+        high = _high_bits(c0, 0, BLOCK_T) | _high_bits(c1, 1, BLOCK_T) | _high_bits(c2, 2, BLOCK_T) | _high_bits(c3, 3, BLOCK_T)
+        tl.store(OUT[:, None] + D // 4 + tl.arange(0, 32)[None, :], high.to(tl.uint8), mask=m)
 
 
 @triton.jit
@@ -136,21 +145,21 @@ def _tq_encode_kernel(
     H: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     K_DELTA: tl.constexpr, V_DELTA: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
-    n0 = tl.program_id(0) * BLOCK_T
+    """Grid (token blocks, H, 2): the last axis picks K or V, so the two run in parallel."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     h = tl.program_id(1)
-    rows = n0 + tl.arange(0, BLOCK_T)
     slot = tl.load(SLOTS + rows, mask=rows < n_tokens, other=-1).to(tl.int64)
     rmask = slot >= 0  # vLLM marks padded tokens with slot -1
     blk = tl.where(rmask, slot // PAGE, 0)
-    row = (tl.where(rmask, slot % PAGE, 0)) * H + h  # row of this (token, head) inside its block
+    row = tl.where(rmask, slot % PAGE, 0) * H + h  # row of this (token, head) inside its block
     base = blk * block_bytes
-    kcode, kscale = _quantize_rows(K, stride_kn, stride_kh, RT, KBND, KLEV, n0, h, n_tokens, K_BITS, K_DELTA, D, BLOCK_T)
-    _store_codes(CACHE, base + row * (K_BITS * D // 8), kcode, K_BITS, D, BLOCK_T, rmask)
-    vcode, vscale = _quantize_rows(V, stride_vn, stride_vh, RT, VBND, VLEV, n0, h, n_tokens, V_BITS, V_DELTA, D, BLOCK_T)
-    _store_codes(CACHE, base + v_offset + row * (V_BITS * D // 8), vcode, V_BITS, D, BLOCK_T, rmask)
     sidx = (base + s_offset) // 4 + row * 2
-    tl.store(CACHE_F32 + sidx, kscale, mask=rmask)
-    tl.store(CACHE_F32 + sidx + 1, vscale, mask=rmask)
+    if tl.program_id(2) == 0:
+        _encode_rows(K, stride_kn, stride_kh, RT, KBND, KLEV, rows, rmask, h, CACHE + base + row * (K_BITS * D // 8),
+                     CACHE_F32 + sidx, K_BITS, K_DELTA, D, BLOCK_T)
+    else:
+        _encode_rows(V, stride_vn, stride_vh, RT, VBND, VLEV, rows, rmask, h, CACHE + base + v_offset + row * (V_BITS * D // 8),
+                     CACHE_F32 + sidx + 1, V_BITS, V_DELTA, D, BLOCK_T)
 
 
 def _check_cache(cache: torch.Tensor, layout: tq.CacheLayout):
@@ -167,6 +176,8 @@ def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t
     n, H, d = k.shape
     if v.shape != k.shape or H != layout.num_kv_heads or d != layout.head_dim:
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match the layout (H={layout.num_kv_heads}, d={layout.head_dim})")
+    if d != 256:
+        raise ValueError(f"the TurboQuant kernels support head_dim 256, got {d}")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v need a contiguous last dimension")
     if slot_mapping.shape != (n,) or slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -175,13 +186,12 @@ def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t
     if n == 0:
         return
     t = _tables(layout.preset, seed, k.device, d)
-    rt = t["r"].T.contiguous().to(torch.float32 if k.dtype == torch.float32 else torch.float16)
-    grid = (triton.cdiv(n, block_t), H)
-    _tq_encode_kernel[grid](
+    rt = t["rt"][torch.float32 if k.dtype == torch.float32 else torch.float16]
+    _tq_encode_kernel[(triton.cdiv(n, block_t), H, 2)](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slot_mapping, cache, cache.view(torch.float32), rt,
         t["kbnd"], t["klev32"], t["vbnd"], t["vlev32"], n, layout.block_bytes, layout.v_offset, layout.s_offset,
         H=H, PAGE=layout.page, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
-        K_DELTA=t["kdelta"], V_DELTA=t["vdelta"], D=d, BLOCK_T=block_t,
+        K_DELTA=t["kdelta"], V_DELTA=t["vdelta"], D=d, BLOCK_T=block_t, num_warps=4,
     )
 
 
@@ -190,32 +200,52 @@ def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t
 
 
 @triton.jit
-def _load_chunk(CACHE, row_ptr, nmask, CB, A: tl.constexpr, BITS: tl.constexpr, DELTA: tl.constexpr, D: tl.constexpr):
-    """Codebook values of rotated coordinates [64A, 64A + 64) for BLOCK_N tokens: fp16 [BLOCK_N, 64].
-    row_ptr [BLOCK_N] int64: byte offset of each token's code row."""
+def _nibbles(CACHE, ptr, nmask, TAB, PAIR, HALF: tl.constexpr, PAIRS: tl.constexpr):
+    """4-bit: bytes [64 HALF, 64 HALF + 64) of BLOCK_N code rows -> fp16 values of coordinates
+    64 HALF + j (low nibbles) and 128 + 64 HALF + j (high nibbles), each [BLOCK_N, 64]."""
+    b = tl.load(CACHE + ptr[:, None] + (HALF * 64 + tl.arange(0, 64))[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+    if PAIRS:
+        pair = tl.load(PAIR + b)
+        lo = pair.to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        lo = tl.load(TAB + (b & 15))
+        hi = tl.load(TAB + (b >> 4))
+    return lo, hi
+
+
+@triton.jit
+def _codes(CACHE, ptr, nmask, TAB, PAIR, BITS: tl.constexpr, PAIRS: tl.constexpr, D: tl.constexpr):
+    """Codebook values of one code row per token: four fp16 [BLOCK_N, 64] chunks (coordinates 64a + j)."""
     j = tl.arange(0, 64)
-    if BITS == 8:
-        b = tl.load(CACHE + row_ptr[:, None] + (A * 64 + j)[None, :], mask=nmask[:, None], other=0)
-        out = ((b.to(tl.float32) - 127.5) * DELTA).to(tl.float16)
-    elif BITS == 4:
-        b = tl.load(CACHE + row_ptr[:, None] + ((A % 2) * 64 + j)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-        out = tl.load(CB + ((b >> (4 * (A // 2))) & 15))
-    else:  # 3 bit
-        lo = tl.load(CACHE + row_ptr[:, None] + j[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-        hb = tl.load(CACHE + row_ptr[:, None] + D // 4 + (j % 32)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-        code = ((lo >> (2 * A)) & 3) | (((hb >> (2 * A + j[None, :] // 32)) & 1) << 2)
-        out = tl.load(CB + code)
-    return out
+    if BITS == 4:
+        c0, c2 = _nibbles(CACHE, ptr, nmask, TAB, PAIR, 0, PAIRS)
+        c1, c3 = _nibbles(CACHE, ptr, nmask, TAB, PAIR, 1, PAIRS)
+    elif BITS == 8:  # code - 127.5 is exact in fp16; the grid step is applied with the token's scale
+        row = CACHE + ptr[:, None] + j[None, :]
+        c0 = tl.load(row, mask=nmask[:, None], other=0).to(tl.float16) - 127.5
+        c1 = tl.load(row + 64, mask=nmask[:, None], other=0).to(tl.float16) - 127.5
+        c2 = tl.load(row + 128, mask=nmask[:, None], other=0).to(tl.float16) - 127.5
+        c3 = tl.load(row + 192, mask=nmask[:, None], other=0).to(tl.float16) - 127.5
+    else:  # 3 bit: both planes loaded once, the high plane broadcast to 64 columns (byte j % 32)
+        lo = tl.load(CACHE + ptr[:, None] + j[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+        hb = tl.load(CACHE + ptr[:, None] + D // 4 + (j % 32)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+        sh = (j // 32)[None, :]
+        c0 = tl.load(TAB + ((lo & 3) | (((hb >> sh) & 1) << 2)))
+        c1 = tl.load(TAB + (((lo >> 2) & 3) | (((hb >> (2 + sh)) & 1) << 2)))
+        c2 = tl.load(TAB + (((lo >> 4) & 3) | (((hb >> (4 + sh)) & 1) << 2)))
+        c3 = tl.load(TAB + (((lo >> 6) & 3) | (((hb >> (6 + sh)) & 1) << 2)))
+    return c0, c1, c2, c3
 
 
 @triton.jit
 def _tq_decode_kernel(
-    Q, stride_qb, stride_qh, stride_qt, CACHE, CACHE_F32, BLOCK_TABLE, stride_bt, SEQ_LENS, KCB, VCB, WS_ACC, WS_ML,
-    num_splits, block_bytes, v_offset, s_offset,
+    Q, stride_qb, stride_qh, stride_qt, CACHE, CACHE_F32, BLOCK_TABLE, stride_bt, SEQ_LENS,
+    KTAB, KPAIR, VTAB, VPAIR, WS_ACC, WS_ML, num_splits, block_bytes, v_offset, s_offset, k_mul, v_mul,
     H: tl.constexpr, G: tl.constexpr, T: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    K_DELTA: tl.constexpr, V_DELTA: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAIRS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    tl.static_assert(D == 256)  # four 64-column chunks below
+    tl.static_assert(D == 256)  # four 64-column chunks
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // H
@@ -227,15 +257,14 @@ def _tq_decode_kernel(
 
     # tile rows: r = g * T + t (query head h*G + g, position t)
     r = tl.arange(0, BLOCK_M)
-    g = r // T
-    t = r % T
     rvalid = r < G * T
-    qrow = Q + b.to(tl.int64) * stride_qb + (h * G + g) * stride_qh + t * stride_qt
+    t = r % T
+    qrow = Q + b.to(tl.int64) * stride_qb + (h * G + r // T) * stride_qh + t * stride_qt
     c64 = tl.arange(0, 64)
-    q0 = tl.load(qrow[:, None] + c64[None, :], mask=rvalid[:, None], other=0.0)
-    q1 = tl.load(qrow[:, None] + 64 + c64[None, :], mask=rvalid[:, None], other=0.0)
-    q2 = tl.load(qrow[:, None] + 128 + c64[None, :], mask=rvalid[:, None], other=0.0)
-    q3 = tl.load(qrow[:, None] + 192 + c64[None, :], mask=rvalid[:, None], other=0.0)
+    q0 = tl.load(qrow[:, None] + c64[None, :], mask=rvalid[:, None], other=0.0).to(tl.float16)
+    q1 = tl.load(qrow[:, None] + 64 + c64[None, :], mask=rvalid[:, None], other=0.0).to(tl.float16)
+    q2 = tl.load(qrow[:, None] + 128 + c64[None, :], mask=rvalid[:, None], other=0.0).to(tl.float16)
+    q3 = tl.load(qrow[:, None] + 192 + c64[None, :], mask=rvalid[:, None], other=0.0).to(tl.float16)
     last = L - T + t  # last key position each row may see (causal within an MTP verify step)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -252,16 +281,17 @@ def _tq_decode_kernel(
         blk = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt + tok // PAGE, mask=nmask, other=0).to(tl.int64)
         row = (tok % PAGE) * H + h
         base = blk * block_bytes
-        krow = base + row * KB
-        vrow = base + v_offset + row * VB
+        krow = tl.multiple_of(base + row * KB, 16)  # code rows are multiples of 16 bytes: 16-byte loads
+        vrow = tl.multiple_of(base + v_offset + row * VB, 16)
         sidx = (base + s_offset) // 4 + row * 2
-        ks = tl.load(CACHE_F32 + sidx, mask=nmask, other=0.0)
-        vs = tl.load(CACHE_F32 + sidx + 1, mask=nmask, other=0.0)
+        ks = tl.load(CACHE_F32 + sidx, mask=nmask, other=0.0) * k_mul
+        vs = tl.load(CACHE_F32 + sidx + 1, mask=nmask, other=0.0) * v_mul
 
-        s = tl.dot(q0, tl.trans(_load_chunk(CACHE, krow, nmask, KCB, 0, K_BITS, K_DELTA, D)))
-        s += tl.dot(q1, tl.trans(_load_chunk(CACHE, krow, nmask, KCB, 1, K_BITS, K_DELTA, D)))
-        s += tl.dot(q2, tl.trans(_load_chunk(CACHE, krow, nmask, KCB, 2, K_BITS, K_DELTA, D)))
-        s += tl.dot(q3, tl.trans(_load_chunk(CACHE, krow, nmask, KCB, 3, K_BITS, K_DELTA, D)))
+        k0, k1, k2, k3 = _codes(CACHE, krow, nmask, KTAB, KPAIR, K_BITS, PAIRS, D)
+        s = tl.dot(q0, tl.trans(k0))
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.dot(q2, tl.trans(k2), s)
+        s = tl.dot(q3, tl.trans(k3), s)
         s = s * ks[None, :]
         s = tl.where(nmask[None, :] & (tok[None, :] <= last[:, None]), s, float("-inf"))
 
@@ -271,75 +301,73 @@ def _tq_decode_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = (p * vs[None, :]).to(tl.float16)
-        acc0 = acc0 * alpha[:, None] + tl.dot(pv, _load_chunk(CACHE, vrow, nmask, VCB, 0, V_BITS, V_DELTA, D))
-        acc1 = acc1 * alpha[:, None] + tl.dot(pv, _load_chunk(CACHE, vrow, nmask, VCB, 1, V_BITS, V_DELTA, D))
-        acc2 = acc2 * alpha[:, None] + tl.dot(pv, _load_chunk(CACHE, vrow, nmask, VCB, 2, V_BITS, V_DELTA, D))
-        acc3 = acc3 * alpha[:, None] + tl.dot(pv, _load_chunk(CACHE, vrow, nmask, VCB, 3, V_BITS, V_DELTA, D))
+        v0, v1, v2, v3 = _codes(CACHE, vrow, nmask, VTAB, VPAIR, V_BITS, PAIRS, D)
+        acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pv, v2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pv, v3, acc3 * alpha[:, None])
         m_i = m_new
 
-    ws = (bh.to(tl.int64) * num_splits + split) * BLOCK_M
-    wrow = (ws + r)[:, None] * D + c64[None, :]
-    tl.store(WS_ACC + wrow, acc0)
-    tl.store(WS_ACC + wrow + 64, acc1)
-    tl.store(WS_ACC + wrow + 128, acc2)
-    tl.store(WS_ACC + wrow + 192, acc3)
-    tl.store(WS_ML + (ws + r) * 2, m_i)
-    tl.store(WS_ML + (ws + r) * 2 + 1, l_i)
+    ws = (bh.to(tl.int64) * num_splits + split) * BLOCK_M + r
+    wrow = ws[:, None] * D + c64[None, :]
+    tl.store(WS_ACC + wrow, acc0, mask=rvalid[:, None])
+    tl.store(WS_ACC + wrow + 64, acc1, mask=rvalid[:, None])
+    tl.store(WS_ACC + wrow + 128, acc2, mask=rvalid[:, None])
+    tl.store(WS_ACC + wrow + 192, acc3, mask=rvalid[:, None])
+    tl.store(WS_ML + ws * 2, m_i, mask=rvalid)
+    tl.store(WS_ML + ws * 2 + 1, l_i, mask=rvalid)
 
 
 @triton.jit
 def _tq_merge_kernel(
     WS_ACC, WS_ML, R, OUT, stride_ob, stride_oh, stride_ot, num_splits,
-    H: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, S_BLOCK: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, KV head) and write output columns [64C, 64C + 64): out = o_rot @ R."""
+    """One program per (sequence, KV head, tile row r): weigh the splits' partial sums, S_BLOCK splits
+    per vector load, normalise, and write out = o_rot @ R for that row."""
     bh = tl.program_id(0)
-    C = tl.program_id(1)
+    r = tl.program_id(1)
     b = bh // H
     h = bh % H
-    r = tl.arange(0, BLOCK_M)
-    c64 = tl.arange(0, 64)
-    base = bh.to(tl.int64) * num_splits * BLOCK_M
-    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m_all = tl.maximum(m_all, tl.load(WS_ML + (base + s * BLOCK_M + r) * 2))
+    sv = tl.arange(0, S_BLOCK)
+    cols = tl.arange(0, D)
+    first = bh.to(tl.int64) * num_splits * BLOCK_M + r  # workspace row of split 0
+    mv = tl.full([S_BLOCK], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, S_BLOCK):
+        s = s0 + sv
+        mv = tl.maximum(mv, tl.load(WS_ML + (first + s * BLOCK_M) * 2, mask=s < num_splits, other=float("-inf")))
+    m_all = tl.max(mv, 0)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    l_all = tl.zeros([BLOCK_M], tl.float32)
-    for s in range(num_splits):
-        ml = WS_ML + (base + s * BLOCK_M + r) * 2
-        l_all += tl.exp2(tl.load(ml) - m_safe) * tl.load(ml + 1)
-    inv_l = 1.0 / tl.where(l_all > 0, l_all, 1.0)
-    out = tl.zeros([BLOCK_M, 64], tl.float32)
-    for a in tl.static_range(4):
-        o = tl.zeros([BLOCK_M, 64], tl.float32)
-        for s in range(num_splits):
-            w = tl.exp2(tl.load(WS_ML + (base + s * BLOCK_M + r) * 2) - m_safe)
-            o += w[:, None] * tl.load(WS_ACC + (base + s * BLOCK_M + r)[:, None] * D + a * 64 + c64[None, :])
-        o = o * inv_l[:, None]
-        rblk = tl.load(R + (a * 64 + c64)[:, None] * D + C * 64 + c64[None, :])
-        out += tl.dot(o, rblk, input_precision="ieee")
-    g = r // T
-    t = r % T
-    optr = OUT + b.to(tl.int64) * stride_ob + (h * G + g) * stride_oh + t * stride_ot
-    tl.store(optr[:, None] + C * 64 + c64[None, :], out.to(OUT.dtype.element_ty), mask=(r < G * T)[:, None])
+    o = tl.zeros([D], tl.float32)
+    lv = tl.zeros([S_BLOCK], tl.float32)
+    for s0 in range(0, num_splits, S_BLOCK):
+        s = s0 + sv
+        smask = s < num_splits
+        row = first + s * BLOCK_M
+        w = tl.exp2(tl.load(WS_ML + row * 2, mask=smask, other=float("-inf")) - m_safe)  # empty split: m = -inf, w = 0
+        lv += w * tl.load(WS_ML + row * 2 + 1, mask=smask, other=0.0)
+        o += tl.sum(w[:, None] * tl.load(WS_ACC + row[:, None] * D + cols[None, :], mask=smask[:, None], other=0.0), 0)
+    l_all = tl.sum(lv, 0)
+    o = o / tl.where(l_all > 0, l_all, 1.0)
+    c64 = tl.arange(0, 64)
+    optr = OUT + b.to(tl.int64) * stride_ob + (h * G + r // T) * stride_oh + (r % T) * stride_ot
+    for c in tl.static_range(D // 64):
+        rblk = tl.load(R + cols[:, None] * D + c * 64 + c64[None, :])
+        tl.store(optr + c * 64 + c64, tl.sum(o[:, None] * rblk, 0).to(OUT.dtype.element_ty))
 
 
-def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int) -> int:
-    """Enough (sequence, head, split) programs to fill the GPU twice over, each with >= 4 tiles of work.
-    Depends only on host-known sizes, so a CUDA graph captured for max_seq_len stays valid."""
-    want = triton.cdiv(2 * num_sms, batch * num_kv_heads)
+def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int, waves: int = 2) -> int:
+    """Enough (sequence, head, split) programs to fill the GPU `waves` times over, each with >= 4 tiles
+    of work. Depends only on host-known sizes, so a CUDA graph captured for max_seq_len stays valid."""
+    want = triton.cdiv(waves * num_sms, batch * num_kv_heads)
     most = max(1, triton.cdiv(max_seq_len, 4 * block_n))
     return max(1, min(want, most, 256))
 
 
-def rotate_queries(q: torch.Tensor, r: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """q [B, Hq, T, d] -> fp16 R q * sm_scale * log2(e) (the kernel's softmax is base 2)."""
-    return ((q.to(torch.float32) @ r.T) * (sm_scale * LOG2E)).to(torch.float16)
-
-
 def decode_attention(
     q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float, max_seq_len: int,
-    num_splits: int | None = None, block_n: int = 32, num_warps: int | None = None, num_stages: int = 2, out=None,
+    num_splits: int | None = None, block_n: int = 64, num_warps: int | None = None, num_stages: int = 2,
+    pairs: bool = True, waves: int = 2, out=None,
 ):
     """q [B, Hq, T, d] -> out [B, Hq, T, d] (q's dtype). seq_lens [B] int32 on the device (no sync);
     max_seq_len: a host-side upper bound that sizes the split grid."""
@@ -361,23 +389,27 @@ def decode_attention(
     t = _tables(layout.preset, seed, q.device, d)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        num_splits = num_splits_for(B, H, max_seq_len, block_n, sms)
-    qr = rotate_queries(q, t["r"], sm_scale)
+        num_splits = num_splits_for(B, H, max_seq_len, block_n, sms, waves)
+    # R^T entries are +-1/16, exact in q's dtype; the rotated q is rounded once to that dtype
+    qr = torch.matmul(q, t["rt"][q.dtype])
+    qk = sm_scale * LOG2E  # the kernel's softmax is base 2
+    k_mul = qk * (t["kdelta"] or 1.0)
+    v_mul = t["vdelta"] or 1.0
     ws_acc = torch.empty(B * H * num_splits * block_m * d, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(B * H * num_splits * block_m * 2, dtype=torch.float32, device=q.device)
     if num_warps is None:
         num_warps = 8 if block_m >= 64 else 4
     _tq_decode_kernel[(B * H, num_splits)](
         qr, qr.stride(0), qr.stride(1), qr.stride(2), cache, cache.view(torch.float32), block_table, block_table.stride(0),
-        seq_lens, t["kcb"], t["vcb"], ws_acc, ws_ml, num_splits, layout.block_bytes, layout.v_offset, layout.s_offset,
+        seq_lens, t["kcb"], t["kpair"], t["vcb"], t["vpair"], ws_acc, ws_ml, num_splits,
+        layout.block_bytes, layout.v_offset, layout.s_offset, k_mul, v_mul,
         H=H, G=G, T=T, PAGE=layout.page, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
-        K_DELTA=t["kdelta"], V_DELTA=t["vdelta"], D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        num_warps=num_warps, num_stages=num_stages,
+        PAIRS=pairs, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )
     if out is None:
         out = torch.empty_like(q)
-    _tq_merge_kernel[(B * H, d // 64)](
+    _tq_merge_kernel[(B * H, G * T)](
         ws_acc, ws_ml, t["r"], out, out.stride(0), out.stride(1), out.stride(2), num_splits,
-        H=H, G=G, T=T, D=d, BLOCK_M=block_m, num_warps=4,
+        H=H, G=G, T=T, D=d, BLOCK_M=block_m, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), num_warps=4,
     )
     return out

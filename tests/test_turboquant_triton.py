@@ -159,6 +159,36 @@ def test_decode_attention_matches_reference(name, B, Hq, H, T, lens, page, split
 
 
 @kernel_case
+@pytest.mark.parametrize("block_n", [16, 64])
+def test_decode_nibble_gathers_match_pair_table(block_n):
+    """The two 4-bit decoders (one gather per byte from the fp16-pair table, or one per nibble) agree
+    with the reference, at a tile size that leaves a partial last tile."""
+    lay = tq.CacheLayout(tq.PRESETS["turboquant_k4v4"], num_kv_heads=2, page=16)
+    bt, nb = paged([77], 16)
+    cache = lay.empty(nb)
+    r = tq.rotation(SEED)
+    g = torch.Generator().manual_seed(11)
+    tq.encode_reference(torch.randn(77, 2, 256, generator=g), torch.randn(77, 2, 256, generator=g),
+                        tq.seq_slots(bt[0], 77, 16), cache, lay, r)
+    q = torch.randn(1, 8, 1, 256, generator=g)
+    ref = tq.decode_attention_reference(q, cache, lay, bt, torch.tensor([77]), r, 1 / 16)
+    args = (cache.to(DEV), lay, bt.to(DEV), torch.tensor([77], dtype=torch.int32, device=DEV), SEED, 1 / 16, 77)
+    for pairs in (True, False):
+        out = tt.decode_attention(q.to(DEV, torch.float16), *args, block_n=block_n, pairs=pairs)
+        assert_rel(out.float(), ref, 3e-3, f"pairs={pairs} block_n={block_n}")
+
+
+def test_pair_table_holds_both_nibbles_values():
+    """Entry b of the 4-bit pair table: fp16 bits of level[b & 15] low, level[b >> 4] high."""
+    lev = tq.codebook(4).levels.to(torch.float16)
+    tab = tt._pair_table(lev)
+    b = torch.arange(256)
+    lo = (tab & 0xFFFF).to(torch.int16).view(torch.float16)
+    hi = ((tab >> 16) & 0xFFFF).to(torch.int16).view(torch.float16)
+    assert torch.equal(lo, lev[b & 15]) and torch.equal(hi, lev[b >> 4])
+
+
+@kernel_case
 def test_decode_split_count_does_not_change_the_result():
     lay = tq.CacheLayout(tq.PRESETS[tq.DEFAULT_PRESET], num_kv_heads=2, page=16)
     bt, nb = paged([200], 16)
