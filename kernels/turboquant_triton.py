@@ -4,10 +4,10 @@ Decode attention, one program per (sequence, KV head, split):
   * the G = Hq/H query heads of the KV head times the T query positions (16 x 3 for an MTP-2 verify
     step on Qwen3.5-122B) form ONE [BLOCK_M, d] tile, so each compressed K/V tile is read once for
     all of them and every product is a tl.dot (tensor cores);
-  * every code byte is loaded once, 16 bytes per load, and decoded in registers: 4-bit codes through a
-    256-entry table of fp16 PAIRS (one L1 gather per byte yields both nibbles' values; `pairs=False`
-    gathers per nibble from the 16-entry table), 3-bit through the 8-entry table, 8-bit codes are
-    their own fp16 value (code - 127.5 is exact; the grid step joins the per-token scale);
+  * every code byte is loaded once, 16 bytes per load, and decoded in registers: 4-bit codes by PRMT
+    byte lookups (below; `decoder="gather"` gathers from the 16-entry fp16 table in L1 instead),
+    3-bit codes by gathers from the 8-entry table, 8-bit codes are their own fp16 value
+    (code - 127.5 is exact; the grid step joins the per-token scale);
   * scores are scaled per key by its stored scale (q . x_hat = scale * (Rq) . c), probabilities per
     value by its scale; online softmax in base 2;
   * a merge kernel, one program per output row, weighs all splits at once (vector loads over the
@@ -30,17 +30,61 @@ LOG2E = 1.4426950408889634
 
 
 # ---------------------------------------------------------------------------------------------
+# 4-bit decode in registers (GPU): the Lloyd-Max levels are symmetric, level[7 - i] = -level[8 + i], so a
+# nibble c is a sign (c < 8: negative) and a magnitude index m = (c ^ (c < 8 ? 7 : 0)) & 7. PRMT looks
+# up the low and the high bytes of fp16 |level[8 + m]| for four nibbles at once from two 8-byte tables
+# held in registers; the sign bit is ORed in. 20 integer ops per 4 values and no memory access: an L1
+# gather per value (the `decoder="gather"` path, and the interpreter's) measured ~180 us of the 381 us
+# of K4V4 keys at 256K tokens on an H200.
+
+
+def _prmt_asm(levels: torch.Tensor, high: bool) -> str:
+    lev = levels.to(torch.float16)
+    if not torch.equal(lev[:8], -lev[8:].flip(0)):
+        raise AssertionError("the 4-bit codebook is not symmetric in fp16: the PRMT decoder needs it")
+    bits = [int(b) & 0xFFFF for b in lev[8:].view(torch.int16)]
+    word = lambda vals: sum((v & 0xFF) << (8 * i) for i, v in enumerate(vals))  # noqa: E731
+    l0, l1 = word(bits[:4]), word(bits[4:])
+    h0, h1 = word([b >> 8 for b in bits[:4]]), word([b >> 8 for b in bits[4:]])
+    first = "shr.b32 n, $2, 4;\n and.b32 n, n, 0x0F0F0F0F;" if high else "and.b32 n, $2, 0x0F0F0F0F;"
+    return f"""{{
+    .reg .b32 n, neg, f, m, t, c, lo, hi, s, g, z, t0, t1, t2, t3;
+    {first}
+    and.b32 neg, n, 0x08080808;
+    xor.b32 neg, neg, 0x08080808;
+    shr.b32 f, neg, 3;
+    sub.u32 f, neg, f;
+    xor.b32 m, n, f;
+    and.b32 m, m, 0x07070707;
+    shr.b32 t, m, 4;
+    or.b32 t, t, m;
+    mov.b32 z, 0;
+    prmt.b32 c, t, z, 0x0020;
+    mov.b32 t0, {l0:#010x};
+    mov.b32 t1, {l1:#010x};
+    mov.b32 t2, {h0:#010x};
+    mov.b32 t3, {h1:#010x};
+    prmt.b32 lo, t0, t1, c;
+    prmt.b32 hi, t2, t3, c;
+    prmt.b32 $0, lo, hi, 0x5140;
+    prmt.b32 $1, lo, hi, 0x7362;
+    shl.b32 s, neg, 4;
+    prmt.b32 g, s, z, 0x1404;
+    or.b32 $0, $0, g;
+    prmt.b32 g, s, z, 0x3424;
+    or.b32 $1, $1, g;
+    }}"""
+
+
+_LEVELS4 = tq.codebook(4).levels
+_NIB_LO = tl.constexpr(_prmt_asm(_LEVELS4, high=False))
+_NIB_HI = tl.constexpr(_prmt_asm(_LEVELS4, high=True))
+
+
+# ---------------------------------------------------------------------------------------------
 # Tables shared by both kernels (cached per device)
 
 _TABLES: dict = {}
-
-
-def _pair_table(levels16: torch.Tensor) -> torch.Tensor:
-    """int32 [256]: entry b holds fp16(level[b & 15]) in its low half and fp16(level[b >> 4]) in its high half."""
-    bits = levels16.view(torch.int16).to(torch.int64) & 0xFFFF
-    b = torch.arange(256)
-    pair = bits[b & 15] | (bits[b >> 4] << 16)
-    return torch.where(pair >= 2**31, pair - 2**32, pair).to(torch.int32)
 
 
 def _tables(preset: tq.Preset, seed: int, device, d: int = tq.HEAD_DIM):
@@ -52,14 +96,10 @@ def _tables(preset: tq.Preset, seed: int, device, d: int = tq.HEAD_DIM):
         def levels(cb):  # fp16 table; 8-bit codes decode arithmetically (placeholder)
             return cb.levels.to(torch.float16) if cb.delta == 0 else torch.zeros(1, dtype=torch.float16)
 
-        def pairs(cb):
-            return _pair_table(cb.levels.to(torch.float16)) if cb.bits == 4 else torch.zeros(1, dtype=torch.int32)
-
         _TABLES[key] = {
             "r": r.to(device),
             "rt": {dt: r.T.contiguous().to(dt).to(device) for dt in (torch.float32, torch.float16, torch.bfloat16)},
             "kcb": levels(kcb).to(device), "vcb": levels(vcb).to(device),
-            "kpair": pairs(kcb).to(device), "vpair": pairs(vcb).to(device),
             "kbnd": kcb.bounds.to(torch.float32).to(device), "vbnd": vcb.bounds.to(torch.float32).to(device),
             "klev32": kcb.levels.to(torch.float32).to(device), "vlev32": vcb.levels.to(torch.float32).to(device),
             "kdelta": kcb.delta, "vdelta": vcb.delta,
@@ -100,7 +140,7 @@ def _high_bits(c, A: tl.constexpr, BLOCK_T: tl.constexpr):
 
 @triton.jit
 def _encode_rows(X, stride_xn, stride_xh, RT, BND, LEV, rows, rmask, h, OUT, s_ptr,
-                 BITS: tl.constexpr, DELTA: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
+                 BITS: tl.constexpr, DELTA: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, PREC: tl.constexpr):
     """Quantize BLOCK_T rows of one head and store codes at OUT [BLOCK_T] (int64 byte offsets), scale at s_ptr."""
     tl.static_assert(D == 256)  # four 64-column chunks
     cols = tl.arange(0, D)
@@ -116,10 +156,10 @@ def _encode_rows(X, stride_xn, stride_xh, RT, BND, LEV, rows, rmask, h, OUT, s_p
     zs = tl.sqrt(D * 1.0) / tl.where(norm > 0, norm, 1.0)
     # R^T one 64-column chunk at a time: a whole [256, 256] tile would spill registers
     rt = RT + cols[:, None] * D + j[None, :]
-    c0, v0 = _quantize_chunk(tl.dot(x, tl.load(rt)), zs, BND, LEV, BITS, DELTA, BLOCK_T)
-    c1, v1 = _quantize_chunk(tl.dot(x, tl.load(rt + 64)), zs, BND, LEV, BITS, DELTA, BLOCK_T)
-    c2, v2 = _quantize_chunk(tl.dot(x, tl.load(rt + 128)), zs, BND, LEV, BITS, DELTA, BLOCK_T)
-    c3, v3 = _quantize_chunk(tl.dot(x, tl.load(rt + 192)), zs, BND, LEV, BITS, DELTA, BLOCK_T)
+    c0, v0 = _quantize_chunk(tl.dot(x, tl.load(rt), input_precision=PREC), zs, BND, LEV, BITS, DELTA, BLOCK_T)
+    c1, v1 = _quantize_chunk(tl.dot(x, tl.load(rt + 64), input_precision=PREC), zs, BND, LEV, BITS, DELTA, BLOCK_T)
+    c2, v2 = _quantize_chunk(tl.dot(x, tl.load(rt + 128), input_precision=PREC), zs, BND, LEV, BITS, DELTA, BLOCK_T)
+    c3, v3 = _quantize_chunk(tl.dot(x, tl.load(rt + 192), input_precision=PREC), zs, BND, LEV, BITS, DELTA, BLOCK_T)
     cn = tl.sqrt(tl.sum(v0 * v0, 1) + tl.sum(v1 * v1, 1) + tl.sum(v2 * v2, 1) + tl.sum(v3 * v3, 1))
     tl.store(s_ptr, norm / cn, mask=rmask)
     out = OUT[:, None] + j[None, :]
@@ -143,7 +183,7 @@ def _tq_encode_kernel(
     K, V, stride_kn, stride_kh, stride_vn, stride_vh, SLOTS, CACHE, CACHE_F32, RT,
     KBND, KLEV, VBND, VLEV, n_tokens, block_bytes, v_offset, s_offset,
     H: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    K_DELTA: tl.constexpr, V_DELTA: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    K_DELTA: tl.constexpr, V_DELTA: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, PREC: tl.constexpr,
 ):
     """Grid (token blocks, H, 2): the last axis picks K or V, so the two run in parallel."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -156,10 +196,10 @@ def _tq_encode_kernel(
     sidx = (base + s_offset) // 4 + row * 2
     if tl.program_id(2) == 0:
         _encode_rows(K, stride_kn, stride_kh, RT, KBND, KLEV, rows, rmask, h, CACHE + base + row * (K_BITS * D // 8),
-                     CACHE_F32 + sidx, K_BITS, K_DELTA, D, BLOCK_T)
+                     CACHE_F32 + sidx, K_BITS, K_DELTA, D, BLOCK_T, PREC)
     else:
         _encode_rows(V, stride_vn, stride_vh, RT, VBND, VLEV, rows, rmask, h, CACHE + base + v_offset + row * (V_BITS * D // 8),
-                     CACHE_F32 + sidx + 1, V_BITS, V_DELTA, D, BLOCK_T)
+                     CACHE_F32 + sidx + 1, V_BITS, V_DELTA, D, BLOCK_T, PREC)
 
 
 def _check_cache(cache: torch.Tensor, layout: tq.CacheLayout):
@@ -192,6 +232,7 @@ def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t
         t["kbnd"], t["klev32"], t["vbnd"], t["vlev32"], n, layout.block_bytes, layout.v_offset, layout.s_offset,
         H=H, PAGE=layout.page, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
         K_DELTA=t["kdelta"], V_DELTA=t["vdelta"], D=d, BLOCK_T=block_t, num_warps=4,
+        PREC="ieee" if k.dtype == torch.float32 else "tf32",  # fp32 input: exact products (tf32 keeps 10 bits)
     )
 
 
@@ -200,33 +241,40 @@ def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t
 
 
 @triton.jit
-def _nibbles(CACHE, ptr, nmask, TAB, PAIR, HALF: tl.constexpr, PAIRS: tl.constexpr):
+def _nibbles(CACHE, ptr, nmask, TAB, HALF: tl.constexpr, PRMT: tl.constexpr):
     """4-bit: bytes [64 HALF, 64 HALF + 64) of BLOCK_N code rows -> fp16 values of coordinates
     64 HALF + j (low nibbles) and 128 + 64 HALF + j (high nibbles), each [BLOCK_N, 64]."""
-    b = tl.load(CACHE + ptr[:, None] + (HALF * 64 + tl.arange(0, 64))[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-    if PAIRS:
-        pair = tl.load(PAIR + b)
-        lo = pair.to(tl.int16).to(tl.float16, bitcast=True)
-        hi = (pair >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    b = tl.load(CACHE + ptr[:, None] + (HALF * 64 + tl.arange(0, 64))[None, :], mask=nmask[:, None], other=0)
+    if PRMT:
+        lo = tl.inline_asm_elementwise(_NIB_LO, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_NIB_HI, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
     else:
+        b = b.to(tl.int32)
         lo = tl.load(TAB + (b & 15))
         hi = tl.load(TAB + (b >> 4))
     return lo, hi
 
 
 @triton.jit
-def _codes(CACHE, ptr, nmask, TAB, PAIR, BITS: tl.constexpr, PAIRS: tl.constexpr, D: tl.constexpr):
+def _u8_centred(b):
+    """uint8 code -> fp16 code - 127.5 without I2F (quarter rate on sm_90): fp16 bits 0x6400 | b are
+    1024 + b, and 1024 + b - 1151.5 is exact."""
+    return (b.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1151.5
+
+
+@triton.jit
+def _codes(CACHE, ptr, nmask, TAB, BITS: tl.constexpr, PRMT: tl.constexpr, D: tl.constexpr):
     """Codebook values of one code row per token: four fp16 [BLOCK_N, 64] chunks (coordinates 64a + j)."""
     j = tl.arange(0, 64)
     if BITS == 4:
-        c0, c2 = _nibbles(CACHE, ptr, nmask, TAB, PAIR, 0, PAIRS)
-        c1, c3 = _nibbles(CACHE, ptr, nmask, TAB, PAIR, 1, PAIRS)
-    elif BITS == 8:  # code - 127.5 is exact in fp16; the grid step is applied with the token's scale
+        c0, c2 = _nibbles(CACHE, ptr, nmask, TAB, 0, PRMT)
+        c1, c3 = _nibbles(CACHE, ptr, nmask, TAB, 1, PRMT)
+    elif BITS == 8:  # code - 127.5, exactly, in the grid's units (the step joins the token's scale)
         row = CACHE + ptr[:, None] + j[None, :]
-        c0 = tl.load(row, mask=nmask[:, None], other=0).to(tl.float16) - 127.5
-        c1 = tl.load(row + 64, mask=nmask[:, None], other=0).to(tl.float16) - 127.5
-        c2 = tl.load(row + 128, mask=nmask[:, None], other=0).to(tl.float16) - 127.5
-        c3 = tl.load(row + 192, mask=nmask[:, None], other=0).to(tl.float16) - 127.5
+        c0 = _u8_centred(tl.load(row, mask=nmask[:, None], other=0))
+        c1 = _u8_centred(tl.load(row + 64, mask=nmask[:, None], other=0))
+        c2 = _u8_centred(tl.load(row + 128, mask=nmask[:, None], other=0))
+        c3 = _u8_centred(tl.load(row + 192, mask=nmask[:, None], other=0))
     else:  # 3 bit: both planes loaded once, the high plane broadcast to 64 columns (byte j % 32)
         lo = tl.load(CACHE + ptr[:, None] + j[None, :], mask=nmask[:, None], other=0).to(tl.int32)
         hb = tl.load(CACHE + ptr[:, None] + D // 4 + (j % 32)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
@@ -241,9 +289,9 @@ def _codes(CACHE, ptr, nmask, TAB, PAIR, BITS: tl.constexpr, PAIRS: tl.constexpr
 @triton.jit
 def _tq_decode_kernel(
     Q, stride_qb, stride_qh, stride_qt, CACHE, CACHE_F32, BLOCK_TABLE, stride_bt, SEQ_LENS,
-    KTAB, KPAIR, VTAB, VPAIR, WS_ACC, WS_ML, num_splits, block_bytes, v_offset, s_offset, k_mul, v_mul,
+    KTAB, VTAB, WS_ACC, WS_ML, num_splits, block_bytes, v_offset, s_offset, k_mul, v_mul,
     H: tl.constexpr, G: tl.constexpr, T: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    PAIRS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRMT: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(D == 256)  # four 64-column chunks
     bh = tl.program_id(0)
@@ -287,7 +335,7 @@ def _tq_decode_kernel(
         ks = tl.load(CACHE_F32 + sidx, mask=nmask, other=0.0) * k_mul
         vs = tl.load(CACHE_F32 + sidx + 1, mask=nmask, other=0.0) * v_mul
 
-        k0, k1, k2, k3 = _codes(CACHE, krow, nmask, KTAB, KPAIR, K_BITS, PAIRS, D)
+        k0, k1, k2, k3 = _codes(CACHE, krow, nmask, KTAB, K_BITS, PRMT, D)
         s = tl.dot(q0, tl.trans(k0))
         s = tl.dot(q1, tl.trans(k1), s)
         s = tl.dot(q2, tl.trans(k2), s)
@@ -301,7 +349,7 @@ def _tq_decode_kernel(
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         pv = (p * vs[None, :]).to(tl.float16)
-        v0, v1, v2, v3 = _codes(CACHE, vrow, nmask, VTAB, VPAIR, V_BITS, PAIRS, D)
+        v0, v1, v2, v3 = _codes(CACHE, vrow, nmask, VTAB, V_BITS, PRMT, D)
         acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
         acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
         acc2 = tl.dot(pv, v2, acc2 * alpha[:, None])
@@ -367,7 +415,7 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int
 def decode_attention(
     q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float, max_seq_len: int,
     num_splits: int | None = None, block_n: int = 64, num_warps: int | None = None, num_stages: int = 2,
-    pairs: bool = True, waves: int = 2, out=None,
+    decoder: str = "prmt", waves: int = 2, out=None,
 ):
     """q [B, Hq, T, d] -> out [B, Hq, T, d] (q's dtype). seq_lens [B] int32 on the device (no sync);
     max_seq_len: a host-side upper bound that sizes the split grid."""
@@ -384,6 +432,8 @@ def decode_attention(
         raise ValueError(f"seq_lens must be int32 [{B}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
     if block_table.shape[1] * layout.page < max_seq_len:
         raise ValueError(f"max_seq_len {max_seq_len} exceeds the block table ({block_table.shape[1]} blocks of {layout.page})")
+    if decoder not in ("prmt", "gather"):
+        raise ValueError(f"decoder must be 'prmt' or 'gather', got {decoder!r}")
     G = Hq // H
     block_m = max(16, triton.next_power_of_2(G * T))
     t = _tables(layout.preset, seed, q.device, d)
@@ -401,10 +451,10 @@ def decode_attention(
         num_warps = 8 if block_m >= 64 else 4
     _tq_decode_kernel[(B * H, num_splits)](
         qr, qr.stride(0), qr.stride(1), qr.stride(2), cache, cache.view(torch.float32), block_table, block_table.stride(0),
-        seq_lens, t["kcb"], t["kpair"], t["vcb"], t["vpair"], ws_acc, ws_ml, num_splits,
+        seq_lens, t["kcb"], t["vcb"], ws_acc, ws_ml, num_splits,
         layout.block_bytes, layout.v_offset, layout.s_offset, k_mul, v_mul,
         H=H, G=G, T=T, PAGE=layout.page, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
-        PAIRS=pairs, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        PRMT=decoder == "prmt" and q.is_cuda, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
     )
     if out is None:
         out = torch.empty_like(q)

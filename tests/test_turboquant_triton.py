@@ -160,9 +160,9 @@ def test_decode_attention_matches_reference(name, B, Hq, H, T, lens, page, split
 
 @kernel_case
 @pytest.mark.parametrize("block_n", [16, 64])
-def test_decode_nibble_gathers_match_pair_table(block_n):
-    """The two 4-bit decoders (one gather per byte from the fp16-pair table, or one per nibble) agree
-    with the reference, at a tile size that leaves a partial last tile."""
+def test_decode_4bit_decoders_match_reference(block_n):
+    """Both 4-bit decoders (PRMT byte lookups on the GPU, L1 gathers; the interpreter has only gathers)
+    agree with the reference, at a tile size that leaves a partial last tile."""
     lay = tq.CacheLayout(tq.PRESETS["turboquant_k4v4"], num_kv_heads=2, page=16)
     bt, nb = paged([77], 16)
     cache = lay.empty(nb)
@@ -173,19 +173,65 @@ def test_decode_nibble_gathers_match_pair_table(block_n):
     q = torch.randn(1, 8, 1, 256, generator=g)
     ref = tq.decode_attention_reference(q, cache, lay, bt, torch.tensor([77]), r, 1 / 16)
     args = (cache.to(DEV), lay, bt.to(DEV), torch.tensor([77], dtype=torch.int32, device=DEV), SEED, 1 / 16, 77)
-    for pairs in (True, False):
-        out = tt.decode_attention(q.to(DEV, torch.float16), *args, block_n=block_n, pairs=pairs)
-        assert_rel(out.float(), ref, 3e-3, f"pairs={pairs} block_n={block_n}")
+    for decoder in ("prmt", "gather"):
+        out = tt.decode_attention(q.to(DEV, torch.float16), *args, block_n=block_n, decoder=decoder)
+        assert_rel(out.float(), ref, 3e-3, f"decoder={decoder} block_n={block_n}")
 
 
-def test_pair_table_holds_both_nibbles_values():
-    """Entry b of the 4-bit pair table: fp16 bits of level[b & 15] low, level[b >> 4] high."""
+def _run_ptx(asm: str, x: int) -> tuple[int, int]:
+    """Execute the decoder's PTX (the handful of b32 ops it uses) on one 32-bit input: -> ($0, $1)."""
+    regs = {"$2": x}
+    val = lambda a: regs[a] if a in regs else int(a, 0)  # noqa: E731
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        d, *a = [t.strip() for t in rest.split(",")]
+        a = [val(t) for t in a]
+        if op == "prmt.b32":
+            src = a[0] | (a[1] << 32)
+            out = 0
+            for i in range(4):
+                sel = (a[2] >> (4 * i)) & 0xF
+                byte = (src >> (8 * (sel & 7))) & 0xFF
+                out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << (8 * i)
+            r = out
+        else:
+            r = {"and.b32": lambda: a[0] & a[1], "or.b32": lambda: a[0] | a[1], "xor.b32": lambda: a[0] ^ a[1],
+                 "shr.b32": lambda: a[0] >> a[1], "shl.b32": lambda: a[0] << a[1], "sub.u32": lambda: a[0] - a[1],
+                 "mov.b32": lambda: a[0]}[op]()
+        regs[d] = r & 0xFFFFFFFF
+    return regs["$0"], regs["$1"]
+
+
+@pytest.mark.parametrize("high", [False, True])
+def test_prmt_decoder_ptx_decodes_every_nibble(high):
+    """The inline PTX, executed op by op here, turns every byte in every lane into the fp16 bits of
+    level[nibble] (low or high nibble): 256 words cover all bytes in all four positions."""
+    want = tq.codebook(4).levels.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    asm = tt._prmt_asm(tq.codebook(4).levels, high=high)
+    for v in range(256):
+        bs = [v, (v + 85) % 256, (v + 170) % 256, 255 - v]
+        o0, o1 = _run_ptx(asm, sum(b << (8 * i) for i, b in enumerate(bs)))
+        got = [o0 & 0xFFFF, o0 >> 16, o1 & 0xFFFF, o1 >> 16]
+        assert got == [int(want[(b >> 4) if high else (b & 15)]) for b in bs], f"bytes {bs}"
+
+
+def test_prmt_tables_hold_the_codebook_magnitudes():
+    """The PRMT decoder's immediates are the low/high bytes of fp16 |level[8 + m]|, m = 0..7, and the
+    codebook is symmetric in fp16 (what the decoder relies on)."""
     lev = tq.codebook(4).levels.to(torch.float16)
-    tab = tt._pair_table(lev)
-    b = torch.arange(256)
-    lo = (tab & 0xFFFF).to(torch.int16).view(torch.float16)
-    hi = ((tab >> 16) & 0xFFFF).to(torch.int16).view(torch.float16)
-    assert torch.equal(lo, lev[b & 15]) and torch.equal(hi, lev[b >> 4])
+    assert torch.equal(lev[:8], -lev[8:].flip(0))
+    asm = tt._prmt_asm(tq.codebook(4).levels, high=False)
+    words = [int(x, 16) for x in __import__("re").findall(r"mov\.b32 t\d, (0x[0-9a-f]+);", asm)]
+    bits = lev[8:].view(torch.int16).to(torch.int64) & 0xFFFF
+    got = [((words[2 + m // 4] >> (8 * (m % 4))) & 0xFF) << 8 | ((words[m // 4] >> (8 * (m % 4))) & 0xFF) for m in range(8)]
+    assert got == bits.tolist()
+    with pytest.raises(ValueError, match="decoder must be"):
+        tt.decode_attention(torch.randn(1, 2, 1, 256), tq.CacheLayout(tq.PRESETS["turboquant_k4v4"], 1, 16).empty(1),
+                            tq.CacheLayout(tq.PRESETS["turboquant_k4v4"], 1, 16), torch.zeros(1, 1, dtype=torch.int32),
+                            torch.ones(1, dtype=torch.int32), SEED, 1 / 16, 1, decoder="lut")
 
 
 @kernel_case

@@ -197,12 +197,12 @@ def bench_encode(pools, name, T, B):
 
 
 SWEEP = {  # decode_attention keyword sets tried per q_len; the best (128K B1 + 64K B8) is used for the table
-    1: [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, num_stages=3), dict(block_n=128, num_warps=4),
-        dict(block_n=128, num_warps=8), dict(block_n=32, num_warps=4), dict(block_n=64, num_warps=4, pairs=False),
-        dict(block_n=64, num_warps=4, waves=4), dict(block_n=128, num_warps=4, waves=4)],
-    3: [dict(block_n=64, num_warps=8), dict(block_n=64, num_warps=4), dict(block_n=128, num_warps=8),
-        dict(block_n=32, num_warps=8), dict(block_n=64, num_warps=8, num_stages=3), dict(block_n=64, num_warps=8, pairs=False),
-        dict(block_n=64, num_warps=8, waves=4)],
+    1: [dict(block_n=64, num_warps=4), dict(block_n=64, num_warps=4, waves=4), dict(block_n=128, num_warps=4, waves=4),
+        dict(block_n=128, num_warps=8, waves=4), dict(block_n=32, num_warps=4, waves=4),
+        dict(block_n=64, num_warps=4, waves=4, decoder="gather"), dict(block_n=64, num_warps=4, waves=8)],
+    3: [dict(block_n=64, num_warps=8), dict(block_n=64, num_warps=8, waves=4), dict(block_n=128, num_warps=8, waves=4),
+        dict(block_n=32, num_warps=8, waves=4), dict(block_n=64, num_warps=4, waves=4),
+        dict(block_n=64, num_warps=8, waves=4, decoder="gather")],
 }
 
 
