@@ -120,13 +120,14 @@ def _quantize_chunk(xr, zs, BND, LEV, BITS: tl.constexpr, DELTA: tl.constexpr, B
         code = tl.ceil(z / DELTA + (half - 0.5))
         code = tl.minimum(tl.maximum(code, 0.0), (1 << BITS) - 1.0).to(tl.int32)
         c = (code.to(tl.float32) - half) * DELTA
-    else:  # binary search over the 2^b - 1 sorted bounds: code = #bounds below z
+    else:  # code = #bounds below z, c = level[code], both summed over the 2^b - 1 bounds: no gathers,
+        # whose dependent L1/L2 round trips made the decode-step encode (1-24 tokens) latency-bound
         code = tl.zeros([BLOCK_T, 64], dtype=tl.int32)
-        step: tl.constexpr = 1 << (BITS - 1)
-        for i in tl.static_range(BITS):
-            cand = code + (step >> i)
-            code = tl.where(z > tl.load(BND + cand - 1), cand, code)
-        c = tl.load(LEV + code)
+        c = tl.zeros([BLOCK_T, 64], dtype=tl.float32) + tl.load(LEV)
+        for i in tl.static_range((1 << BITS) - 1):
+            above = z > tl.load(BND + i)
+            code += above.to(tl.int32)
+            c += tl.where(above, tl.load(LEV + i + 1) - tl.load(LEV + i), 0.0)
     return code, c
 
 
@@ -414,8 +415,8 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int
 
 def decode_attention(
     q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float, max_seq_len: int,
-    num_splits: int | None = None, block_n: int = 64, num_warps: int | None = None, num_stages: int = 2,
-    decoder: str = "prmt", waves: int = 2, out=None,
+    num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    decoder: str = "prmt", waves: int = 4, out=None,
 ):
     """q [B, Hq, T, d] -> out [B, Hq, T, d] (q's dtype). seq_lens [B] int32 on the device (no sync);
     max_seq_len: a host-side upper bound that sizes the split grid."""
@@ -447,8 +448,6 @@ def decode_attention(
     v_mul = t["vdelta"] or 1.0
     ws_acc = torch.empty(B * H * num_splits * block_m * d, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(B * H * num_splits * block_m * 2, dtype=torch.float32, device=q.device)
-    if num_warps is None:
-        num_warps = 8 if block_m >= 64 else 4
     _tq_decode_kernel[(B * H, num_splits)](
         qr, qr.stride(0), qr.stride(1), qr.stride(2), cache, cache.view(torch.float32), block_table, block_table.stride(0),
         seq_lens, t["kcb"], t["vcb"], ws_acc, ws_ml, num_splits,
