@@ -15,6 +15,11 @@ Switches (environment variables, read once per process by register(); 1/0, true/
                              whose method quantizes the weight per row after loading, frees the BF16 weight
                              before the KV cache is sized, and computes logits with onespark.kernels
                              (Triton on CUDA, the plain-torch reference on CPU). Shared with the MTP draft.
+  ONESPARK_TURBOQUANT_BACKEND=1
+                             TurboQuant attention backend: registered as vLLM's AttentionBackendEnum.CUSTOM
+                             (register_backend: a class path, nothing imported), used only by servers started
+                             with --attention-backend CUSTOM and a turboquant_* --kv-cache-dtype, which needs
+                             patches/turboquant.diff (the v2-tq image). Off: CUSTOM stays unregistered.
   ONESPARK_ALLOW_ANY_VLLM=0  1 = run on an untested vLLM version anyway (logged as a warning).
 
 VLLM_PLUGINS="" (vLLM's own switch) disables the whole plugin. What each patch touches, why, and when to
@@ -31,11 +36,13 @@ SUPPORTED_VLLM = "0.19.1"
 ENV_ALLOW_ANY_VLLM = "ONESPARK_ALLOW_ANY_VLLM"
 ENV_HYBRID_FP8 = "ONESPARK_HYBRID_FP8"
 ENV_INT8_LM_HEAD = "ONESPARK_INT8_LM_HEAD"
+ENV_TURBOQUANT_BACKEND = "ONESPARK_TURBOQUANT_BACKEND"
 
 # technique name -> (switch, default, "module:function" that installs it)
 TECHNIQUES: dict[str, tuple[str, bool, str]] = {
     "hybrid-fp8": (ENV_HYBRID_FP8, True, "onespark.patches.hybrid_fp8:install"),
     "int8-lm-head": (ENV_INT8_LM_HEAD, True, "onespark.patches.lm_head:install"),
+    "turboquant-backend": (ENV_TURBOQUANT_BACKEND, True, "onespark.patches.turboquant_backend:install"),
 }
 
 # A child of vLLM's logger, so our lines use vLLM's handler and format in every process.

