@@ -98,6 +98,7 @@ def _tables(preset: tq.Preset, seed: int, device, d: int = tq.HEAD_DIM):
 
         _TABLES[key] = {
             "r": r.to(device),
+            "signs": torch.sign(r[0]).to(device),  # row 0 of H is all ones: R[0] = s / sqrt(d)
             "rt": {dt: r.T.contiguous().to(dt).to(device) for dt in (torch.float32, torch.float16, torch.bfloat16)},
             "kcb": levels(kcb).to(device), "vcb": levels(vcb).to(device),
             "kbnd": kcb.bounds.to(torch.float32).to(device), "vbnd": vcb.bounds.to(torch.float32).to(device),
@@ -112,8 +113,8 @@ def _tables(preset: tq.Preset, seed: int, device, d: int = tq.HEAD_DIM):
 
 
 @triton.jit
-def _quantize_chunk(xr, zs, BND, LEV, BITS: tl.constexpr, DELTA: tl.constexpr, BLOCK_T: tl.constexpr):
-    """Rotated coordinates xr [BLOCK_T, 64] times zs = sqrt(d)/|x| -> (codes int32, codebook values fp32)."""
+def _quantize(xr, zs, BND, LEV, BITS: tl.constexpr, DELTA: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """Rotated coordinates xr [BLOCK_T, D] times zs = sqrt(d)/|x| -> (codes int32, codebook values fp32)."""
     z = xr * zs[:, None]
     if DELTA > 0:  # uniform grid, bounds at (i - 2^(b-1) + 1) delta: code = #bounds below z, as the reference
         half: tl.constexpr = ((1 << BITS) - 1) / 2
@@ -122,8 +123,8 @@ def _quantize_chunk(xr, zs, BND, LEV, BITS: tl.constexpr, DELTA: tl.constexpr, B
         c = (code.to(tl.float32) - half) * DELTA
     else:  # code = #bounds below z, c = level[code], both summed over the 2^b - 1 bounds: no gathers,
         # whose dependent L1/L2 round trips made the decode-step encode (1-24 tokens) latency-bound
-        code = tl.zeros([BLOCK_T, 64], dtype=tl.int32)
-        c = tl.zeros([BLOCK_T, 64], dtype=tl.float32) + tl.load(LEV)
+        code = tl.zeros([BLOCK_T, D], dtype=tl.int32)
+        c = tl.zeros([BLOCK_T, D], dtype=tl.float32) + tl.load(LEV)
         for i in tl.static_range((1 << BITS) - 1):
             above = z > tl.load(BND + i)
             code += above.to(tl.int32)
@@ -140,29 +141,57 @@ def _high_bits(c, A: tl.constexpr, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
-def _encode_rows(X, stride_xn, stride_xh, RT, BND, LEV, rows, rmask, h, OUT, s_ptr,
-                 BITS: tl.constexpr, DELTA: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, PREC: tl.constexpr):
+def _butterfly(x, H: tl.constexpr, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """One Hadamard stage on rows of x [BLOCK_T, D]: (x[k], x[k + H]) -> (sum, difference) in blocks of 2H."""
+    if H == 1:
+        a, b = tl.split(tl.reshape(x, [BLOCK_T * D // 2, 2]))
+        return tl.reshape(tl.join(a + b, a - b), [BLOCK_T, D])
+    else:
+        a, b = tl.split(tl.permute(tl.reshape(x, [BLOCK_T * D // (2 * H), 2, H]), [0, 2, 1]))
+        return tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [BLOCK_T, D])
+
+
+@triton.jit
+def _fwht(x, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """x [BLOCK_T, 256] -> x @ H_256 (Sylvester Hadamard, unnormalised), exact up to fp32 adds. Replaces a
+    [256, 256] matrix operand: loading it (128 KB) and holding its pointers spilled registers and cost
+    ~15 us per decode-step encode on an H200."""
+    tl.static_assert(D == 256)
+    x = _butterfly(x, 1, BLOCK_T, D)
+    x = _butterfly(x, 2, BLOCK_T, D)
+    x = _butterfly(x, 4, BLOCK_T, D)
+    x = _butterfly(x, 8, BLOCK_T, D)
+    x = _butterfly(x, 16, BLOCK_T, D)
+    x = _butterfly(x, 32, BLOCK_T, D)
+    x = _butterfly(x, 64, BLOCK_T, D)
+    return _butterfly(x, 128, BLOCK_T, D)
+
+
+@triton.jit
+def _chunks4(x, BLOCK_T: tl.constexpr):
+    """[BLOCK_T, 256] -> its four [BLOCK_T, 64] column chunks (chunk a = 2 hi + lo)."""
+    e, o = tl.split(tl.permute(tl.reshape(x, [BLOCK_T, 2, 2, 64]), [0, 3, 1, 2]))  # lo = 0 / 1: [BLOCK_T, 64, hi]
+    c0, c2 = tl.split(e)
+    c1, c3 = tl.split(o)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _encode_rows(X, stride_xn, stride_xh, SIGNS, BND, LEV, rows, rmask, h, OUT, s_ptr,
+                 BITS: tl.constexpr, DELTA: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
     """Quantize BLOCK_T rows of one head and store codes at OUT [BLOCK_T] (int64 byte offsets), scale at s_ptr."""
     tl.static_assert(D == 256)  # four 64-column chunks
     cols = tl.arange(0, D)
     j = tl.arange(0, 64)
     x = tl.load(X + rows[:, None].to(tl.int64) * stride_xn + h * stride_xh + cols[None, :], mask=rmask[:, None], other=0.0)
-    if x.dtype == tl.bfloat16:
-        # fp16 holds every bf16 value in [6e-5, 65504] exactly; K/V stay far inside that range. (Also the
-        # interpreter mis-reads bf16 dot operands.) RT entries are +-1/16, exact in fp16: the dot is exact
-        # products with fp32 accumulation.
-        x = x.to(tl.float32).to(tl.float16)
-    xf = x.to(tl.float32)
-    norm = tl.sqrt(tl.sum(xf * xf, 1))
+    x = x.to(tl.float32)
+    norm = tl.sqrt(tl.sum(x * x, 1))
     zs = tl.sqrt(D * 1.0) / tl.where(norm > 0, norm, 1.0)
-    # R^T one 64-column chunk at a time: a whole [256, 256] tile would spill registers
-    rt = RT + cols[:, None] * D + j[None, :]
-    c0, v0 = _quantize_chunk(tl.dot(x, tl.load(rt), input_precision=PREC), zs, BND, LEV, BITS, DELTA, BLOCK_T)
-    c1, v1 = _quantize_chunk(tl.dot(x, tl.load(rt + 64), input_precision=PREC), zs, BND, LEV, BITS, DELTA, BLOCK_T)
-    c2, v2 = _quantize_chunk(tl.dot(x, tl.load(rt + 128), input_precision=PREC), zs, BND, LEV, BITS, DELTA, BLOCK_T)
-    c3, v3 = _quantize_chunk(tl.dot(x, tl.load(rt + 192), input_precision=PREC), zs, BND, LEV, BITS, DELTA, BLOCK_T)
-    cn = tl.sqrt(tl.sum(v0 * v0, 1) + tl.sum(v1 * v1, 1) + tl.sum(v2 * v2, 1) + tl.sum(v3 * v3, 1))
-    tl.store(s_ptr, norm / cn, mask=rmask)
+    # x R^T with R = H diag(s) / sqrt(d): (x * s) H / sqrt(d)
+    xr = _fwht(x * tl.load(SIGNS + cols)[None, :], BLOCK_T, D) * (1.0 / tl.sqrt(D * 1.0))
+    code, c = _quantize(xr, zs, BND, LEV, BITS, DELTA, BLOCK_T, D)
+    tl.store(s_ptr, norm / tl.sqrt(tl.sum(c * c, 1)), mask=rmask)
+    c0, c1, c2, c3 = _chunks4(code, BLOCK_T)
     out = OUT[:, None] + j[None, :]
     m = rmask[:, None]
     if BITS == 8:
@@ -181,10 +210,10 @@ def _encode_rows(X, stride_xn, stride_xh, RT, BND, LEV, rows, rmask, h, OUT, s_p
 
 @triton.jit
 def _tq_encode_kernel(
-    K, V, stride_kn, stride_kh, stride_vn, stride_vh, SLOTS, CACHE, CACHE_F32, RT,
+    K, V, stride_kn, stride_kh, stride_vn, stride_vh, SLOTS, CACHE, CACHE_F32, SIGNS,
     KBND, KLEV, VBND, VLEV, n_tokens, block_bytes, v_offset, s_offset,
     H: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    K_DELTA: tl.constexpr, V_DELTA: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, PREC: tl.constexpr,
+    K_DELTA: tl.constexpr, V_DELTA: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     """Grid (token blocks, H, 2): the last axis picks K or V, so the two run in parallel."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -196,11 +225,11 @@ def _tq_encode_kernel(
     base = blk * block_bytes
     sidx = (base + s_offset) // 4 + row * 2
     if tl.program_id(2) == 0:
-        _encode_rows(K, stride_kn, stride_kh, RT, KBND, KLEV, rows, rmask, h, CACHE + base + row * (K_BITS * D // 8),
-                     CACHE_F32 + sidx, K_BITS, K_DELTA, D, BLOCK_T, PREC)
+        _encode_rows(K, stride_kn, stride_kh, SIGNS, KBND, KLEV, rows, rmask, h, CACHE + base + row * (K_BITS * D // 8),
+                     CACHE_F32 + sidx, K_BITS, K_DELTA, D, BLOCK_T)
     else:
-        _encode_rows(V, stride_vn, stride_vh, RT, VBND, VLEV, rows, rmask, h, CACHE + base + v_offset + row * (V_BITS * D // 8),
-                     CACHE_F32 + sidx + 1, V_BITS, V_DELTA, D, BLOCK_T, PREC)
+        _encode_rows(V, stride_vn, stride_vh, SIGNS, VBND, VLEV, rows, rmask, h, CACHE + base + v_offset + row * (V_BITS * D // 8),
+                     CACHE_F32 + sidx + 1, V_BITS, V_DELTA, D, BLOCK_T)
 
 
 def _check_cache(cache: torch.Tensor, layout: tq.CacheLayout):
@@ -227,13 +256,11 @@ def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t
     if n == 0:
         return
     t = _tables(layout.preset, seed, k.device, d)
-    rt = t["rt"][torch.float32 if k.dtype == torch.float32 else torch.float16]
     _tq_encode_kernel[(triton.cdiv(n, block_t), H, 2)](
-        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slot_mapping, cache, cache.view(torch.float32), rt,
+        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slot_mapping, cache, cache.view(torch.float32), t["signs"],
         t["kbnd"], t["klev32"], t["vbnd"], t["vlev32"], n, layout.block_bytes, layout.v_offset, layout.s_offset,
         H=H, PAGE=layout.page, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
         K_DELTA=t["kdelta"], V_DELTA=t["vdelta"], D=d, BLOCK_T=block_t, num_warps=4,
-        PREC="ieee" if k.dtype == torch.float32 else "tf32",  # fp32 input: exact products (tf32 keeps 10 bits)
     )
 
 
