@@ -5,7 +5,8 @@
 #   ONESPARK_MODEL            model directory or name to serve (default /model, the mounted checkpoint)
 #   ONESPARK_DROP_DEFAULTS    space-separated default flags to leave out, or "all" (the CPU demo drops the
 #                             GPU-only ones: --attention-backend --speculative-config --load-format ...)
-#   ONESPARK_EXTRA_DEFAULTS   more default flags, shell words (Dockerfile.v2-tq adds TurboQuant's here)
+#   ONESPARK_EXTRA_DEFAULTS   more default flags, shell words; one that repeats a built-in default replaces it
+#                             (Dockerfile.v2-tq sets TurboQuant's, --attention-backend CUSTOM among them)
 #   ONESPARK_PRINT_ONLY=1     print the vllm command line (one argument per line) instead of running it
 # The API key is never a flag here: pass VLLM_API_KEY in the environment (vLLM reads it), so it stays out
 # of `ps` and of this script's echo.
@@ -36,12 +37,13 @@ DEFAULTS=(
 is_switch() { [[ $1 == --enable-auto-tool-choice ]]; }
 
 main() {
-  local -a user=("$@") defaults=("${DEFAULTS[@]}") extra=() out=()
+  local -a user=("$@") defaults=() extra=() out=()
   if [[ -n ${ONESPARK_EXTRA_DEFAULTS:-} ]]; then
     read -r -a extra <<<"$ONESPARK_EXTRA_DEFAULTS"
-    defaults+=("${extra[@]}")
   fi
-  local drop=" ${ONESPARK_DROP_DEFAULTS:-} "
+  # Extra defaults first: a built-in default whose flag they already set is skipped below.
+  defaults=("${extra[@]}" "${DEFAULTS[@]}")
+  local drop=" ${ONESPARK_DROP_DEFAULTS:-} " seen=" "
   local i=0 flag n
   while ((i < ${#defaults[@]})); do
     flag=${defaults[i]}
@@ -49,9 +51,11 @@ main() {
     if is_switch "$flag" || [[ $flag == *=* ]] || ((i + 1 >= ${#defaults[@]})) || [[ ${defaults[i + 1]} == --* ]]; then
       n=1
     fi
-    if [[ $drop != *" all "* && $drop != *" ${flag%%=*} "* ]] && ! user_has "${flag%%=*}" "${user[@]}"; then
+    if [[ $drop != *" all "* && $drop != *" ${flag%%=*} "* && $seen != *" ${flag%%=*} "* ]] \
+      && ! user_has "${flag%%=*}" "${user[@]}"; then
       out+=("${defaults[@]:i:n}")
     fi
+    seen+="${flag%%=*} "
     i=$((i + n))
   done
   # The API server module rather than the `vllm serve` script: same flags, and it also runs on the demo's

@@ -164,6 +164,8 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
                  kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
                  kv_sharing_target_layer_name=None, **extra) -> None:
         fix = "serve this model with --kv-cache-dtype auto (and without --attention-backend CUSTOM)"
+        # layer_idx is information only (Qwen3-Next passes it with dual-chunk attention, refused by its config)
+        extra = {k: v for k, v in extra.items() if k != "layer_idx" and v is not None}
         unsupported = {
             f"head_dim {head_size} (the kernels support {HEAD_DIM})": head_size != HEAD_DIM,
             "sliding-window attention": sliding_window is not None,
@@ -171,8 +173,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
             "logits soft-capping": logits_soft_cap not in (None, 0),
             f"attention type {attn_type!r} (decoder only)": attn_type != AttentionType.DECODER,
             f"KV-cache sharing with {kv_sharing_target_layer_name!r}": kv_sharing_target_layer_name is not None,
-            f"attention arguments {sorted(k for k, v in extra.items() if v is not None)} (e.g. sinks)":
-                any(v is not None for v in extra.values()),
+            f"attention arguments {sorted(extra)} (e.g. sinks, dual-chunk attention)": bool(extra),
         }
         bad = [what for what, is_bad in unsupported.items() if is_bad]
         if bad:

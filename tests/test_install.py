@@ -258,6 +258,11 @@ def test_entrypoint_drop_and_extra():
     assert _flag(argv, "--kv-cache-dtype") == ["fp8"] and "--enable-prefix-caching" in argv
     argv = _entry("--kv-cache-dtype", "auto", ONESPARK_EXTRA_DEFAULTS="--kv-cache-dtype fp8")
     assert _flag(argv, "--kv-cache-dtype") == ["auto"]
+    # an extra default that repeats a built-in one replaces it (Dockerfile.v2-tq: --attention-backend CUSTOM)
+    argv = _entry(ONESPARK_EXTRA_DEFAULTS="--attention-backend CUSTOM --kv-cache-dtype turboquant_k4v4")
+    assert _flag(argv, "--attention-backend") == ["CUSTOM"] and _flag(argv, "--kv-cache-dtype") == ["turboquant_k4v4"]
+    argv = _entry("--attention-backend", "FLASHINFER", ONESPARK_EXTRA_DEFAULTS="--attention-backend CUSTOM")
+    assert _flag(argv, "--attention-backend") == ["FLASHINFER"]
 
 
 @pytest.mark.vllm
