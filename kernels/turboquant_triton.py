@@ -241,8 +241,10 @@ def _check_cache(cache: torch.Tensor, layout: tq.CacheLayout):
         )
 
 
-def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t: int = 16):
-    """Write k, v [num_tokens, H, d] (fp16/bf16; fp32 in the interpreter) into the paged cache."""
+def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t: int | None = None):
+    """Write k, v [num_tokens, H, d] (fp16/bf16; fp32 in the interpreter) into the paged cache.
+    block_t rows per program: 4 for a decode step's few tokens (each program's work is serial
+    latency), 16 for prefill chunks."""
     n, H, d = k.shape
     if v.shape != k.shape or H != layout.num_kv_heads or d != layout.head_dim:
         raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} do not match the layout (H={layout.num_kv_heads}, d={layout.head_dim})")
@@ -256,6 +258,8 @@ def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t
     if n == 0:
         return
     t = _tables(layout.preset, seed, k.device, d)
+    if block_t is None:
+        block_t = 4 if n <= 256 else 16
     _tq_encode_kernel[(triton.cdiv(n, block_t), H, 2)](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), slot_mapping, cache, cache.view(torch.float32), t["signs"],
         t["kbnd"], t["klev32"], t["vbnd"], t["vlev32"], n, layout.block_bytes, layout.v_offset, layout.s_offset,
@@ -442,7 +446,7 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int
 
 def decode_attention(
     q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float, max_seq_len: int,
-    num_splits: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
     decoder: str = "prmt", waves: int = 4, out=None,
 ):
     """q [B, Hq, T, d] -> out [B, Hq, T, d] (q's dtype). seq_lens [B] int32 on the device (no sync);
@@ -464,6 +468,8 @@ def decode_attention(
         raise ValueError(f"decoder must be 'prmt' or 'gather', got {decoder!r}")
     G = Hq // H
     block_m = max(16, triton.next_power_of_2(G * T))
+    if block_n is None:  # H200 sweep (bench/results/turboquant_h200.json): 32 tokens for T = 1, 64 for verify steps
+        block_n = 32 if T == 1 else 64
     t = _tables(layout.preset, seed, q.device, d)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4

@@ -198,9 +198,24 @@ def bench_encode(pools, name, T, B):
 
 SWEEP = {  # decode_attention keyword sets tried per q_len ({} = the library defaults); the best
     # (128K B1 + 64K B8) is used for the table
-    1: [dict(), dict(block_n=32), dict(block_n=128), dict(waves=2), dict(decoder="gather")],
-    3: [dict(), dict(num_warps=8), dict(block_n=128), dict(block_n=32)],
+    1: [dict(), dict(block_n=64), dict(waves=2), dict(decoder="gather")],
+    3: [dict(), dict(num_warps=8), dict(block_n=32)],
 }
+
+
+def encode_sweep(pools, log):
+    """Encode of one decode step's tokens (B x T) per rows-per-program, against an empty graph replay."""
+    lay, cache = pools.tq_cache(tq.DEFAULT_PRESET)
+    empty = torch.empty(1, device="cuda")
+    log.append(dict(what="graph of one tiny kernel", ms=median_ms(lambda: empty.add_(0))))
+    print(f"encode: graph of one tiny kernel {log[-1]['ms'] * 1000:.1f} us", flush=True)
+    for n in (1, 24, 4096):
+        k = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16)
+        slots = torch.randperm(cache.shape[0] * PAGE, device="cuda")[:n]
+        for bt in (1, 4, 16):
+            ms = median_ms(lambda: tt.encode(k, k, slots, cache, lay, tq.rotation_seed(0), block_t=bt))
+            log.append(dict(tokens=n, block_t=bt, ms=ms))
+            print(f"encode {n} tokens, block_t {bt}: {ms * 1000:.1f} us", flush=True)
 
 
 def sweep(pools, log):
@@ -317,6 +332,8 @@ def main():
     write(result, args.out)
     depths = [8192, 262144] if args.quick else DEPTHS
     pools = Pools(max_tokens=8 * max(depths))
+    result["encode_sweep"] = []
+    section(result, "encode sweep", encode_sweep, pools, result["encode_sweep"])
     result["sweep"] = []
     best = section(result, "sweep", sweep, pools, result["sweep"]) or {1: {}, 3: {}}
     result["tile_config"] = {str(k): v for k, v in best.items()}
