@@ -198,8 +198,8 @@ def bench_encode(pools, name, T, B):
 
 SWEEP = {  # decode_attention keyword sets tried per q_len ({} = the library defaults); the best
     # (128K B1 + 64K B8) is used for the table
-    1: [dict(), dict(block_n=64), dict(waves=2), dict(decoder="gather")],
-    3: [dict(), dict(num_warps=8), dict(block_n=32)],
+    1: [dict(), dict(num_stages=1), dict(block_n=64), dict(block_n=64, num_stages=1), dict(decoder="gather")],
+    3: [dict(), dict(num_stages=1), dict(block_n=32), dict(num_warps=8)],
 }
 
 
