@@ -254,7 +254,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         r = self._r(seed, kv_cache.device)
         # fp32 on CPU (the reference lane checks it tightly); the model's dtype on GPUs (SDPA kernels)
         dtype = torch.float32 if not query.is_cuda else query.dtype
-        G = self.num_heads // self.num_kv_heads
+        H, G, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
         qsl, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
         for i in range(md.num_reqs):
             s, e, L = qsl[i], qsl[i + 1], seq_lens[i]
@@ -263,11 +263,14 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
             ql = e - s
             kc, vc = self._read_rotated(kv_cache, layout, md.block_table[i], L, dtype)  # [H, L, d]
             # q . x_hat = scale_x * (R q) . c: attend in the rotated basis, rotate the output back once.
-            q = (query[s:e].to(torch.float32) @ r.T).to(dtype).transpose(0, 1)  # [Hq, ql, d]
-            allowed = torch.arange(L, device=q.device)[None, :] <= (L - ql + torch.arange(ql, device=q.device))[:, None]
-            o = F.scaled_dot_product_attention(
-                q, kc.repeat_interleave(G, 0), vc.repeat_interleave(G, 0), attn_mask=allowed, scale=self.scale)
-            output[s:e].copy_((o.transpose(0, 1).to(torch.float32) @ r).to(output.dtype))
+            q = (query[s:e].to(torch.float32) @ r.T).to(dtype)  # [ql, Hq, d], query head = kv head * G + g
+            # the G query heads of a KV head become G x ql query rows, so K/V are never repeated G times
+            q = q.view(ql, H, G, d).permute(1, 2, 0, 3).reshape(H, G * ql, d)
+            pos = torch.arange(L, device=q.device)
+            allowed = (pos[None, :] <= (L - ql + torch.arange(ql, device=q.device))[:, None]).repeat(G, 1)
+            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=allowed, scale=self.scale)  # [H, G*ql, d]
+            o = o.view(H, G, ql, d).permute(2, 0, 1, 3).reshape(ql, self.num_heads, d)
+            output[s:e].copy_((o.to(torch.float32) @ r).to(output.dtype))
 
     def _read_rotated(self, kv_cache, layout: tq.CacheLayout, block_row, L: int, dtype):
         """Codebook values times per-token scale, still in the rotated basis: k, v [H, L, d] in dtype."""
