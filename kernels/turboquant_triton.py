@@ -273,8 +273,10 @@ def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t
 
 
 @triton.jit
-def _nibbles(b, TAB, PRMT: tl.constexpr):
-    """4-bit: code bytes [BLOCK_N, 64] -> fp16 values of their low and high nibbles, each [BLOCK_N, 64]."""
+def _nibbles(CACHE, ptr, nmask, TAB, HALF: tl.constexpr, PRMT: tl.constexpr):
+    """4-bit: bytes [64 HALF, 64 HALF + 64) of BLOCK_N code rows -> fp16 values of coordinates
+    64 HALF + j (low nibbles) and 128 + 64 HALF + j (high nibbles), each [BLOCK_N, 64]."""
+    b = tl.load(CACHE + ptr[:, None] + (HALF * 64 + tl.arange(0, 64))[None, :], mask=nmask[:, None], other=0)
     if PRMT:
         lo = tl.inline_asm_elementwise(_NIB_LO, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
         hi = tl.inline_asm_elementwise(_NIB_HI, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
@@ -293,67 +295,27 @@ def _u8_centred(b):
 
 
 @triton.jit
-def _load_codes(CACHE, ptr, nmask, BITS: tl.constexpr, D: tl.constexpr):
-    """The code bytes of BLOCK_N rows (ptr [BLOCK_N]: byte offsets), as four uint8 [BLOCK_N, 64] tiles
-    (4 bit: bytes 0-63, 64-127, then repeats; 3 bit: the 2-bit plane and the high plane broadcast to 64
-    columns (byte j % 32), then repeats; 8 bit: all four quarters). Each byte is loaded once."""
+def _codes(CACHE, ptr, nmask, TAB, BITS: tl.constexpr, PRMT: tl.constexpr, D: tl.constexpr):
+    """Codebook values of one code row per token: four fp16 [BLOCK_N, 64] chunks (coordinates 64a + j)."""
     j = tl.arange(0, 64)
-    m = nmask[:, None]
-    row = CACHE + ptr[:, None] + j[None, :]
-    r0 = tl.load(row, mask=m, other=0)
-    if BITS == 3:
-        r1 = tl.load(CACHE + ptr[:, None] + D // 4 + (j % 32)[None, :], mask=m, other=0)
-    else:
-        r1 = tl.load(row + 64, mask=m, other=0)
-    if BITS == 8:
-        r2 = tl.load(row + 128, mask=m, other=0)
-        r3 = tl.load(row + 192, mask=m, other=0)
-    else:
-        r2 = r0
-        r3 = r1
-    return r0, r1, r2, r3
-
-
-@triton.jit
-def _decode(r0, r1, r2, r3, TAB, BITS: tl.constexpr, PRMT: tl.constexpr):
-    """_load_codes' tiles -> codebook values, four fp16 [BLOCK_N, 64] chunks (coordinates 64a + j)."""
-    if BITS == 4:  # byte i: coordinate i (low nibble), i + 128 (high)
-        c0, c2 = _nibbles(r0, TAB, PRMT)
-        c1, c3 = _nibbles(r1, TAB, PRMT)
+    if BITS == 4:
+        c0, c2 = _nibbles(CACHE, ptr, nmask, TAB, 0, PRMT)
+        c1, c3 = _nibbles(CACHE, ptr, nmask, TAB, 1, PRMT)
     elif BITS == 8:  # code - 127.5, exactly, in the grid's units (the step joins the token's scale)
-        c0 = _u8_centred(r0)
-        c1 = _u8_centred(r1)
-        c2 = _u8_centred(r2)
-        c3 = _u8_centred(r3)
-    else:  # 3 bit
-        lo = r0.to(tl.int32)
-        hb = r1.to(tl.int32)
-        sh = (tl.arange(0, 64) // 32)[None, :]
+        row = CACHE + ptr[:, None] + j[None, :]
+        c0 = _u8_centred(tl.load(row, mask=nmask[:, None], other=0))
+        c1 = _u8_centred(tl.load(row + 64, mask=nmask[:, None], other=0))
+        c2 = _u8_centred(tl.load(row + 128, mask=nmask[:, None], other=0))
+        c3 = _u8_centred(tl.load(row + 192, mask=nmask[:, None], other=0))
+    else:  # 3 bit: both planes loaded once, the high plane broadcast to 64 columns (byte j % 32)
+        lo = tl.load(CACHE + ptr[:, None] + j[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+        hb = tl.load(CACHE + ptr[:, None] + D // 4 + (j % 32)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
+        sh = (j // 32)[None, :]
         c0 = tl.load(TAB + ((lo & 3) | (((hb >> sh) & 1) << 2)))
         c1 = tl.load(TAB + (((lo >> 2) & 3) | (((hb >> (2 + sh)) & 1) << 2)))
         c2 = tl.load(TAB + (((lo >> 4) & 3) | (((hb >> (4 + sh)) & 1) << 2)))
         c3 = tl.load(TAB + (((lo >> 6) & 3) | (((hb >> (6 + sh)) & 1) << 2)))
     return c0, c1, c2, c3
-
-
-@triton.jit
-def _load_tile(CACHE, CACHE_F32, bt_row, n0, end, h, block_bytes, v_offset, s_offset,
-               H: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-               D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Raw K/V codes and scales of tokens [n0, n0 + BLOCK_N) (masked at end): issued a tile ahead of use."""
-    tok = n0 + tl.arange(0, BLOCK_N)
-    nmask = tok < end
-    blk = tl.load(bt_row + tok // PAGE, mask=nmask, other=0).to(tl.int64)
-    row = (tok % PAGE) * H + h
-    base = blk * block_bytes
-    krow = tl.multiple_of(base + row * (K_BITS * D // 8), 16)  # code rows are multiples of 16 bytes: 16-byte loads
-    vrow = tl.multiple_of(base + v_offset + row * (V_BITS * D // 8), 16)
-    sidx = (base + s_offset) // 4 + row * 2
-    ks = tl.load(CACHE_F32 + sidx, mask=nmask, other=0.0)
-    vs = tl.load(CACHE_F32 + sidx + 1, mask=nmask, other=0.0)
-    k0, k1, k2, k3 = _load_codes(CACHE, krow, nmask, K_BITS, D)
-    v0, v1, v2, v3 = _load_codes(CACHE, vrow, nmask, V_BITS, D)
-    return k0, k1, k2, k3, v0, v1, v2, v3, ks, vs
 
 
 @triton.jit
@@ -391,36 +353,40 @@ def _tq_decode_kernel(
     acc1 = tl.zeros([BLOCK_M, 64], tl.float32)
     acc2 = tl.zeros([BLOCK_M, 64], tl.float32)
     acc3 = tl.zeros([BLOCK_M, 64], tl.float32)
-    bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_bt
-    # software prefetch: the next tile's codes are loaded (into registers, 16 B per thread and tensor)
-    # while this tile is decoded and multiplied; the loop is latency-bound, not issue-bound
-    k0, k1, k2, k3, v0, v1, v2, v3, ks, vs = _load_tile(
-        CACHE, CACHE_F32, bt_row, start, end, h, block_bytes, v_offset, s_offset, H, PAGE, K_BITS, V_BITS, D, BLOCK_N)
+    KB: tl.constexpr = K_BITS * D // 8
+    VB: tl.constexpr = V_BITS * D // 8
     for n0 in range(start, end, BLOCK_N):
-        nk0, nk1, nk2, nk3, nv0, nv1, nv2, nv3, nks, nvs = _load_tile(
-            CACHE, CACHE_F32, bt_row, n0 + BLOCK_N, end, h, block_bytes, v_offset, s_offset, H, PAGE, K_BITS, V_BITS, D, BLOCK_N)
         tok = n0 + tl.arange(0, BLOCK_N)
-        kc0, kc1, kc2, kc3 = _decode(k0, k1, k2, k3, KTAB, K_BITS, PRMT)
-        s = tl.dot(q0, tl.trans(kc0))
-        s = tl.dot(q1, tl.trans(kc1), s)
-        s = tl.dot(q2, tl.trans(kc2), s)
-        s = tl.dot(q3, tl.trans(kc3), s)
-        s = s * (ks * k_mul)[None, :]
-        s = tl.where((tok[None, :] < end) & (tok[None, :] <= last[:, None]), s, float("-inf"))
+        nmask = tok < end
+        blk = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt + tok // PAGE, mask=nmask, other=0).to(tl.int64)
+        row = (tok % PAGE) * H + h
+        base = blk * block_bytes
+        krow = tl.multiple_of(base + row * KB, 16)  # code rows are multiples of 16 bytes: 16-byte loads
+        vrow = tl.multiple_of(base + v_offset + row * VB, 16)
+        sidx = (base + s_offset) // 4 + row * 2
+        ks = tl.load(CACHE_F32 + sidx, mask=nmask, other=0.0) * k_mul
+        vs = tl.load(CACHE_F32 + sidx + 1, mask=nmask, other=0.0) * v_mul
+
+        k0, k1, k2, k3 = _codes(CACHE, krow, nmask, KTAB, K_BITS, PRMT, D)
+        s = tl.dot(q0, tl.trans(k0))
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.dot(q2, tl.trans(k2), s)
+        s = tl.dot(q3, tl.trans(k3), s)
+        s = s * ks[None, :]
+        s = tl.where(nmask[None, :] & (tok[None, :] <= last[:, None]), s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        pv = (p * (vs * v_mul)[None, :]).to(tl.float16)
-        vc0, vc1, vc2, vc3 = _decode(v0, v1, v2, v3, VTAB, V_BITS, PRMT)
-        acc0 = tl.dot(pv, vc0, acc0 * alpha[:, None])
-        acc1 = tl.dot(pv, vc1, acc1 * alpha[:, None])
-        acc2 = tl.dot(pv, vc2, acc2 * alpha[:, None])
-        acc3 = tl.dot(pv, vc3, acc3 * alpha[:, None])
+        pv = (p * vs[None, :]).to(tl.float16)
+        v0, v1, v2, v3 = _codes(CACHE, vrow, nmask, VTAB, V_BITS, PRMT, D)
+        acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pv, v2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pv, v3, acc3 * alpha[:, None])
         m_i = m_new
-        k0, k1, k2, k3, v0, v1, v2, v3, ks, vs = nk0, nk1, nk2, nk3, nv0, nv1, nv2, nv3, nks, nvs
 
     ws = (bh.to(tl.int64) * num_splits + split) * BLOCK_M + r
     wrow = ws[:, None] * D + c64[None, :]
