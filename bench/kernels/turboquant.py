@@ -203,7 +203,7 @@ ENC_REPS = 16
 
 SWEEP = {  # decode_attention keyword sets tried per q_len ({} = the library defaults); the best
     # (128K B1 + 64K B8) is used for the table
-    1: [dict(), dict(block_n=64), dict(decoder="gather")],
+    1: [dict(), dict(block_n=64), dict(num_warps=2), dict(num_warps=2, waves=8), dict(num_warps=2, block_n=64), dict(decoder="gather")],
     3: [dict(), dict(block_n=32)],
 }
 
