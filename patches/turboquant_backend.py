@@ -49,6 +49,8 @@ MAX_DECODE_QUERY_LEN = 8
 # Tokens dequantized at a time on the prefill path: bounds the int64 code tensors tq.unpack makes
 # (8 bytes x heads x 256 per token) to ~64 MB for 2 KV heads.
 DEQUANT_CHUNK = 16384
+# Scores per SDPA call on the prefill path (query rows x keys x KV heads): 2^27 = 0.5 GB in fp32.
+SCORE_BUDGET = 1 << 27
 
 
 def install() -> None:
@@ -264,12 +266,21 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
             kc, vc = self._read_rotated(kv_cache, layout, md.block_table[i], L, dtype)  # [H, L, d]
             # q . x_hat = scale_x * (R q) . c: attend in the rotated basis, rotate the output back once.
             q = (query[s:e].to(torch.float32) @ r.T).to(dtype)  # [ql, Hq, d], query head = kv head * G + g
-            # the G query heads of a KV head become G x ql query rows, so K/V are never repeated G times
-            q = q.view(ql, H, G, d).permute(1, 2, 0, 3).reshape(H, G * ql, d)
-            pos = torch.arange(L, device=q.device)
-            allowed = (pos[None, :] <= (L - ql + torch.arange(ql, device=q.device))[:, None]).repeat(G, 1)
-            o = F.scaled_dot_product_attention(q, kc, vc, attn_mask=allowed, scale=self.scale)  # [H, G*ql, d]
-            o = o.view(H, G, ql, d).permute(2, 0, 1, 3).reshape(ql, self.num_heads, d)
+            # the G query heads of a KV head become query rows (row = position * G + g): K/V are never
+            # repeated G times, and a block of rows covers consecutive positions
+            q = q.view(ql, H, G, d).transpose(0, 1).reshape(H, ql * G, d)
+            o = torch.empty_like(q)
+            # SDPA with an explicit mask may take its math path (it did on an H200 at head_dim 256), which
+            # materializes rows x keys scores: blocks of rows keep that bounded whatever the context length
+            step = max(1, SCORE_BUDGET // (H * L)) * G
+            for r0 in range(0, ql * G, step):
+                r1 = min(ql * G, r0 + step)
+                end = L - ql + (r1 - 1) // G + 1  # keys the block's last position sees
+                t = torch.arange(r0, r1, device=q.device) // G
+                allowed = torch.arange(end, device=q.device)[None, :] <= (L - ql + t)[:, None]
+                o[:, r0:r1] = F.scaled_dot_product_attention(
+                    q[:, r0:r1], kc[:, :end], vc[:, :end], attn_mask=allowed, scale=self.scale)
+            o = o.view(H, ql, G, d).transpose(0, 1).reshape(ql, self.num_heads, d)
             output[s:e].copy_((o.to(torch.float32) @ r).to(output.dtype))
 
     def _read_rotated(self, kv_cache, layout: tq.CacheLayout, block_row, L: int, dtype):

@@ -120,6 +120,12 @@ def test_mixed_batch_decode_prefill_and_chunked_continuation(preset):
     _check(preset, [(37, 1), (0, 20), (33, 11), (5, 1)], want_T=0)
 
 
+def test_prefill_in_row_blocks_matches(monkeypatch):
+    """Long contexts attend in blocks of query rows (SCORE_BUDGET); force blocks of 1-3 positions here."""
+    monkeypatch.setattr(_tb(), "SCORE_BUDGET", 2 * H * 40)
+    _check("turboquant_k4v4", [(37, 1), (0, 20), (33, 11)], want_T=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_decode_batch_is_one_kernel_call(dtype):
     _check("turboquant_k4v4", [(40, 1), (0, 1), (63, 1)], want_T=1, dtype=dtype)
