@@ -272,7 +272,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
             o = torch.empty_like(q)
             # SDPA with an explicit mask may take its math path (it did on an H200 at head_dim 256), which
             # materializes rows x keys scores: blocks of rows keep that bounded whatever the context length
-            step = max(1, SCORE_BUDGET // (H * L)) * G
+            step = max(1, SCORE_BUDGET // (H * L * G)) * G  # rows: whole positions
             for r0 in range(0, ql * G, step):
                 r1 = min(ql * G, r0 + step)
                 end = L - ql + (r1 - 1) // G + 1  # keys the block's last position sees

@@ -122,7 +122,7 @@ def test_mixed_batch_decode_prefill_and_chunked_continuation(preset):
 
 def test_prefill_in_row_blocks_matches(monkeypatch):
     """Long contexts attend in blocks of query rows (SCORE_BUDGET); force blocks of 1-3 positions here."""
-    monkeypatch.setattr(_tb(), "SCORE_BUDGET", 2 * H * 40)
+    monkeypatch.setattr(_tb(), "SCORE_BUDGET", 2 * H * 40 * (HQ // H))
     _check("turboquant_k4v4", [(37, 1), (0, 20), (33, 11)], want_T=0)
 
 
