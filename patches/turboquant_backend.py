@@ -8,11 +8,11 @@ vLLM refuses the dtype names before it gets here.
 What runs where (one layer, one step):
   cache write     `do_kv_cache_update`: the step's new K/V are encoded into the paged cache, before attention
                   (CUDA: `turboquant_triton.encode`; CPU: `turboquant.encode_reference`).
-  decode batches  every request has the same query length T (1, or 1 + draft tokens in an MTP verify step):
+  decode batches  every request has the same query length T <= 8 (1, or 1 + draft tokens in an MTP verify step):
                   ONE `turboquant_triton.decode_attention` call for the batch (CPU: the float64 reference).
   other batches   (prefill, chunked-prefill continuation, prefill mixed with decodes): per request, the
                   sequence's codes are read back from the cache (the chunk itself included: it was just
-                  written) and attended in plain torch (SDPA), causal within the chunk. Reading the chunk back
+                  written) and attended in plain torch (SDPA, in blocks of query rows), causal within the chunk. Reading the chunk back
                   rather than using its exact K/V makes a token's output independent of how the prompt was
                   chunked and equal to what the decode path computes for the same positions.
 Cache tensor of a layer: uint8 [num_blocks, CacheLayout.block_bytes], one block = block_size tokens.
@@ -55,7 +55,7 @@ SCORE_BUDGET = 1 << 27
 
 def install() -> None:
     """Plugin hook: make `--attention-backend CUSTOM` resolve to this backend. Only a class path is
-    stored (nothing is imported or allocated), so it costs nothing in servers that do not select it."""
+    stored (no memory, no kernel compiled), so servers that do not select it are unaffected."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
