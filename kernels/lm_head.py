@@ -45,7 +45,9 @@ Where targets are missed, and why (numbers from SASS of the shipped configs, sm_
     chain is not overlapped with the previous wgmma by Triton's pipeliner (M = 8,192: 27.5 ms, 450
     TFLOP/s, vs cuBLAS 18.4 ms), and the cuBLAS path pays the dequant pass plus small GEMMs (M =
     1,024: 2.91 vs 2.47 ms). A warp-specialised kernel (producer warps dequantising into shared
-    memory for consumer warpgroups) is the known fix and is not written. In vLLM the head sees
+    memory for consumer warpgroups) is the known fix and is not written: Triton 3.6's automatic warp
+    specialisation (`tl.range(..., warp_specialize=True)`) is documented as Blackwell-only, so on sm_90
+    it takes a hand-written mixed-input mainloop (CUTLASS-style); the Spark's sm_121 has no wgmma at all. In vLLM the head sees
     only sampled positions (decode batch x (1 + draft tokens)), so M > 64 means > 21 sequences
     in flight under MTP-2.
   * INT4 (target 3.5x): 5.1 instructions per byte (~0.06 ms of issue) yet 0.153 ms: not issue-bound;
