@@ -252,6 +252,27 @@ def _i8_to(w, DTYPE: tl.constexpr, FAST: tl.constexpr):
             return (f.to(tl.int32, bitcast=True) >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
+def _u4_asm(high: bool) -> str:
+    """PTX for _u4_to's FAST bf16 path: 4 nibbles u (low, or high after a shift) -> bf16 pairs 0x43uu = 128 + u
+    by PRMT, then one packed FMA per pair subtracts 136 (q = u - 8)."""
+    first = "shr.b32 t, $2, 4;\n    and.b32 t, t, 0x0F0F0F0F;" if high else "and.b32 t, $2, 0x0F0F0F0F;"
+    return f"""{{
+    .reg .b32 t, m, one, off;
+    {first}
+    mov.b32 m, 0x00000043;
+    mov.b32 one, 0x3F803F80;
+    mov.b32 off, 0xC308C308;
+    prmt.b32 $0, t, m, 0x4140;
+    prmt.b32 $1, t, m, 0x4342;
+    fma.rn.bf16x2 $0, $0, one, off;
+    fma.rn.bf16x2 $1, $1, one, off;
+    }}"""
+
+
+_U4_ASM_LOW = tl.constexpr(_u4_asm(high=False))
+_U4_ASM_HIGH = tl.constexpr(_u4_asm(high=True))
+
+
 @triton.jit
 def _u4_to(b, HIGH: tl.constexpr, DTYPE: tl.constexpr, FAST: tl.constexpr):
     """Low (or high) nibbles u = q + 8 of a uint8 tensor -> q in DTYPE, exactly.
@@ -261,44 +282,9 @@ def _u4_to(b, HIGH: tl.constexpr, DTYPE: tl.constexpr, FAST: tl.constexpr):
     """
     if DTYPE == tl.bfloat16 and FAST:
         if HIGH:
-            return tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 t, m, one, off;
-                shr.b32 t, $2, 4;
-                and.b32 t, t, 0x0F0F0F0F;
-                mov.b32 m, 0x00000043;
-                mov.b32 one, 0x3F803F80;
-                mov.b32 off, 0xC308C308;
-                prmt.b32 $0, t, m, 0x4140;
-                prmt.b32 $1, t, m, 0x4342;
-                fma.rn.bf16x2 $0, $0, one, off;
-                fma.rn.bf16x2 $1, $1, one, off;
-                }""",
-                constraints="=r,=r,r",
-                args=[b],
-                dtype=tl.bfloat16,
-                is_pure=True,
-                pack=4,
-            )
+            return tl.inline_asm_elementwise(_U4_ASM_HIGH, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
         else:
-            return tl.inline_asm_elementwise(
-                asm="""{
-                .reg .b32 t, m, one, off;
-                and.b32 t, $2, 0x0F0F0F0F;
-                mov.b32 m, 0x00000043;
-                mov.b32 one, 0x3F803F80;
-                mov.b32 off, 0xC308C308;
-                prmt.b32 $0, t, m, 0x4140;
-                prmt.b32 $1, t, m, 0x4342;
-                fma.rn.bf16x2 $0, $0, one, off;
-                fma.rn.bf16x2 $1, $1, one, off;
-                }""",
-                constraints="=r,=r,r",
-                args=[b],
-                dtype=tl.bfloat16,
-                is_pure=True,
-                pack=4,
-            )
+            return tl.inline_asm_elementwise(_U4_ASM_LOW, "=r,=r,r", [b], dtype=tl.bfloat16, is_pure=True, pack=4)
     if HIGH:
         u = b >> 4
     else:
