@@ -36,9 +36,9 @@ LOG2E = 1.4426950408889634
 # 4-bit decode in registers (GPU): the Lloyd-Max levels are symmetric, level[7 - i] = -level[8 + i], so a
 # nibble c is a sign (c < 8: negative) and a magnitude index m = (c ^ (c < 8 ? 7 : 0)) & 7. PRMT looks
 # up the low and the high bytes of fp16 |level[8 + m]| for four nibbles at once from two 8-byte tables
-# held in registers; the sign bit is ORed in. 20 integer ops per 4 values and no memory access: an L1
-# gather per value (the `decoder="gather"` path, and the interpreter's) measured ~180 us of the 381 us
-# of K4V4 keys at 256K tokens on an H200.
+# held in registers; the sign bit is ORed in. 20 integer ops per 4 values and no memory access. With an
+# L1 gather per value instead (the `decoder="gather"` path, and the interpreter's) K4V4 decode at 128K
+# tokens, batch 1 took 139 us against 90 us (H200, bench/results/turboquant_h200.json, sweep).
 
 
 def _prmt_asm(levels: torch.Tensor, high: bool) -> str:
