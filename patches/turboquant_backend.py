@@ -189,6 +189,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         self.attn_type = attn_type
         self._seed: int | None = None
         self._rotation: dict[str, torch.Tensor] = {}
+        self._codebooks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -209,6 +210,14 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         if key not in self._rotation:
             self._rotation[key] = tq.rotation(seed, self.head_size, torch.float32, device)
         return self._rotation[key]
+
+    def _levels(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K and V codebook levels on `device`, copied there once (not per request and layer)."""
+        key = str(device)
+        if key not in self._codebooks:
+            self._codebooks[key] = tuple(tq.codebook(b).levels.to(device, torch.float32)
+                                         for b in (self.preset.k_bits, self.preset.v_bits))
+        return self._codebooks[key]
 
     # -- vLLM entry points ------------------------------------------------------------------------
 
@@ -286,8 +295,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
     def _read_rotated(self, kv_cache, layout: tq.CacheLayout, block_row, L: int, dtype):
         """Codebook values times per-token scale, still in the rotated basis: k, v [H, L, d] in dtype."""
         H, d, P = layout.num_kv_heads, layout.head_dim, layout.page
-        kcb = tq.codebook(layout.preset.k_bits).levels.to(kv_cache.device, torch.float32)
-        vcb = tq.codebook(layout.preset.v_bits).levels.to(kv_cache.device, torch.float32)
+        kcb, vcb = self._levels(kv_cache.device)
         k = torch.empty(H, L, d, dtype=dtype, device=kv_cache.device)
         v = torch.empty_like(k)
         for t0 in range(0, L, DEQUANT_CHUNK):
