@@ -78,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity-streams", type=int, default=0,
                    help="also load the server with this many streams and watch /metrics (default: off)")
     g.add_argument("--capacity-context", type=int, default=4096, help="context of each load stream")
+    g.add_argument("--capacity-max-tokens", type=int, default=Settings().capacity_max_tokens,
+                   help="new tokens per load stream (default: %(default)s)")
     g.add_argument("--server-log", help="server start-up log, for the KV cache size (docker logs NAME > FILE)")
     g.add_argument("--b-base-url", help="quality: the second endpoint (B)")
     g.add_argument("--b-model", help="quality: B's model name (default: its first)")
@@ -139,7 +141,7 @@ def settings_from(args) -> Settings:
                  depths=args.depths, depth_max_tokens=args.depth_max_tokens, concurrency=args.concurrency,
                  concurrency_max_tokens=args.concurrency_max_tokens, capacity_contexts=args.capacity_contexts,
                  capacity_streams=args.capacity_streams, capacity_context=args.capacity_context,
-                 server_log=args.server_log)
+                 capacity_max_tokens=args.capacity_max_tokens, server_log=args.server_log)
     s.check()
     return s
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -141,8 +142,12 @@ def _chunk_has_text(chunk: dict) -> bool:
 
 
 async def stream_request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, max_tokens: int,
-                         temperature: float = 0.0, extra: dict | None = None) -> RequestTiming:
-    """One streamed request. Never raises for server-side failures: they land in `error`."""
+                         temperature: float = 0.0, extra: dict | None = None,
+                         on_first_token: Callable[[], None] | None = None) -> RequestTiming:
+    """One streamed request. Never raises for server-side failures: they land in `error`.
+
+    `on_first_token` is called once, when the first generated text arrives: the request is then known to be
+    running on the server (the capacity suite samples /metrics at that moment)."""
     path, body = request_body(ep, prompt, max_tokens, stream=True, temperature=temperature, extra=extra)
     t = RequestTiming(t_start=time.perf_counter(), t_end=0.0)
     try:
@@ -164,6 +169,8 @@ async def stream_request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, m
                         break
                     usage = chunk.get("usage")
                     if _chunk_has_text(chunk):
+                        if on_first_token and not t.chunk_times:
+                            on_first_token()
                         t.chunk_times.append(now)
                         if usage and usage.get("completion_tokens") is not None:
                             t.chunk_tokens.append(usage["completion_tokens"])

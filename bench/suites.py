@@ -11,6 +11,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -50,6 +51,11 @@ class Settings:
             raise UserError("--warmup must be 0 or more")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
             raise UserError("--max-tokens must be at least 1")
+        for flag, n in (("--depth-max-tokens", self.depth_max_tokens),
+                        ("--concurrency-max-tokens", self.concurrency_max_tokens),
+                        ("--capacity-max-tokens", self.capacity_max_tokens)):
+            if n < 1:
+                raise UserError(f"{flag} must be at least 1")
         if any(d < 0 for d in self.depths):
             raise UserError("--depths must be 0 or more")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
@@ -110,9 +116,13 @@ class Runner:
     async def warmup_done(self) -> None:
         self._measured_from = await self.metrics()
 
-    async def one(self, prompt: str, max_tokens: int, extra: dict | None = None, **labels) -> dict:
-        send = stream_request if self.ep.stream else plain_request
-        timing = await send(self.client, self.ep, prompt, max_tokens, extra=extra)
+    async def one(self, prompt: str, max_tokens: int, extra: dict | None = None,
+                  on_first_token: Callable[[], None] | None = None, **labels) -> dict:
+        if self.ep.stream:
+            timing = await stream_request(self.client, self.ep, prompt, max_tokens, extra=extra,
+                                          on_first_token=on_first_token)
+        else:
+            timing = await plain_request(self.client, self.ep, prompt, max_tokens, extra=extra)
         row = {**labels, "max_tokens": max_tokens, **request_metrics(timing), "t_start": timing.t_start,
                "t_end": timing.t_end}
         self.progress.step()
@@ -363,31 +373,54 @@ class Runner:
                             f"max_model_len {self.max_model_len}: lower it")
         filler, _ = await self._filler_prompt(context, self.s.seed + 7)
         samples: list[dict] = []
-        done = asyncio.Event()
+        done, all_started = asyncio.Event(), asyncio.Event()
+        started = 0
 
-        async def sample() -> None:
+        def first_token() -> None:
+            nonlocal started
+            started += 1
+            if started == streams:
+                all_started.set()
+
+        async def sample(after_all_started: bool) -> None:
+            snap = await self.metrics()
+            if snap:
+                c = snap["counters"]
+                samples.append({"t": time.perf_counter(), "kv_usage": c.get(prom.KV_USAGE),
+                                "running": c.get(prom.RUNNING), "waiting": c.get(prom.WAITING),
+                                "after_all_started": after_all_started})
+
+        async def poll() -> None:
             while not done.is_set():
-                snap = await self.metrics()
-                if snap:
-                    c = snap["counters"]
-                    samples.append({"t": time.perf_counter(), "kv_usage": c.get(prom.KV_USAGE),
-                                    "running": c.get(prom.RUNNING), "waiting": c.get(prom.WAITING)})
+                await sample(False)
                 try:
                     await asyncio.wait_for(done.wait(), 0.05)
                 except asyncio.TimeoutError:
                     pass
 
+        async def at_full_load() -> None:
+            # Polling alone can miss the load: on a busy 2-core CPU server one /metrics round trip can outlast a
+            # short run (CI saw 2 samples, both idle). So one more sample is taken, beside the poller, the
+            # moment every stream has its first token and all of them are known to be running.
+            await all_started.wait()
+            await sample(True)
+
         self.progress.start("capacity", streams)
-        sampler = asyncio.create_task(sample())
+        poller, full = asyncio.create_task(poll()), asyncio.create_task(at_full_load())
         try:
             rows = list(await asyncio.gather(*(
                 self.one(f"Document {self.rng.randrange(10**10):010d}. {filler}{DEPTH_TASK}", max_tokens,
-                         {"ignore_eos": True}, group=context, run=0, stream=i, warmup=False)
+                         {"ignore_eos": True}, on_first_token=first_token, group=context, run=0, stream=i,
+                         warmup=False)
                 for i in range(streams))))
         finally:
             done.set()
-            await sampler
+            if not all_started.is_set():  # a stream failed before its first token, or a non-streamed endpoint
+                full.cancel()
             self.progress.close()
+            for r in await asyncio.gather(poller, full, return_exceptions=True):
+                if isinstance(r, Exception):  # a cancelled sampler is a BaseException: expected, not raised
+                    raise r
         usage = [s["kv_usage"] for s in samples if s["kv_usage"] is not None]
         running = [s["running"] for s in samples if s["running"] is not None]
         peak_usage = max(usage) if usage else None
@@ -396,6 +429,8 @@ class Runner:
         if peak_usage and peak_running:
             # KV share per running request at the peak, extrapolated to a full cache.
             users = int(peak_running / peak_usage)
-        return rows, {"streams": streams, "context": context, "samples": len(samples), "peak_kv_usage": peak_usage,
+        return rows, {"streams": streams, "context": context, "samples": len(samples),
+                      "samples_after_all_started": sum(s["after_all_started"] for s in samples),
+                      "peak_kv_usage": peak_usage,
                       "peak_running": peak_running, "peak_waiting": max((s["waiting"] or 0) for s in samples)
                       if samples else None, "users_at_context_measured": users}

@@ -289,7 +289,9 @@ def test_plot_writes_a_png(tmp_path):
     (["--api", "completions", "--no-think"], "--no-think works through the chat template"),
     (["--suite", "capacity", "--server-log", "/nonexistent/server.log"], "cannot read --server-log"),
     (["--suite", "quality", "--classes", "Q&A,Poetry"], "unknown class Poetry"),
-], ids=["suite", "runs", "url", "unreachable", "top-k", "concurrency", "no-think", "server-log", "class"])
+    (["--suite", "capacity", "--capacity-max-tokens", "0"], "--capacity-max-tokens must be at least 1"),
+], ids=["suite", "runs", "url", "unreachable", "top-k", "concurrency", "no-think", "server-log", "class",
+        "capacity-max-tokens"])
 def test_cli_bad_input(argv, message, tmp_path, capsys):
     assert main(["bench", *argv, "--out", str(tmp_path), "--no-progress"]) == 1
     assert message in capsys.readouterr().err
@@ -397,3 +399,53 @@ def test_compare_capacity_counts():
     users = next(r for r in rows if r["metric"] == "users")
     assert (users["a"], users["b"], users["delta"]) == (1, 5, 4)
     assert "a count: no noise" in report.compare_table(rows, "v2.json", "v2-tq.json")
+
+
+# ---------------------------------------------------------------- capacity load: sampling under a slow /metrics
+def test_capacity_load_sees_the_load_when_metrics_is_slower_than_the_run():
+    """A scripted server whose /metrics answers after every stream has finished (CI saw this on a busy 2-core
+    machine). Polling alone then records only the idle state; the sample taken once all streams have their first
+    token must still see all of them running."""
+    import asyncio
+
+    import httpx
+
+    from onespark.bench.client import Endpoint, make_client
+    from onespark.bench.suites import Progress, Runner, Settings
+
+    streams, running = 4, 0
+
+    async def completion():
+        nonlocal running
+        running += 1
+        try:
+            for i in range(1, 6):
+                await asyncio.sleep(0.05)
+                chunk = {"choices": [{"text": "x"}], "usage": {"prompt_tokens": 300, "completion_tokens": i}}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+        finally:
+            running -= 1
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/tokenize":
+            return httpx.Response(200, json={"count": len(json.loads(request.content)["prompt"].split())})
+        if request.url.path == "/metrics":
+            now = running  # the state when the request arrives, delivered after the run is over
+            await asyncio.sleep(0.6)
+            return httpx.Response(200, text=f"{prom.RUNNING}{{engine=\"0\"}} {now}\n"
+                                            f"{prom.KV_USAGE}{{engine=\"0\"}} {0.01 * now}\n"
+                                            f"{prom.WAITING}{{engine=\"0\"}} 0\n")
+        assert request.url.path == "/v1/completions"
+        return httpx.Response(200, content=completion())
+
+    async def go():
+        ep = Endpoint("http://scripted", model="m", api="completions")
+        async with make_client(ep, concurrency=streams, transport=httpx.MockTransport(handler)) as client:
+            runner = Runner(client, ep, Settings(capacity_max_tokens=5), None, Progress(False))
+            return await runner._load(streams, 40)
+
+    rows, load = asyncio.run(go())
+    assert all(r["ok"] and r["completion_tokens"] == 5 for r in rows)
+    assert load["samples_after_all_started"] == 1
+    assert load["peak_running"] == streams and load["peak_kv_usage"] == pytest.approx(0.04)
