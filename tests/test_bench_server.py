@@ -279,8 +279,10 @@ def test_published_figure_matches_transport_timing(vllm_server):
         assert rec["body"]["messages"][0]["content"] == prompts[row["group"]]  # the same request
         assert rec["body"]["max_tokens"] == row["max_tokens"]
         wall = rec["t_done"] - rec["t_send"]
-        # the bench's window encloses the transport's, and only by the time it takes to enter and leave it
-        assert 0 < wall <= row["latency_s"] < wall + 0.02 + 0.05 * wall
+        # The bench's window encloses the transport's, and only by the time it takes to enter and leave it. The
+        # slack allows a scheduling hiccup on a busy 2-core CI machine; a bench that timed anything more (its
+        # /tokenize calls, another request) would be off by a whole request, 0.1 s or more here.
+        assert 0 < wall <= row["latency_s"] < wall + 0.05 + 0.05 * wall
         if not row["warmup"]:
             by_class.setdefault(row["group"], []).append(row["completion_tokens"] / wall)
     figure = sum(sum(v) / len(v) for v in by_class.values()) / len(by_class)
