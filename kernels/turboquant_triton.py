@@ -322,6 +322,62 @@ def _codes(CACHE, ptr, nmask, TAB, BITS: tl.constexpr, PRMT: tl.constexpr, D: tl
 
 
 @triton.jit
+def _load_q(qrow, rvalid):
+    """The tile's (rotated) query rows as four fp16 [BLOCK_M, 64] chunks; invalid rows are zero."""
+    c64 = tl.arange(0, 64)
+    q0 = tl.load(qrow[:, None] + c64[None, :], mask=rvalid[:, None], other=0.0).to(tl.float16)
+    q1 = tl.load(qrow[:, None] + 64 + c64[None, :], mask=rvalid[:, None], other=0.0).to(tl.float16)
+    q2 = tl.load(qrow[:, None] + 128 + c64[None, :], mask=rvalid[:, None], other=0.0).to(tl.float16)
+    q3 = tl.load(qrow[:, None] + 192 + c64[None, :], mask=rvalid[:, None], other=0.0).to(tl.float16)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _attend_tile(
+    CACHE, CACHE_F32, bt_row, n0, end, last, h, q0, q1, q2, q3, m_i, l_i, acc0, acc1, acc2, acc3,
+    KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
+    H: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, PRMT: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One step of online softmax over keys [n0, n0 + BLOCK_N) of KV head h (those < end, and for each
+    tile row those <= last[row]): codes decoded in registers, every product a tl.dot. Returns the
+    updated (m, l, acc0..acc3); used by the decode and the prefill kernels alike."""
+    tok = n0 + tl.arange(0, BLOCK_N)
+    nmask = tok < end
+    blk = tl.load(bt_row + tok // PAGE, mask=nmask, other=0).to(tl.int64)
+    row = (tok % PAGE) * H + h
+    base = blk * block_bytes
+    KB: tl.constexpr = K_BITS * D // 8
+    VB: tl.constexpr = V_BITS * D // 8
+    krow = tl.multiple_of(base + row * KB, 16)  # code rows are multiples of 16 bytes: 16-byte loads
+    vrow = tl.multiple_of(base + v_offset + row * VB, 16)
+    sidx = (base + s_offset) // 4 + row * 2
+    ks = tl.load(CACHE_F32 + sidx, mask=nmask, other=0.0) * k_mul
+    vs = tl.load(CACHE_F32 + sidx + 1, mask=nmask, other=0.0) * v_mul
+
+    k0, k1, k2, k3 = _codes(CACHE, krow, nmask, KTAB, K_BITS, PRMT, D)
+    s = tl.dot(q0, tl.trans(k0))
+    s = tl.dot(q1, tl.trans(k1), s)
+    s = tl.dot(q2, tl.trans(k2), s)
+    s = tl.dot(q3, tl.trans(k3), s)
+    s = s * ks[None, :]
+    s = tl.where(nmask[None, :] & (tok[None, :] <= last[:, None]), s, float("-inf"))
+
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    pv = (p * vs[None, :]).to(tl.float16)
+    v0, v1, v2, v3 = _codes(CACHE, vrow, nmask, VTAB, V_BITS, PRMT, D)
+    acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
+    acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
+    acc2 = tl.dot(pv, v2, acc2 * alpha[:, None])
+    acc3 = tl.dot(pv, v3, acc3 * alpha[:, None])
+    return m_new, l_i, acc0, acc1, acc2, acc3
+
+
+@triton.jit
 def _tq_decode_kernel(
     Q, stride_qb, stride_qh, stride_qt, CACHE, CACHE_F32, BLOCK_TABLE, stride_bt, SEQ_LENS,
     KTAB, VTAB, WS_ACC, WS_ML, num_splits, block_bytes, v_offset, s_offset, k_mul, v_mul,
@@ -343,12 +399,9 @@ def _tq_decode_kernel(
     rvalid = r < G * T
     t = r % T
     qrow = Q + b.to(tl.int64) * stride_qb + (h * G + r // T) * stride_qh + t * stride_qt
-    c64 = tl.arange(0, 64)
-    q0 = tl.load(qrow[:, None] + c64[None, :], mask=rvalid[:, None], other=0.0).to(tl.float16)
-    q1 = tl.load(qrow[:, None] + 64 + c64[None, :], mask=rvalid[:, None], other=0.0).to(tl.float16)
-    q2 = tl.load(qrow[:, None] + 128 + c64[None, :], mask=rvalid[:, None], other=0.0).to(tl.float16)
-    q3 = tl.load(qrow[:, None] + 192 + c64[None, :], mask=rvalid[:, None], other=0.0).to(tl.float16)
+    q0, q1, q2, q3 = _load_q(qrow, rvalid)
     last = L - T + t  # last key position each row may see (causal within an MTP verify step)
+    c64 = tl.arange(0, 64)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -356,40 +409,12 @@ def _tq_decode_kernel(
     acc1 = tl.zeros([BLOCK_M, 64], tl.float32)
     acc2 = tl.zeros([BLOCK_M, 64], tl.float32)
     acc3 = tl.zeros([BLOCK_M, 64], tl.float32)
-    KB: tl.constexpr = K_BITS * D // 8
-    VB: tl.constexpr = V_BITS * D // 8
+    bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
-        tok = n0 + tl.arange(0, BLOCK_N)
-        nmask = tok < end
-        blk = tl.load(BLOCK_TABLE + b.to(tl.int64) * stride_bt + tok // PAGE, mask=nmask, other=0).to(tl.int64)
-        row = (tok % PAGE) * H + h
-        base = blk * block_bytes
-        krow = tl.multiple_of(base + row * KB, 16)  # code rows are multiples of 16 bytes: 16-byte loads
-        vrow = tl.multiple_of(base + v_offset + row * VB, 16)
-        sidx = (base + s_offset) // 4 + row * 2
-        ks = tl.load(CACHE_F32 + sidx, mask=nmask, other=0.0) * k_mul
-        vs = tl.load(CACHE_F32 + sidx + 1, mask=nmask, other=0.0) * v_mul
-
-        k0, k1, k2, k3 = _codes(CACHE, krow, nmask, KTAB, K_BITS, PRMT, D)
-        s = tl.dot(q0, tl.trans(k0))
-        s = tl.dot(q1, tl.trans(k1), s)
-        s = tl.dot(q2, tl.trans(k2), s)
-        s = tl.dot(q3, tl.trans(k3), s)
-        s = s * ks[None, :]
-        s = tl.where(nmask[None, :] & (tok[None, :] <= last[:, None]), s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        pv = (p * vs[None, :]).to(tl.float16)
-        v0, v1, v2, v3 = _codes(CACHE, vrow, nmask, VTAB, V_BITS, PRMT, D)
-        acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
-        acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
-        acc2 = tl.dot(pv, v2, acc2 * alpha[:, None])
-        acc3 = tl.dot(pv, v3, acc3 * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
+            CACHE, CACHE_F32, bt_row, n0, end, last, h, q0, q1, q2, q3, m_i, l_i, acc0, acc1, acc2, acc3,
+            KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
+            H, PAGE, K_BITS, V_BITS, PRMT, D, BLOCK_N)
 
     ws = (bh.to(tl.int64) * num_splits + split) * BLOCK_M + r
     wrow = ws[:, None] * D + c64[None, :]
@@ -498,3 +523,106 @@ def decode_attention(
         H=H, G=G, T=T, D=d, BLOCK_M=block_m, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), num_warps=4,
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill attention (prompt chunks, chunked-prefill continuations, any query length)
+
+
+@triton.jit
+def _tq_prefill_kernel(
+    Q, stride_qt, stride_qh, O, stride_ot, stride_oh, CACHE, CACHE_F32, BLOCK_TABLE, stride_bt, SEQ_LENS, Q_START,
+    KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
+    H: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    PRMT: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """One program per (block of BLOCK_P query positions, KV head, request): the G query heads of the
+    KV head at those positions form the tile (row = position * G + g), which attends to every cached
+    key it may see, the chunk's own keys included (they were encoded first), in one pass: no splits,
+    O gets the normalised output still in the rotated basis, fp32."""
+    tl.static_assert(D == 256)
+    qb = tl.program_id(0)
+    h = tl.program_id(1)
+    req = tl.program_id(2)
+    qs = tl.load(Q_START + req)
+    ql = tl.load(Q_START + req + 1) - qs
+    p0 = qb * BLOCK_P
+    if p0 < ql:  # the grid is sized for the longest request
+        L = tl.load(SEQ_LENS + req)
+        r = tl.arange(0, BLOCK_M)
+        pos = p0 + r // G
+        rvalid = (r < BLOCK_P * G) & (pos < ql)
+        head = h * G + r % G
+        tokrow = (qs + pos).to(tl.int64)
+        q0, q1, q2, q3 = _load_q(Q + tokrow * stride_qt + head * stride_qh, rvalid)
+        last = L - ql + pos  # the query at chunk position pos is token L - ql + pos of the sequence
+        end = L - ql + tl.minimum(p0 + BLOCK_P, ql)  # keys the block's last position sees
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc0 = tl.zeros([BLOCK_M, 64], tl.float32)
+        acc1 = tl.zeros([BLOCK_M, 64], tl.float32)
+        acc2 = tl.zeros([BLOCK_M, 64], tl.float32)
+        acc3 = tl.zeros([BLOCK_M, 64], tl.float32)
+        bt_row = BLOCK_TABLE + req.to(tl.int64) * stride_bt
+        for n0 in range(0, end, BLOCK_N):
+            m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
+                CACHE, CACHE_F32, bt_row, n0, end, last, h, q0, q1, q2, q3, m_i, l_i, acc0, acc1, acc2, acc3,
+                KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
+                H, PAGE, K_BITS, V_BITS, PRMT, D, BLOCK_N)
+
+        inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # every valid row sees key 0 at least: l > 0
+        c64 = tl.arange(0, 64)
+        orow = O + tokrow[:, None] * stride_ot + head[:, None] * stride_oh + c64[None, :]
+        tl.store(orow, acc0 * inv[:, None], mask=rvalid[:, None])
+        tl.store(orow + 64, acc1 * inv[:, None], mask=rvalid[:, None])
+        tl.store(orow + 128, acc2 * inv[:, None], mask=rvalid[:, None])
+        tl.store(orow + 192, acc3 * inv[:, None], mask=rvalid[:, None])
+
+
+def prefill_attention(
+    q, cache, layout: tq.CacheLayout, block_table, seq_lens, query_start_loc, seed: int, sm_scale: float,
+    max_query_len: int, block_p: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    decoder: str = "prmt",
+):
+    """Attention for any batch of requests with any query lengths, straight from the compressed cache.
+
+    q [N, Hq, d]: the batch's query tokens, request i's at rows query_start_loc[i]:query_start_loc[i + 1]
+    (int32 [R + 1] on the device, starting at 0 and ending at N); they are the last ones of its
+    seq_lens[i] tokens, whose K/V are already in the cache (encode runs first). Causal. -> [N, Hq, d] in
+    q's dtype. max_query_len (host side) sizes the grid; nothing is synchronised.
+    """
+    N, Hq, d = q.shape
+    H = layout.num_kv_heads
+    if d != layout.head_dim or d != 256:
+        raise ValueError(f"prefill_attention supports head_dim 256 (the layout has {layout.head_dim}, q has {d})")
+    if Hq % H:
+        raise ValueError(f"{Hq} query heads do not divide into {H} KV heads")
+    _check_cache(cache, layout)
+    R = block_table.shape[0]
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(f"block_table must be int32 [requests, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (R,):
+        raise ValueError(f"seq_lens must be int32 [{R}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if query_start_loc.dtype != torch.int32 or query_start_loc.shape != (R + 1,):
+        raise ValueError(f"query_start_loc must be int32 [{R + 1}], got {query_start_loc.dtype} {tuple(query_start_loc.shape)}")
+    if decoder not in ("prmt", "gather"):
+        raise ValueError(f"decoder must be 'prmt' or 'gather', got {decoder!r}")
+    G = Hq // H
+    if block_p is None:  # 64-row tiles: 4 positions of Qwen3.5's 16 query heads per KV head
+        block_p = max(1, 64 // G)
+    block_m = max(16, triton.next_power_of_2(block_p * G))
+    t = _tables(layout.preset, seed, q.device, d)
+    qr = torch.matmul(q, t["rt"][q.dtype])
+    o_rot = torch.empty(N, Hq, d, dtype=torch.float32, device=q.device)
+    if N and R and max_query_len > 0:
+        _tq_prefill_kernel[(triton.cdiv(max_query_len, block_p), H, R)](
+            qr, qr.stride(0), qr.stride(1), o_rot, o_rot.stride(0), o_rot.stride(1), cache, cache.view(torch.float32),
+            block_table, block_table.stride(0), seq_lens, query_start_loc, t["kcb"], t["vcb"],
+            layout.block_bytes, layout.v_offset, layout.s_offset, sm_scale * LOG2E * (t["kdelta"] or 1.0),
+            t["vdelta"] or 1.0,
+            H=H, G=G, PAGE=layout.page, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
+            PRMT=decoder == "prmt" and q.is_cuda, D=d, BLOCK_P=block_p, BLOCK_M=block_m, BLOCK_N=block_n,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    return torch.matmul(o_rot, t["r"]).to(q.dtype)  # back from the rotated basis: o = o_rot @ R

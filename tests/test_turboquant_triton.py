@@ -289,6 +289,77 @@ def test_encode_then_decode_end_to_end_vs_unquantized():
     assert 0.02 < err < 0.2, err  # a real 4-bit error, neither zero (nothing quantized) nor broken
 
 
+# ---------------------------------------------------------------------------------------------
+# Prefill attention (varlen, causal, straight from the cache)
+
+
+PREFILL_CASES = [
+    # (Hq, H, [(query len, sequence len) per request], page, block_p)
+    # a fresh prompt, a continuation chunk deep in a sequence, one decode-like token, an empty request
+    pytest.param(32, 2, [(7, 7), (13, 90), (1, 40), (0, 5)], 16, None, id="G16-mixed-P16"),
+    pytest.param(6, 3, [(21, 50), (5, 5)], 24, 3, id="G2-H3-P24-bp3"),  # positions split across blocks
+]
+
+
+def _prefill_case(name, Hq, H, reqs, page, seed):
+    lay = tq.CacheLayout(tq.PRESETS[name], num_kv_heads=H, page=page)
+    lens = [L for _, L in reqs]
+    bt, nb = paged(lens, page, seed=seed)
+    cache = lay.empty(nb)
+    g = torch.Generator().manual_seed(seed)
+    for b, n in enumerate(lens):
+        k, v = torch.randn(n, H, 256, generator=g) * 2, torch.randn(n, H, 256, generator=g)
+        tq.encode_reference(k, v, tq.seq_slots(bt[b], n, page), cache, lay, tq.rotation(SEED))
+    qsl = torch.tensor([0] + [sum(ql for ql, _ in reqs[: i + 1]) for i in range(len(reqs))], dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), Hq, 256, generator=g)
+    return lay, cache, bt, torch.tensor(lens, dtype=torch.int32), qsl, q
+
+
+@kernel_case
+@pytest.mark.parametrize("name", list(tq.PRESETS))
+@pytest.mark.parametrize("Hq,H,reqs,page,block_p", PREFILL_CASES)
+def test_prefill_attention_matches_reference(name, Hq, H, reqs, page, block_p):
+    lay, cache, bt, seq_lens, qsl, q = _prefill_case(name, Hq, H, reqs, page, seed=len(reqs) + page)
+    out = tt.prefill_attention(q.to(DEV, torch.float16), cache.to(DEV), lay, bt.to(DEV), seq_lens.to(DEV), qsl.to(DEV),
+                               SEED, 1 / 16, max(ql for ql, _ in reqs), block_p=block_p)
+    assert out.shape == q.shape and out.dtype == torch.float16
+    r = tq.rotation(SEED)
+    for i, (ql, L) in enumerate(reqs):  # each request: its ql positions are the last of its L tokens
+        if ql == 0:
+            continue
+        s, e = int(qsl[i]), int(qsl[i + 1])
+        ref = tq.decode_attention_reference(q[s:e].transpose(0, 1)[None], cache, lay, bt[i : i + 1],
+                                            seq_lens[i : i + 1], r, 1 / 16)[0].transpose(0, 1)
+        assert_rel(out[s:e].float(), ref, 3e-3, f"{name} prefill request {i} (q_len {ql}, seq_len {L})")
+
+
+@kernel_case
+def test_prefill_equals_decode_at_the_same_positions():
+    """A request's last T positions give the same output from the prefill kernel as from the decode
+    kernel (what keeps a token's result independent of how the batch was formed)."""
+    lay, cache, bt, seq_lens, qsl, q = _prefill_case(tq.DEFAULT_PRESET, 32, 2, [(3, 61)], 16, seed=9)
+    args = (cache.to(DEV), lay, bt.to(DEV), seq_lens.to(DEV))
+    pre = tt.prefill_attention(q.to(DEV, torch.float16), *args, qsl.to(DEV), SEED, 1 / 16, 3)
+    dec = tt.decode_attention(q.to(DEV, torch.float16).transpose(0, 1)[None], *args, SEED, 1 / 16, 61, num_splits=1)
+    assert_rel(pre.float(), dec[0].transpose(0, 1).float(), 2e-3, "prefill vs decode kernel")
+
+
+def test_prefill_refuses_bad_shapes():
+    lay = tq.CacheLayout(tq.PRESETS[tq.DEFAULT_PRESET], num_kv_heads=2, page=16)
+    bt, sl, qsl = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    q = torch.randn(1, 4, 256)
+    with pytest.raises(ValueError, match="do not divide"):
+        tt.prefill_attention(torch.randn(1, 3, 256), lay.empty(1), lay, bt, sl, qsl, SEED, 1 / 16, 1)
+    with pytest.raises(ValueError, match="head_dim 256"):
+        tt.prefill_attention(torch.randn(1, 4, 128), lay.empty(1), lay, bt, sl, qsl, SEED, 1 / 16, 1)
+    with pytest.raises(ValueError, match="query_start_loc must be int32 \\[2\\]"):
+        tt.prefill_attention(q, lay.empty(1), lay, bt, sl, qsl.long(), SEED, 1 / 16, 1)
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        tt.prefill_attention(q, lay.empty(1), lay, bt, sl.long(), qsl, SEED, 1 / 16, 1)
+    with pytest.raises(ValueError, match="cache must be a contiguous uint8"):
+        tt.prefill_attention(q, lay.empty(1).float(), lay, bt, sl, qsl, SEED, 1 / 16, 1)
+
+
 @pytest.mark.skipif(CUDA or INTERPRET, reason="kernel cases run in this process")
 def test_interpreter_lane():
     out = run_interpreter_lane(__file__, timeout_s=1500)
