@@ -8,13 +8,15 @@ vLLM refuses the dtype names before it gets here.
 What runs where (one layer, one step):
   cache write     `do_kv_cache_update`: the step's new K/V are encoded into the paged cache, before attention
                   (CUDA: `turboquant_triton.encode`; CPU: `turboquant.encode_reference`).
-  decode batches  every request has the same query length T <= 8 (1, or 1 + draft tokens in an MTP verify step):
-                  ONE `turboquant_triton.decode_attention` call for the batch (CPU: the float64 reference).
-  other batches   (prefill, chunked-prefill continuation, prefill mixed with decodes): per request, the
-                  sequence's codes are read back from the cache (the chunk itself included: it was just
-                  written) and attended in plain torch (SDPA, in blocks of query rows), causal within the chunk. Reading the chunk back
+  decode batches  the leading requests with the same query length T <= 8 (1, or 1 + draft tokens in an MTP
+                  verify step; the builder asks vLLM to put decodes first): ONE `decode_attention` call
+                  (CPU: the float64 reference).
+  the rest        (prefill, chunked-prefill continuation, whatever follows the decodes): ONE
+                  `turboquant_triton.prefill_attention` call for all of them, straight from the compressed
+                  cache, the chunk itself included (it was just written), causal. Reading the chunk back
                   rather than using its exact K/V makes a token's output independent of how the prompt was
-                  chunked and equal to what the decode path computes for the same positions.
+                  chunked and equal to what the decode path computes for the same positions. CPU: per
+                  request, the codes are dequantized and attended in plain torch (SDPA in blocks of rows).
 Cache tensor of a layer: uint8 [num_blocks, CacheLayout.block_bytes], one block = block_size tokens.
 CUDA graphs: piecewise only (the builder reads host-side query lengths every step).
 """
@@ -125,9 +127,13 @@ class TurboQuantMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32, device, including this step's tokens
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32, device
     slot_mapping: torch.Tensor
-    decode_query_len: int  # T > 0: every request has T query tokens (one kernel call); 0: per-request path
+    # The first num_decodes requests have decode_query_len (T <= MAX_DECODE_QUERY_LEN) query tokens each: one
+    # decode-kernel call. The rest (prefills, continuations, anything else) take the prefill path.
+    num_decodes: int
+    decode_query_len: int
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] host
-    seq_lens_cpu: torch.Tensor | None  # [num_reqs] host; only for the per-request path
+    prefill_query_start_loc: torch.Tensor | None  # [num_reqs - num_decodes + 1] device, from 0 at the first prefill token
+    max_prefill_query_len: int
 
 
 class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
@@ -135,6 +141,9 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Ask vLLM to put decodes (1 + draft tokens) at the front of each batch, as its GDN layers do: they
+        # then form one decode-kernel call even in a step that also carries a prefill chunk.
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=True)
         logger.info("onespark: TurboQuant attention backend serves %d layers (%s kernels, block_size %s)",
                     len(layer_names), "Triton" if torch.device(device).type == "cuda" else "plain-torch reference",
                     getattr(kv_cache_spec, "block_size", "?"))
@@ -143,9 +152,14 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
               fast_build: bool = False) -> TurboQuantMetadata:
         m = common_attn_metadata
         qsl = m.query_start_loc_cpu[: m.num_reqs + 1]
-        q_lens = qsl[1:] - qsl[:-1]
-        uniform = m.num_reqs > 0 and bool((q_lens == q_lens[0]).all())
-        T = int(q_lens[0]) if uniform and int(q_lens[0]) <= MAX_DECODE_QUERY_LEN else 0
+        q_lens = (qsl[1:] - qsl[:-1]).tolist()
+        T = q_lens[0] if q_lens and 0 < q_lens[0] <= MAX_DECODE_QUERY_LEN else 0
+        nd = 0
+        while T and nd < m.num_reqs and q_lens[nd] == T:  # the leading run of equal short queries
+            nd += 1
+        prefill_qsl = None
+        if nd < m.num_reqs:
+            prefill_qsl = m.query_start_loc[nd: m.num_reqs + 1] - nd * T
         return TurboQuantMetadata(
             num_actual_tokens=m.num_actual_tokens,
             num_reqs=m.num_reqs,
@@ -154,10 +168,11 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
             seq_lens=m.seq_lens[: m.num_reqs],
             block_table=m.block_table_tensor[: m.num_reqs],
             slot_mapping=m.slot_mapping,
-            decode_query_len=T,
+            num_decodes=nd,
+            decode_query_len=T if nd else 0,
             query_start_loc_cpu=qsl,
-            # one host copy per step (not per layer), only when a prefill is in the batch
-            seq_lens_cpu=None if T else m.seq_lens[: m.num_reqs].to("cpu"),
+            prefill_query_start_loc=prefill_qsl,
+            max_prefill_query_len=max(q_lens[nd:], default=0),
         )
 
 
@@ -242,32 +257,46 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
             return output.fill_(0)
         md: TurboQuantMetadata = attn_metadata
         layout, seed = self._layout(kv_cache), self._seed_of(layer)
-        if md.decode_query_len:
+        if md.num_decodes:
             self._decode(query, kv_cache, layout, seed, md, output)
-        else:
-            self._per_request(query, kv_cache, layout, seed, md, output)
+        if md.num_decodes < md.num_reqs:
+            if kv_cache.is_cuda:
+                self._prefill(query, kv_cache, layout, seed, md, output)
+            else:
+                self._prefill_reference(query, kv_cache, layout, seed, md, output)
         return output
 
     def _decode(self, query, kv_cache, layout, seed, md: TurboQuantMetadata, output) -> None:
-        B, T = md.num_reqs, md.decode_query_len
+        B, T = md.num_decodes, md.decode_query_len
         q = query[: B * T].view(B, T, self.num_heads, self.head_size).transpose(1, 2)  # [B, Hq, T, d]
         if kv_cache.is_cuda:
             from onespark.kernels import turboquant_triton as tt
 
-            o = tt.decode_attention(q, kv_cache, layout, md.block_table, md.seq_lens, seed, self.scale,
+            o = tt.decode_attention(q, kv_cache, layout, md.block_table[:B], md.seq_lens[:B], seed, self.scale,
                                     md.max_seq_len)
         else:
-            o = tq.decode_attention_reference(q, kv_cache, layout, md.block_table, md.seq_lens,
+            o = tq.decode_attention_reference(q, kv_cache, layout, md.block_table[:B], md.seq_lens[:B],
                                               self._r(seed, kv_cache.device), self.scale)
         output[: B * T].copy_(o.transpose(1, 2).reshape(B * T, self.num_heads, self.head_size))
 
-    def _per_request(self, query, kv_cache, layout, seed, md: TurboQuantMetadata, output) -> None:
+    def _prefill(self, query, kv_cache, layout, seed, md: TurboQuantMetadata, output) -> None:
+        """Every request after the decodes, in one Triton call straight from the compressed cache."""
+        from onespark.kernels import turboquant_triton as tt
+
+        nd, t0, t1 = md.num_decodes, md.num_decodes * md.decode_query_len, md.num_actual_tokens
+        o = tt.prefill_attention(query[t0:t1].view(t1 - t0, self.num_heads, self.head_size), kv_cache, layout,
+                                 md.block_table[nd:], md.seq_lens[nd:], md.prefill_query_start_loc, seed, self.scale,
+                                 md.max_prefill_query_len)
+        output[t0:t1].copy_(o)
+
+    def _prefill_reference(self, query, kv_cache, layout, seed, md: TurboQuantMetadata, output) -> None:
+        """CPU: per request, the codes are read back from the cache and attended in plain torch (SDPA in blocks
+        of query rows), causal within the chunk."""
         r = self._r(seed, kv_cache.device)
-        # fp32 on CPU (the reference lane checks it tightly); the model's dtype on GPUs (SDPA kernels)
-        dtype = torch.float32 if not query.is_cuda else query.dtype
+        dtype = torch.float32  # the reference lane checks it tightly
         H, G, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
-        qsl, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
-        for i in range(md.num_reqs):
+        qsl, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens.tolist()  # host tensors on CPU: no sync
+        for i in range(md.num_decodes, md.num_reqs):
             s, e, L = qsl[i], qsl[i + 1], seq_lens[i]
             if e == s:
                 continue
@@ -279,8 +308,8 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
             # repeated G times, and a block of rows covers consecutive positions
             q = q.view(ql, H, G, d).transpose(0, 1).reshape(H, ql * G, d)
             o = torch.empty_like(q)
-            # SDPA with an explicit mask may take its math path (it did on an H200 at head_dim 256), which
-            # materializes rows x keys scores: blocks of rows keep that bounded whatever the context length
+            # SDPA with an explicit mask takes its math path, which materializes rows x keys scores: blocks of
+            # rows keep that bounded whatever the context length
             step = max(1, SCORE_BUDGET // (H * L * G)) * G  # rows: whole positions
             for r0 in range(0, ql * G, step):
                 r1 = min(ql * G, r0 + step)

@@ -41,6 +41,22 @@ def _tb():
     return turboquant_backend
 
 
+def _vllm_config(num_speculative_tokens: int | None = None):
+    """What the builder reads from vLLM's config: the speculative config (MTP) and the context parallelism."""
+    from types import SimpleNamespace
+
+    spec = None if num_speculative_tokens is None else SimpleNamespace(
+        num_speculative_tokens=num_speculative_tokens, parallel_drafting=False)
+    return SimpleNamespace(speculative_config=spec, parallel_config=SimpleNamespace(decode_context_parallel_size=1))
+
+
+def test_builder_asks_vllm_to_put_decodes_and_verify_steps_first():
+    tb = _tb()
+    assert tb.TurboQuantMetadataBuilder(None, [], _vllm_config(), torch.device("cpu")).reorder_batch_threshold == 1
+    # MTP-2: a verify step has 1 + 2 query tokens and still counts as a decode
+    assert tb.TurboQuantMetadataBuilder(None, [], _vllm_config(2), torch.device("cpu")).reorder_batch_threshold == 3
+
+
 def _step(preset: str, reqs: list[tuple[int, int]], dtype=torch.float16, pad: int = 2, dev: str = "cpu"):
     """One attention step for requests (context already cached, new query tokens), through the backend on
     device dev. Returns what the test compares; the references are computed on the CPU in float64."""
@@ -80,7 +96,7 @@ def _step(preset: str, reqs: list[tuple[int, int]], dtype=torch.float16, pad: in
         num_reqs=B, num_actual_tokens=n, max_query_len=max(q for _, q in reqs), max_seq_len=max(lens),
         block_table_tensor=block_table.to(dev), slot_mapping=slot_mapping.to(dev),
     )
-    md = tb.TurboQuantMetadataBuilder(None, [_Layer.layer_name], None, torch.device(dev)).build(0, common)
+    md = tb.TurboQuantMetadataBuilder(None, [_Layer.layer_name], _vllm_config(), torch.device(dev)).build(0, common)
     impl = tb.TurboQuantImpl(HQ, D, SCALE, H, None, None, preset)
     impl.do_kv_cache_update(_Layer(), key.to(dev), value.to(dev), cache, slot_mapping.to(dev))
     out = torch.full((n, HQ, D), float("nan"), dtype=dtype, device=dev)
@@ -98,9 +114,9 @@ def _step(preset: str, reqs: list[tuple[int, int]], dtype=torch.float16, pad: in
     return md, cache.cpu(), want_cache, out.cpu(), want, qsl
 
 
-def _check(preset, reqs, want_T, dtype=torch.float16):
+def _check(preset, reqs, want_T, want_decodes, dtype=torch.float16):
     md, cache, want_cache, out, want, qsl = _step(preset, reqs, dtype)
-    assert md.decode_query_len == want_T, "wrong path chosen for this batch"
+    assert (md.decode_query_len, md.num_decodes) == (want_T, want_decodes), "wrong paths chosen for this batch"
     assert torch.equal(cache, want_cache), (
         f"cache bytes differ from encode_reference at {int((cache != want_cache).sum())} of {cache.numel()} bytes")
     eps = torch.finfo(dtype).eps
@@ -115,35 +131,42 @@ def _check(preset, reqs, want_T, dtype=torch.float16):
 
 @pytest.mark.parametrize("preset", list(tq.PRESETS))
 def test_mixed_batch_decode_prefill_and_chunked_continuation(preset):
-    # (context already in the cache, new tokens): a decode, a fresh prefill across two blocks, a
-    # chunked-prefill continuation starting mid-block, a decode whose context is shorter than a block
-    _check(preset, [(37, 1), (0, 20), (33, 11), (5, 1)], want_T=0)
+    # (context already in the cache, new tokens): a decode (the decode path), then a fresh prefill across two
+    # blocks, a chunked-prefill continuation starting mid-block, a decode whose context is shorter than a block
+    # (after a prefill: the prefill path, as when vLLM has not reordered the batch)
+    _check(preset, [(37, 1), (0, 20), (33, 11), (5, 1)], want_T=1, want_decodes=1)
 
 
 def test_prefill_in_row_blocks_matches(monkeypatch):
     """Long contexts attend in blocks of query rows (SCORE_BUDGET); force blocks of 1-3 positions here."""
     monkeypatch.setattr(_tb(), "SCORE_BUDGET", 2 * H * 40 * (HQ // H))
-    _check("turboquant_k4v4", [(37, 1), (0, 20), (33, 11)], want_T=0)
+    _check("turboquant_k4v4", [(37, 1), (0, 20), (33, 11)], want_T=1, want_decodes=1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_decode_batch_is_one_kernel_call(dtype):
-    _check("turboquant_k4v4", [(40, 1), (0, 1), (63, 1)], want_T=1, dtype=dtype)
+    _check("turboquant_k4v4", [(40, 1), (0, 1), (63, 1)], want_T=1, want_decodes=3, dtype=dtype)
 
 
 def test_mtp_verify_batch_is_causal_within_the_step():
     # every request verifies 3 tokens (MTP-2): the decode path with T = 3, causal among the 3
-    _check("turboquant_k4v3", [(30, 3), (0, 3), (17, 3)], want_T=3)
+    _check("turboquant_k4v3", [(30, 3), (0, 3), (17, 3)], want_T=3, want_decodes=3)
+
+
+def test_prefill_only_batch():
+    # a batch that starts with a prefill has no decode part: everything on the prefill path
+    _check("turboquant_k8v4", [(0, 12), (20, 1), (9, 2)], want_T=0, want_decodes=0)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("reqs,want_T", [([(37, 1), (0, 20), (33, 11), (5, 1)], 0), ([(40, 1), (0, 1), (63, 1)], 1),
-                                         ([(30, 3), (0, 3), (17, 3)], 3)], ids=["mixed", "decode", "verify"])
+@pytest.mark.parametrize("reqs,want_T,want_decodes", [
+    ([(37, 1), (0, 20), (33, 11), (5, 1)], 1, 1), ([(40, 1), (0, 1), (63, 1)], 1, 3), ([(30, 3), (0, 3), (17, 3)], 3, 3),
+    ([(0, 12), (20, 1), (300, 70)], 0, 0)], ids=["mixed", "decode", "verify", "prefill-only"])
 @pytest.mark.parametrize("preset", list(tq.PRESETS))
-def test_cuda_path_triton_kernels(preset, reqs, want_T):
-    """The same steps on a GPU: Triton encode and decode kernels, the prefill path in bf16 SDPA."""
+def test_cuda_path_triton_kernels(preset, reqs, want_T, want_decodes):
+    """The same steps on a GPU: Triton encode, decode and prefill kernels."""
     md, cache, want_cache, out, want, qsl = _step(preset, reqs, torch.bfloat16, dev="cuda")
-    assert md.decode_query_len == want_T
+    assert (md.decode_query_len, md.num_decodes) == (want_T, want_decodes)
     layout = tq.CacheLayout(tq.PRESETS[preset], H, PAGE)
     written = torch.cat([tq.seq_slots(md.block_table[i].cpu(), int(md.seq_lens[i]), PAGE) for i in range(len(reqs))])
     got, ref = tq.read_reference(cache, layout, written), tq.read_reference(want_cache, layout, written)
@@ -154,7 +177,8 @@ def test_cuda_path_triton_kernels(preset, reqs, want_T):
         assert ((a - b).abs() <= 1e-5 * b.abs()).all(), f"{what} differ from encode_reference"
     for i, (ref, vmax) in enumerate(want):
         got = out[qsl[i]: qsl[i + 1]].double()
-        # bf16 queries, outputs and (prefill) SDPA inputs: ~2^-8 per element, less normwise
+        # bf16 queries and outputs, fp16 codebook values and probabilities in the dots: ~2^-8 per element,
+        # less normwise
         rel = ((got - ref).norm() / ref.norm()).item()
         assert rel < 8e-3, f"{preset} request {i} {reqs[i]}: relative error {rel:.2e}"
     assert torch.isnan(out[int(qsl[-1]):]).all()

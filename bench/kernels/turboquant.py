@@ -2,6 +2,12 @@
 correctness against the reference, and the needle test at 32K / 128K / 256K keys.
 
     python bench/kernels/turboquant.py --out bench/results/turboquant_h200.json --git-sha SHA
+    python bench/kernels/turboquant.py --prefill --out bench/results/turboquant_prefill_h200.json --git-sha SHA
+
+--prefill: one 2,048-token prompt chunk (vLLM's default long-prefill chunk here) that continues a sequence at
+depths 2K (a fresh prompt) to 128K: `prefill_attention` against torch SDPA on the same keys in BF16
+(lower-right causal: what a BF16 cache pays) and against the previous backend path (dequantize the
+sequence, then SDPA with an explicit mask in blocks of rows). Plain event timing (every case takes ms).
 
 Shape: Qwen3.5-122B-A10B full-attention layer: 32 query heads, 2 KV heads, head_dim 256, one layer.
 Times are per layer and decode step, medians of CUDA-graph replays; each replay walks several
@@ -288,6 +294,131 @@ def needle(rows):
             print(f"needle {name} L={L}: top1 {top == pos} (exact {exact_top == pos}), margin {rows[-1]['margin']:.3f}, out cos {cos:.4f}", flush=True)
 
 
+# ---------------------------------------------------------------------------------------------
+# Prefill
+
+
+PREFILL_CHUNK = 2048
+PREFILL_DEPTHS = [2048, 16384, 65536, 131072]
+
+
+def event_ms(fn, reps):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def prefill_case(name, L, ql, seed=0):
+    """A cache holding one sequence of L random tokens (encoded by the kernel), its last ql as queries."""
+    lay = tq.CacheLayout(tq.PRESETS[name], HKV, PAGE)
+    g = torch.Generator(device="cuda").manual_seed(seed + L)
+    nb = -(-L // PAGE)
+    bt = torch.randperm(nb + 3, device="cuda", generator=g)[:nb].to(torch.int32)[None]
+    cache = lay.empty(nb + 3, "cuda")
+    k = torch.randn(L, HKV, D, device="cuda", generator=g, dtype=torch.bfloat16) * 2
+    v = torch.randn(L, HKV, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    tseed = tq.rotation_seed(3)
+    tt.encode(k, v, tq.seq_slots(bt[0], L, PAGE), cache, lay, tseed)
+    q = torch.randn(ql, HQ, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    meta = (bt, torch.tensor([L], dtype=torch.int32, device="cuda"), torch.tensor([0, ql], dtype=torch.int32, device="cuda"))
+    return lay, cache, tseed, q, k, v, meta
+
+
+def previous_path(q, cache, lay, bt, L, tseed):
+    """The backend's prefill path before prefill_attention: dequantize the whole sequence (fp32 levels
+    times scale, in the rotated basis), then BF16 SDPA with an explicit causal mask in blocks of rows."""
+    ql = q.shape[0]
+    G = HQ // HKV
+    r = tq.rotation(tseed, D, torch.float32, "cuda")
+    kc, ks, vc, vs = tq.read_reference(cache, lay, tq.seq_slots(bt[0], L, PAGE))
+    klev = tq.codebook(lay.preset.k_bits).levels.to("cuda", torch.float32)
+    vlev = tq.codebook(lay.preset.v_bits).levels.to("cuda", torch.float32)
+    kk = (klev[kc] * ks[..., None]).transpose(0, 1).to(torch.bfloat16)  # [H, L, d]
+    vv = (vlev[vc] * vs[..., None]).transpose(0, 1).to(torch.bfloat16)
+    qr = (q.float() @ r.T).to(torch.bfloat16).view(ql, HKV, G, D).transpose(0, 1).reshape(HKV, ql * G, D)
+    o = torch.empty_like(qr)
+    step = max(1, (1 << 27) // (HKV * L * G)) * G
+    for r0 in range(0, ql * G, step):
+        r1 = min(ql * G, r0 + step)
+        end = L - ql + (r1 - 1) // G + 1
+        t = torch.arange(r0, r1, device="cuda") // G
+        allowed = torch.arange(end, device="cuda")[None, :] <= (L - ql + t)[:, None]
+        o[:, r0:r1] = F.scaled_dot_product_attention(qr[:, r0:r1], kk[:, :end], vv[:, :end], attn_mask=allowed,
+                                                     scale=SM_SCALE)
+    return (o.view(HKV, ql, G, D).transpose(0, 1).reshape(ql, HQ, D).float() @ r).to(torch.bfloat16)
+
+
+def bf16_sdpa(q, k, v):
+    """torch SDPA on the BF16 keys, lower-right causal (query i of ql sees keys 0 .. L - ql + i); the
+    attention any BF16 cache pays. Returns (fn, method)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    qq, kk, vv = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    mask = causal_lower_right(q.shape[0], k.shape[0])
+    try:
+        fn = lambda: F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=SM_SCALE, enable_gqa=True)  # noqa: E731
+        fn()
+        return fn, "causal_lower_right, enable_gqa"
+    except (RuntimeError, TypeError, NotImplementedError):
+        G = HQ // HKV
+        ke, ve = kk.repeat_interleave(G, 1), vv.repeat_interleave(G, 1)
+        fn = lambda: F.scaled_dot_product_attention(qq, ke, ve, attn_mask=mask, scale=SM_SCALE)  # noqa: E731
+        fn()
+        return fn, "causal_lower_right, K/V repeated per query head"
+
+
+def prefill(result, quick):
+    rows, checks, sweep_rows = result["prefill_rows"], result["prefill_checks"], result["prefill_sweep"]
+    # correctness: the kernel against the float64 reference, per preset (short sequence, a chunk of 300)
+    for name in tq.PRESETS:
+        lay, cache, tseed, q, _, _, (bt, sl, qsl) = prefill_case(name, 1500, 300)
+        out = tt.prefill_attention(q, cache, lay, bt, sl, qsl, tseed, SM_SCALE, 300)
+        ref = tq.decode_attention_reference(q.transpose(0, 1)[None], cache, lay, bt, sl,
+                                            tq.rotation(tseed, device="cuda"), SM_SCALE)[0].transpose(0, 1)
+        checks.append(dict(preset=name, seq_len=1500, q_len=300, rel_err=rel(out, ref)))
+        print(f"prefill check {name}: rel err {checks[-1]['rel_err']:.2e}", flush=True)
+    # tile sweep at 64K (K4V4): positions per program (x16 query heads = tile rows), keys per tile, warps
+    lay, cache, tseed, q, k, v, (bt, sl, qsl) = prefill_case(tq.DEFAULT_PRESET, 65536, PREFILL_CHUNK)
+    best, best_ms = {}, float("inf")
+    for bp, bn, w in ((4, 64, 4), (4, 32, 4), (8, 64, 8), (8, 32, 4), (2, 64, 4)):
+        cfg = dict(block_p=bp, block_n=bn, num_warps=w)
+        try:
+            ms = event_ms(lambda: tt.prefill_attention(q, cache, lay, bt, sl, qsl, tseed, SM_SCALE, PREFILL_CHUNK, **cfg), 5)
+        except Exception as e:  # noqa: BLE001 - a config the GPU refuses (shared memory) is recorded
+            sweep_rows.append(dict(cfg, error=f"{type(e).__name__}: {e}"[:200]))
+            continue
+        sweep_rows.append(dict(cfg, ms=ms))
+        print(f"prefill sweep 64K {cfg}: {ms:.2f} ms", flush=True)
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    result["prefill_tile_config"] = best
+    del cache, k, v
+    torch.cuda.empty_cache()
+    for L in ([2048, 65536] if quick else PREFILL_DEPTHS):
+        lay, cache, tseed, q, k, v, (bt, sl, qsl) = prefill_case(tq.DEFAULT_PRESET, L, PREFILL_CHUNK)
+        ql = PREFILL_CHUNK
+        tq_ms = event_ms(lambda: tt.prefill_attention(q, cache, lay, bt, sl, qsl, tseed, SM_SCALE, ql, **best), 5)
+        fa, method = bf16_sdpa(q, k, v)
+        fa_ms = event_ms(fa, 5)
+        prev_ms = event_ms(lambda: previous_path(q, cache, lay, bt, L, tseed), 2)
+        pairs = ql * (L - ql) + ql * (ql + 1) // 2  # (query, key) pairs the causal chunk computes
+        flops = 4 * HQ * D * pairs
+        rows.append(dict(preset=tq.DEFAULT_PRESET, depth=L, q_len=ql, tq_ms=tq_ms, fa_bf16_ms=fa_ms, fa_method=method,
+                         previous_path_ms=prev_ms, tq_tflops=flops / tq_ms / 1e9, fa_tflops=flops / fa_ms / 1e9))
+        print(f"prefill L={L:>6} chunk {ql}: tq {tq_ms:8.2f} ms  bf16 sdpa {fa_ms:8.2f} ms  previous {prev_ms:8.1f} ms"
+              f"  tq {rows[-1]['tq_tflops']:.0f} TFLOP/s  sdpa {rows[-1]['fa_tflops']:.0f} TFLOP/s", flush=True)
+        del cache, k, v
+        torch.cuda.empty_cache()
+
+
 def write(result, path):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
@@ -314,6 +445,7 @@ def main():
     ap.add_argument("--git-sha", default="unknown")
     ap.add_argument("--quick", action="store_true", help="two depths only (a smoke run)")
     ap.add_argument("--probe", action="store_true", help="only the correctness checks; exit 1 on any failure")
+    ap.add_argument("--prefill", action="store_true", help="the prefill table instead of the decode table")
     args = ap.parse_args()
     if args.probe:
         rows = []
@@ -332,6 +464,18 @@ def main():
                   command="python bench/kernels/turboquant.py " + " ".join(sys.argv[1:]),
                   date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                   shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page=PAGE), rows=[], checks=[], needle=[])
+    if args.prefill:
+        result.update(prefill_rows=[], prefill_checks=[], prefill_sweep=[], chunk=PREFILL_CHUNK)
+        section(result, "prefill", prefill, result, args.quick)
+        result["wall_s"] = time.time() - t0
+        write(result, args.out)
+        print(f"\n{'depth':>6} {'chunk':>5} {'tq_ms':>8} {'bf16_ms':>8} {'prev_ms':>9} {'tq/bf16':>7} {'prev/tq':>7}")
+        for r in result["prefill_rows"]:
+            print(f"{r['depth']:>6} {r['q_len']:>5} {r['tq_ms']:8.2f} {r['fa_bf16_ms']:8.2f} {r['previous_path_ms']:9.1f}"
+                  f" {r['tq_ms'] / r['fa_bf16_ms']:7.2f} {r['previous_path_ms'] / r['tq_ms']:7.1f}")
+        print(f"errors: {result.get('errors', [])}")
+        print(f"wrote {args.out} in {result['wall_s']:.0f} s")
+        return 1 if result.get("errors") else 0
     result["copy_gbps"], result["copy_gbps_by_method"] = copy_gbps()
     print(f"copy bandwidth {result['copy_gbps']:.0f} GB/s", flush=True)
     section(result, "correctness", check_correctness, result["checks"])
