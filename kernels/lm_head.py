@@ -503,11 +503,9 @@ def _smem_bytes(kind: str, cfg: tuple, x_bytes: int) -> int:
     return ring + (bn * bk * x_bytes if path == "std" else 0)
 
 
-def _candidates(kind: str, bucket: int, x: torch.Tensor) -> list[tuple]:
-    if _interpreting():
-        return [_INTERPRET_CONFIG[(kind, bucket)]]
-    limit = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
-    fits = [c for c in _CONFIGS[(kind, bucket)] if _smem_bytes(kind, c, x.element_size()) <= limit]
+def _candidates(kind: str, bucket: int, x_bytes: int, smem_limit: int) -> list[tuple]:
+    """Configs to try, in order, on a GPU with `smem_limit` bytes of shared memory per block (opt-in)."""
+    fits = [c for c in _CONFIGS[(kind, bucket)] if _smem_bytes(kind, c, x_bytes) <= smem_limit]
     small = _SMALL_SMEM_CONFIGS.get((kind, bucket))
     return fits or ([small] if small else []) + [_CONFIGS[(kind, bucket)][-1]]
 
@@ -522,9 +520,10 @@ def _pick(kind: str, bucket: int, x: torch.Tensor, n: int, k: int, launch) -> tu
     cfg = _chosen.get(key)
     if cfg is not None:
         return cfg
-    cands = _candidates(kind, bucket, x)
     if _interpreting():
-        return cands[0]
+        return _INTERPRET_CONFIG[(kind, bucket)]
+    limit = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin
+    cands = _candidates(kind, bucket, x.element_size(), limit)
     if torch.cuda.is_current_stream_capturing():
         return cands[0]
     working = []

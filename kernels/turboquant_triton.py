@@ -464,6 +464,39 @@ def _tq_merge_kernel(
         tl.store(optr + c * 64 + c64, tl.sum(o[:, None] * rblk, 0).to(OUT.dtype.element_ty))
 
 
+def _capability(device) -> tuple[int, int] | None:
+    return torch.cuda.get_device_capability(device) if torch.device(device).type == "cuda" else None
+
+
+def _mma_sync_only(capability: tuple[int, int] | None) -> bool:
+    """sm_8x and sm_12x (the DGX Spark's GB10 is sm_121): Triton's dots are mma.sync, which takes both
+    operands from registers, so the query tile held across the key loop competes with the fp32
+    accumulators for the 255 registers a thread may have. ptxas spills at tiles that fit on sm_90
+    (wgmma) without spilling or nearly so (numbers below, from tests/test_kernels_compile.py)."""
+    return capability is not None and capability[0] in (8, 12)
+
+
+def decode_block_n(T: int, capability: tuple[int, int] | None) -> int:
+    """Keys per tile. sm_90: the H200 sweep (bench/results/turboquant_h200.json): 32 for T = 1, 64 for
+    verify steps. mma.sync-only parts: 16 for verify steps, the largest tile that ptxas fits in 255
+    registers without spilling at the 64-row tile of T = 3, 16 query heads (64 keys spill 960 bytes per
+    thread on sm_121; tests/test_kernels_compile.py checks it). Not timed on a Spark."""
+    if T == 1:
+        return 32
+    return 16 if _mma_sync_only(capability) else 64
+
+
+def prefill_tile(G: int, capability: tuple[int, int] | None) -> tuple[int, int]:
+    """(query positions, keys) per prefill tile; rows = positions x G query heads. sm_90: 64 rows, 64 keys
+    (the decode kernel's verify-step tile). mma.sync-only parts: 32 rows, 32 keys, the largest that ptxas
+    fits on sm_121 without spilling for every preset (64 rows spill ~1,000 bytes per thread; 32 rows with 64
+    keys still spill 8 bytes at K4V3). Neither is timed: no GPU run has measured this kernel yet
+    (README: turboquant)."""
+    if _mma_sync_only(capability):
+        return max(1, 32 // G), 32
+    return max(1, 64 // G), 64
+
+
 def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int, num_sms: int, waves: int = 2) -> int:
     """Enough (sequence, head, split) programs to fill the GPU `waves` times over, each with >= 4 tiles
     of work. Depends only on host-known sizes, so a CUDA graph captured for max_seq_len stays valid."""
@@ -496,8 +529,8 @@ def decode_attention(
         raise ValueError(f"decoder must be 'prmt' or 'gather', got {decoder!r}")
     G = Hq // H
     block_m = max(16, triton.next_power_of_2(G * T))
-    if block_n is None:  # H200 sweep (bench/results/turboquant_h200.json): 32 tokens for T = 1, 64 for verify steps
-        block_n = 32 if T == 1 else 64
+    if block_n is None:
+        block_n = decode_block_n(T, _capability(q.device))
     t = _tables(layout.preset, seed, q.device, d)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
@@ -582,7 +615,7 @@ def _tq_prefill_kernel(
 
 def prefill_attention(
     q, cache, layout: tq.CacheLayout, block_table, seq_lens, query_start_loc, seed: int, sm_scale: float,
-    max_query_len: int, block_p: int | None = None, block_n: int = 64, num_warps: int = 4, num_stages: int = 2,
+    max_query_len: int, block_p: int | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
     decoder: str = "prmt",
 ):
     """Attention for any batch of requests with any query lengths, straight from the compressed cache.
@@ -609,8 +642,9 @@ def prefill_attention(
     if decoder not in ("prmt", "gather"):
         raise ValueError(f"decoder must be 'prmt' or 'gather', got {decoder!r}")
     G = Hq // H
-    if block_p is None:  # 64-row tiles: 4 positions of Qwen3.5's 16 query heads per KV head
-        block_p = max(1, 64 // G)
+    if block_p is None or block_n is None:
+        bp, bn = prefill_tile(G, _capability(q.device))
+        block_p, block_n = block_p or bp, block_n or bn
     block_m = max(16, triton.next_power_of_2(block_p * G))
     t = _tables(layout.preset, seed, q.device, d)
     qr = torch.matmul(q, t["rt"][q.dtype])

@@ -24,6 +24,7 @@ CUDA graphs: piecewise only (the builder reads host-side query lengths every ste
 from __future__ import annotations
 
 import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import ClassVar
@@ -61,6 +62,15 @@ def install() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+
+
+def _prefill_choice() -> str:
+    """ONESPARK_TQ_PREFILL: "triton" (default) or "torch", the plain-torch path (dequantize, then SDPA), kept as a
+    fallback while the Triton prefill kernel has not been run on a GPU (README: turboquant)."""
+    choice = os.environ.get("ONESPARK_TQ_PREFILL", "triton")
+    if choice not in ("triton", "torch"):
+        raise ValueError(f"ONESPARK_TQ_PREFILL={choice!r}: use triton (the default) or torch")
+    return choice
 
 
 def layer_index(layer_name: str) -> int:
@@ -202,6 +212,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.attn_type = attn_type
+        self._triton_prefill = _prefill_choice() == "triton"
         self._seed: int | None = None
         self._rotation: dict[str, torch.Tensor] = {}
         self._codebooks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -260,7 +271,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         if md.num_decodes:
             self._decode(query, kv_cache, layout, seed, md, output)
         if md.num_decodes < md.num_reqs:
-            if kv_cache.is_cuda:
+            if kv_cache.is_cuda and self._triton_prefill:
                 self._prefill(query, kv_cache, layout, seed, md, output)
             else:
                 self._prefill_reference(query, kv_cache, layout, seed, md, output)
@@ -290,10 +301,11 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         output[t0:t1].copy_(o)
 
     def _prefill_reference(self, query, kv_cache, layout, seed, md: TurboQuantMetadata, output) -> None:
-        """CPU: per request, the codes are read back from the cache and attended in plain torch (SDPA in blocks
+        """CPU, or a GPU with ONESPARK_TQ_PREFILL=torch: per request, the codes are read back from the cache and attended in plain torch (SDPA in blocks
         of query rows), causal within the chunk."""
         r = self._r(seed, kv_cache.device)
-        dtype = torch.float32  # the reference lane checks it tightly
+        # fp32 on CPU (the reference lane checks it tightly); the model's dtype on GPUs (SDPA kernels)
+        dtype = torch.float32 if not query.is_cuda else query.dtype
         H, G, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
         qsl, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens.tolist()  # host tensors on CPU: no sync
         for i in range(md.num_decodes, md.num_reqs):
