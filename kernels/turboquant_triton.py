@@ -1,4 +1,5 @@
-"""TurboQuant Triton kernels: cache write (encode) and split-KV decode attention, matching turboquant.py.
+"""TurboQuant Triton kernels: cache write (encode), split-KV decode attention and varlen prefill attention,
+matching turboquant.py.
 
 Decode attention, one program per (sequence, KV head, split):
   * the G = Hq/H query heads of the KV head times the T query positions (16 x 3 for an MTP-2 verify
@@ -19,6 +20,13 @@ rate. Measured (bench/results/turboquant_h200.json, H200): 176 us at q_len 1 (0.
 floor's rate; BF16 flash 184 us), 268 us at q_len 3: on the H200 the kernel is bound by decode work and
 latency, not bytes (README: turboquant). No host syncs: split bounds come from seq_lens on the device, the grid
 only from host-known sizes, so the launch is CUDA-graph safe.
+
+Prefill attention (`prefill_attention`: prompt chunks, chunked-prefill continuations, any query lengths, one
+launch per step) runs the same tile step (`_attend_tile`) with a tile of BLOCK_P positions x G query heads,
+one program per (position block, KV head, request), over every key it may see, without splits. It decodes
+each key once per position block, so its decode work grows with the chunk length (dequantizing once and
+running a BF16 flash kernel would not); whether that matters was not measured: no GPU has run it yet.
+Tiles per GPU: decode_block_n, prefill_tile.
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ Switches (environment variables, read once per process by register(); 1/0, true/
                              (register_backend: a class path, nothing imported), used only by servers started
                              with --attention-backend CUSTOM and a turboquant_* --kv-cache-dtype, which needs
                              patches/turboquant.diff (the v2-tq image). Off: CUSTOM stays unregistered.
+  ONESPARK_TQ_PREFILL=triton  (read by the backend, not a 1/0 switch) "torch": the backend's prefill path is
+                             plain torch (dequantize, then SDPA) instead of the Triton prefill kernel, which
+                             has not run on a GPU yet; e.g. `onespark serve --tq --env ONESPARK_TQ_PREFILL=torch`.
   ONESPARK_ALLOW_ANY_VLLM=0  1 = run on an untested vLLM version anyway (logged as a warning).
 
 VLLM_PLUGINS="" (vLLM's own switch) disables the whole plugin. What each patch touches, why, and when to
