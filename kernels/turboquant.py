@@ -378,3 +378,54 @@ def decode_attention_reference(q, cache, layout: CacheLayout, block_table, seq_l
         k, v = dequantize_cache(cache, layout, block_table[b], L, r)
         outs.append(attention_reference(q[b], k, v, sm_scale))
     return torch.stack(outs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill in plain torch: the backend's CPU path and its ONESPARK_TQ_PREFILL=torch fallback on GPUs
+
+
+def read_rotated(cache, layout: CacheLayout, block_table_row, seq_len: int, levels, dtype, chunk: int = 16384):
+    """One sequence's K and V as codebook values times per-token scale, still in the rotated basis:
+    [H, seq_len, d] each, in dtype. levels: the (K, V) codebook levels, fp32 on the cache's device. Whole
+    blocks are gathered `chunk` tokens at a time, bounding the int64 codes unpack makes (~64 MB for 2 heads)."""
+    H, d, P = layout.num_kv_heads, layout.head_dim, layout.page
+    kcb, vcb = levels
+    k = torch.empty(H, seq_len, d, dtype=dtype, device=cache.device)
+    v = torch.empty_like(k)
+    for t0 in range(0, seq_len, chunk):
+        t1 = min(seq_len, t0 + chunk)
+        b0, b1 = t0 // P, -(-t1 // P)
+        blocks = cache[block_table_row[b0:b1].long()]  # [nb, block_bytes]: whole blocks, one gather
+        nb, lo, hi = b1 - b0, t0 - b0 * P, t1 - b0 * P
+        kp = blocks[:, : layout.v_offset].reshape(nb * P, H, layout.k_bytes)[lo:hi]
+        vp = blocks[:, layout.v_offset : layout.s_offset].reshape(nb * P, H, layout.v_bytes)[lo:hi]
+        sc = blocks[:, layout.s_offset :].contiguous().view(torch.float32).view(nb * P, H, 2)[lo:hi]
+        k[:, t0:t1] = (kcb[unpack(kp, layout.preset.k_bits, d)] * sc[..., 0:1]).transpose(0, 1).to(dtype)
+        v[:, t0:t1] = (vcb[unpack(vp, layout.preset.v_bits, d)] * sc[..., 1:2]).transpose(0, 1).to(dtype)
+    return k, v
+
+
+def prefill_attention_sdpa(q, cache, layout: CacheLayout, block_table_row, seq_len: int, r, levels, sm_scale: float,
+                           dtype, score_budget: int = 1 << 27):
+    """One request's ql query tokens q [ql, Hq, d] (the last of its seq_len, K/V already in the cache),
+    causal -> fp32 [ql, Hq, d]. Dequantize (read_rotated), then torch SDPA in the rotated basis
+    (q . x_hat = scale * (R q) . c) and rotate the output back once. SDPA with an explicit mask takes its math
+    path, which materializes rows x keys scores (85 GiB at 129K keys, head_dim 256, on an H200), so query rows
+    go in blocks of at most score_budget scores."""
+    ql, Hq, d = q.shape
+    H = layout.num_kv_heads
+    G = Hq // H
+    kc, vc = read_rotated(cache, layout, block_table_row, seq_len, levels, dtype)  # [H, L, d]
+    # the G query heads of a KV head become query rows (row = position * G + g): K/V are never repeated G
+    # times, and a block of rows covers consecutive positions
+    qr = (q.to(torch.float32) @ r.T).to(dtype).view(ql, H, G, d).transpose(0, 1).reshape(H, ql * G, d)
+    o = torch.empty_like(qr)
+    step = max(1, score_budget // (H * seq_len * G)) * G  # rows: whole positions
+    for r0 in range(0, ql * G, step):
+        r1 = min(ql * G, r0 + step)
+        end = seq_len - ql + (r1 - 1) // G + 1  # keys the block's last position sees
+        t = torch.arange(r0, r1, device=q.device) // G
+        allowed = torch.arange(end, device=q.device)[None, :] <= (seq_len - ql + t)[:, None]
+        o[:, r0:r1] = torch.nn.functional.scaled_dot_product_attention(
+            qr[:, r0:r1], kc[:, :end], vc[:, :end], attn_mask=allowed, scale=sm_scale)
+    return o.view(H, ql, G, d).transpose(0, 1).reshape(ql, Hq, d).to(torch.float32) @ r

@@ -341,6 +341,13 @@ def _load_q(qrow, rvalid):
 
 
 @triton.jit
+def _empty_state(BLOCK_M: tl.constexpr):
+    """Online-softmax state of a tile: running max, running sum and four fp32 [BLOCK_M, 64] accumulators."""
+    z = tl.zeros([BLOCK_M, 64], tl.float32)
+    return tl.full([BLOCK_M], float("-inf"), tl.float32), tl.zeros([BLOCK_M], tl.float32), z, z, z, z
+
+
+@triton.jit
 def _attend_tile(
     CACHE, CACHE_F32, bt_row, n0, end, last, h, q0, q1, q2, q3, m_i, l_i, acc0, acc1, acc2, acc3,
     KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
@@ -411,12 +418,7 @@ def _tq_decode_kernel(
     last = L - T + t  # last key position each row may see (causal within an MTP verify step)
     c64 = tl.arange(0, 64)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc0 = tl.zeros([BLOCK_M, 64], tl.float32)
-    acc1 = tl.zeros([BLOCK_M, 64], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, 64], tl.float32)
-    acc3 = tl.zeros([BLOCK_M, 64], tl.float32)
+    m_i, l_i, acc0, acc1, acc2, acc3 = _empty_state(BLOCK_M)
     bt_row = BLOCK_TABLE + b.to(tl.int64) * stride_bt
     for n0 in range(start, end, BLOCK_N):
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
@@ -599,12 +601,7 @@ def _tq_prefill_kernel(
         last = L - ql + pos  # the query at chunk position pos is token L - ql + pos of the sequence
         end = L - ql + tl.minimum(p0 + BLOCK_P, ql)  # keys the block's last position sees
 
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc0 = tl.zeros([BLOCK_M, 64], tl.float32)
-        acc1 = tl.zeros([BLOCK_M, 64], tl.float32)
-        acc2 = tl.zeros([BLOCK_M, 64], tl.float32)
-        acc3 = tl.zeros([BLOCK_M, 64], tl.float32)
+        m_i, l_i, acc0, acc1, acc2, acc3 = _empty_state(BLOCK_M)
         bt_row = BLOCK_TABLE + req.to(tl.int64) * stride_bt
         for n0 in range(0, end, BLOCK_N):
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(

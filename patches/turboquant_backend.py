@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
 from onespark.kernels import turboquant as tq
 from vllm.v1.attention.backend import (
@@ -49,10 +48,7 @@ HEAD_DIM = 256  # the Triton kernels' only head size (Qwen3.5's full-attention l
 # Longest uniform query length served by the decode kernel: MTP verify steps are 1 + num_speculative_tokens
 # (3 for the image's MTP-2); longer uniform batches (rare: equal-length prefill chunks) take the prefill path.
 MAX_DECODE_QUERY_LEN = 8
-# Tokens dequantized at a time on the prefill path: bounds the int64 code tensors tq.unpack makes
-# (8 bytes x heads x 256 per token) to ~64 MB for 2 KV heads.
-DEQUANT_CHUNK = 16384
-# Scores per SDPA call on the prefill path (query rows x keys x KV heads): 2^27 = 0.5 GB in fp32.
+# Scores per SDPA call on the plain-torch prefill path (query rows x keys x KV heads): 2^27 = 0.5 GB in fp32.
 SCORE_BUDGET = 1 << 27
 
 
@@ -301,54 +297,16 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         output[t0:t1].copy_(o)
 
     def _prefill_reference(self, query, kv_cache, layout, seed, md: TurboQuantMetadata, output) -> None:
-        """CPU, or a GPU with ONESPARK_TQ_PREFILL=torch: per request, the codes are read back from the cache and attended in plain torch (SDPA in blocks
-        of query rows), causal within the chunk."""
-        r = self._r(seed, kv_cache.device)
+        """CPU, or a GPU with ONESPARK_TQ_PREFILL=torch: per request, `turboquant.prefill_attention_sdpa`
+        (dequantize the sequence from the cache, then torch SDPA in blocks of query rows), causal."""
+        r, levels = self._r(seed, kv_cache.device), self._levels(kv_cache.device)
         # fp32 on CPU (the reference lane checks it tightly); the model's dtype on GPUs (SDPA kernels)
         dtype = torch.float32 if not query.is_cuda else query.dtype
-        H, G, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_size
-        qsl, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens.tolist()  # host tensors on CPU: no sync
+        qsl = md.query_start_loc_cpu.tolist()
+        seq_lens = md.seq_lens.tolist()  # a device sync on GPUs: this fallback path only
         for i in range(md.num_decodes, md.num_reqs):
-            s, e, L = qsl[i], qsl[i + 1], seq_lens[i]
-            if e == s:
-                continue
-            ql = e - s
-            kc, vc = self._read_rotated(kv_cache, layout, md.block_table[i], L, dtype)  # [H, L, d]
-            # q . x_hat = scale_x * (R q) . c: attend in the rotated basis, rotate the output back once.
-            q = (query[s:e].to(torch.float32) @ r.T).to(dtype)  # [ql, Hq, d], query head = kv head * G + g
-            # the G query heads of a KV head become query rows (row = position * G + g): K/V are never
-            # repeated G times, and a block of rows covers consecutive positions
-            q = q.view(ql, H, G, d).transpose(0, 1).reshape(H, ql * G, d)
-            o = torch.empty_like(q)
-            # SDPA with an explicit mask takes its math path, which materializes rows x keys scores: blocks of
-            # rows keep that bounded whatever the context length
-            step = max(1, SCORE_BUDGET // (H * L * G)) * G  # rows: whole positions
-            for r0 in range(0, ql * G, step):
-                r1 = min(ql * G, r0 + step)
-                end = L - ql + (r1 - 1) // G + 1  # keys the block's last position sees
-                t = torch.arange(r0, r1, device=q.device) // G
-                allowed = torch.arange(end, device=q.device)[None, :] <= (L - ql + t)[:, None]
-                o[:, r0:r1] = F.scaled_dot_product_attention(
-                    q[:, r0:r1], kc[:, :end], vc[:, :end], attn_mask=allowed, scale=self.scale)
-            o = o.view(H, ql, G, d).transpose(0, 1).reshape(ql, self.num_heads, d)
-            output[s:e].copy_((o.to(torch.float32) @ r).to(output.dtype))
-
-    def _read_rotated(self, kv_cache, layout: tq.CacheLayout, block_row, L: int, dtype):
-        """Codebook values times per-token scale, still in the rotated basis: k, v [H, L, d] in dtype."""
-        H, d, P = layout.num_kv_heads, layout.head_dim, layout.page
-        kcb, vcb = self._levels(kv_cache.device)
-        k = torch.empty(H, L, d, dtype=dtype, device=kv_cache.device)
-        v = torch.empty_like(k)
-        for t0 in range(0, L, DEQUANT_CHUNK):
-            t1 = min(L, t0 + DEQUANT_CHUNK)
-            b0, b1 = t0 // P, -(-t1 // P)
-            blocks = kv_cache[block_row[b0:b1].long()]  # [nb, block_bytes]: whole blocks, one gather
-            nb, lo, hi = b1 - b0, t0 - b0 * P, t1 - b0 * P
-            kp = blocks[:, : layout.v_offset].reshape(nb * P, H, layout.k_bytes)[lo:hi]
-            vp = blocks[:, layout.v_offset: layout.s_offset].reshape(nb * P, H, layout.v_bytes)[lo:hi]
-            sc = blocks[:, layout.s_offset:].contiguous().view(torch.float32).view(nb * P, H, 2)[lo:hi]
-            ck = kcb[tq.unpack(kp, layout.preset.k_bits, d)] * sc[..., 0:1]
-            cv = vcb[tq.unpack(vp, layout.preset.v_bits, d)] * sc[..., 1:2]
-            k[:, t0:t1] = ck.transpose(0, 1).to(dtype)
-            v[:, t0:t1] = cv.transpose(0, 1).to(dtype)
-        return k, v
+            s, e = qsl[i], qsl[i + 1]
+            if e > s:
+                o = tq.prefill_attention_sdpa(query[s:e], kv_cache, layout, md.block_table[i], seq_lens[i], r, levels,
+                                              self.scale, dtype, SCORE_BUDGET)
+                output[s:e].copy_(o.to(output.dtype))

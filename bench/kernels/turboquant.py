@@ -333,27 +333,11 @@ def prefill_case(name, L, ql, seed=0):
 
 
 def previous_path(q, cache, lay, bt, L, tseed):
-    """The backend's prefill path before prefill_attention: dequantize the whole sequence (fp32 levels
-    times scale, in the rotated basis), then BF16 SDPA with an explicit causal mask in blocks of rows."""
-    ql = q.shape[0]
-    G = HQ // HKV
+    """The backend's prefill path before prefill_attention, still its ONESPARK_TQ_PREFILL=torch fallback:
+    dequantize the whole sequence, then BF16 SDPA with an explicit causal mask in blocks of rows."""
+    levels = tuple(tq.codebook(b).levels.to("cuda", torch.float32) for b in (lay.preset.k_bits, lay.preset.v_bits))
     r = tq.rotation(tseed, D, torch.float32, "cuda")
-    kc, ks, vc, vs = tq.read_reference(cache, lay, tq.seq_slots(bt[0], L, PAGE))
-    klev = tq.codebook(lay.preset.k_bits).levels.to("cuda", torch.float32)
-    vlev = tq.codebook(lay.preset.v_bits).levels.to("cuda", torch.float32)
-    kk = (klev[kc] * ks[..., None]).transpose(0, 1).to(torch.bfloat16)  # [H, L, d]
-    vv = (vlev[vc] * vs[..., None]).transpose(0, 1).to(torch.bfloat16)
-    qr = (q.float() @ r.T).to(torch.bfloat16).view(ql, HKV, G, D).transpose(0, 1).reshape(HKV, ql * G, D)
-    o = torch.empty_like(qr)
-    step = max(1, (1 << 27) // (HKV * L * G)) * G
-    for r0 in range(0, ql * G, step):
-        r1 = min(ql * G, r0 + step)
-        end = L - ql + (r1 - 1) // G + 1
-        t = torch.arange(r0, r1, device="cuda") // G
-        allowed = torch.arange(end, device="cuda")[None, :] <= (L - ql + t)[:, None]
-        o[:, r0:r1] = F.scaled_dot_product_attention(qr[:, r0:r1], kk[:, :end], vv[:, :end], attn_mask=allowed,
-                                                     scale=SM_SCALE)
-    return (o.view(HKV, ql, G, D).transpose(0, 1).reshape(ql, HQ, D).float() @ r).to(torch.bfloat16)
+    return tq.prefill_attention_sdpa(q, cache, lay, bt[0], L, r, levels, SM_SCALE, torch.bfloat16).to(torch.bfloat16)
 
 
 def bf16_sdpa(q, k, v):
