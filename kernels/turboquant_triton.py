@@ -474,6 +474,14 @@ def _tq_merge_kernel(
         tl.store(optr + c * 64 + c64, tl.sum(o[:, None] * rblk, 0).to(OUT.dtype.element_ty))
 
 
+def _check_attention(Hq: int, d: int, cache, layout: tq.CacheLayout, what: str) -> None:
+    if d != layout.head_dim or d != 256:
+        raise ValueError(f"{what} supports head_dim 256 (the layout has {layout.head_dim}, q has {d})")
+    if Hq % layout.num_kv_heads:
+        raise ValueError(f"{Hq} query heads do not divide into {layout.num_kv_heads} KV heads")
+    _check_cache(cache, layout)
+
+
 def _capability(device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if torch.device(device).type == "cuda" else None
 
@@ -524,11 +532,7 @@ def decode_attention(
     max_seq_len: a host-side upper bound that sizes the split grid."""
     B, Hq, T, d = q.shape
     H = layout.num_kv_heads
-    if d != layout.head_dim or d != 256:
-        raise ValueError(f"decode_attention supports head_dim 256 (the layout has {layout.head_dim}, q has {d})")
-    if Hq % H:
-        raise ValueError(f"{Hq} query heads do not divide into {H} KV heads")
-    _check_cache(cache, layout)
+    _check_attention(Hq, d, cache, layout, "decode_attention")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
         raise ValueError(f"block_table must be int32 [{B}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
     if seq_lens.dtype != torch.int32 or seq_lens.shape != (B,):
@@ -632,11 +636,7 @@ def prefill_attention(
     """
     N, Hq, d = q.shape
     H = layout.num_kv_heads
-    if d != layout.head_dim or d != 256:
-        raise ValueError(f"prefill_attention supports head_dim 256 (the layout has {layout.head_dim}, q has {d})")
-    if Hq % H:
-        raise ValueError(f"{Hq} query heads do not divide into {H} KV heads")
-    _check_cache(cache, layout)
+    _check_attention(Hq, d, cache, layout, "prefill_attention")
     R = block_table.shape[0]
     if block_table.dtype != torch.int32 or block_table.dim() != 2:
         raise ValueError(f"block_table must be int32 [requests, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
