@@ -1,4 +1,5 @@
-"""Tool calls when the server streams several tokens per step, as it does under MTP-2 (1-3 tokens a step).
+"""Tool calls when the server streams several tokens per step, as it does under MTP-2 (1-3 tokens a step),
+through Chat Completions and the Responses API.
 
 A real vLLM 0.19.1 server (CPU) with the image's parsers (`--reasoning-parser qwen3 --enable-auto-tool-choice
 --tool-call-parser qwen3_xml`) serves a tiny model scripted to reply like Qwen3.5 (tests/_scripted_model.py):
@@ -13,19 +14,30 @@ Limit of the script: the next token depends on the current one only, so no token
 `<tool_call>` / `</tool_call>` are the real single tokens; the second call spells them in pieces. qwen3_xml
 reads text, so both forms test it; a parser that finds calls by token id (qwen3_coder) cannot be tested with
 this script (it leaks the second call into content even at one token per chunk).
+
+The servers run vLLM with patches/responses-tool-calls.diff applied (as the images do). Stock vLLM 0.19.1
+streams every tool call of a /v1/responses answer into one function_call item and types every argument of a
+Responses call as a string; `test_stock_vllm_merges_responses_tool_calls` shows it, so that the diff goes
+when a vLLM upgrade makes that test fail.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from tests._scripted_model import write_scripted_model
+from tests.test_turboquant_patch import make_patched_tree
 from tests.vllm_server import VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+DIFF = Path(__file__).resolve().parent.parent / "patches" / "responses-tool-calls.diff"
+TARGETS = ["vllm/entrypoints/openai/responses/serving.py", "vllm/tool_parsers/qwen3xml_tool_parser.py"]
+PARSERS = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_xml"]
 
 COMMAND = "ls -la \"/tmp/a b\" && echo '<x>'"
 REASONING = "\nThe user wants the weather in Prague for 3 days, then a directory listing.\n"
@@ -47,8 +59,29 @@ def scripted_model(tmp_path_factory):
     return out, len(write_scripted_model(out, REPLY)) + 1  # the reply's tokens and <|im_end|>
 
 
-def _post(srv: VLLMServer, body: dict):
-    req = urllib.request.Request(f"{srv.openai_url}/chat/completions", data=json.dumps(body).encode(),
+@pytest.fixture(scope="module")
+def patched_vllm(tmp_path_factory) -> Path:
+    return make_patched_tree(tmp_path_factory.mktemp("vllm-responses"), diffs=((DIFF, TARGETS),))
+
+
+@pytest.fixture(scope="module", params=[1, 3], ids=["1-token-chunks", "3-token-chunks"])
+def server(request, scripted_model, patched_vllm):
+    model, tokens = scripted_model
+    with VLLMServer(model, args=[*PARSERS, "--stream-interval", str(request.param)],
+                    env={"PYTHONPATH": str(patched_vllm)}) as srv:
+        yield srv, request.param, tokens
+
+
+def test_the_diff_touches_only_its_files_and_applies_once(patched_vllm):
+    assert sorted(re.findall(r"^\+\+\+ b/(\S+)", DIFF.read_text(), flags=re.M)) == sorted(TARGETS)
+    from tests.test_turboquant_patch import apply
+
+    again = apply(DIFF, patched_vllm, dry_run=True)
+    assert again.returncode != 0, "applying twice must fail (the image build must notice an already-patched tree)"
+
+
+def _post(srv: VLLMServer, body: dict, path: str = "/chat/completions"):
+    req = urllib.request.Request(f"{srv.openai_url}{path}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
     return urllib.request.urlopen(req, timeout=300)
 
@@ -83,15 +116,11 @@ def _streamed(srv: VLLMServer) -> tuple[dict, int]:
             "tool_calls": [calls[i] for i in sorted(calls)]}, chunks
 
 
-@pytest.mark.parametrize("interval", [1, 3])
-def test_tool_calls_survive_multi_token_deltas(scripted_model, interval):
-    model, tokens = scripted_model
-    args = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_xml",
-            "--stream-interval", str(interval)]
-    with VLLMServer(model, args=args) as srv:
-        with _post(srv, _body(srv, stream=False)) as r:
-            whole = json.load(r)["choices"][0]
-        streamed, chunks = _streamed(srv)
+def test_chat_completions_tool_calls_survive_multi_token_deltas(server):
+    srv, interval, tokens = server
+    with _post(srv, _body(srv, stream=False)) as r:
+        whole = json.load(r)["choices"][0]
+    streamed, chunks = _streamed(srv)
 
     msg = whole["message"]
     assert whole["finish_reason"] == "tool_calls"
@@ -107,3 +136,59 @@ def test_tool_calls_survive_multi_token_deltas(scripted_model, interval):
     print(f"stream interval {interval}: {tokens} tokens in {chunks} chunks")
     if interval > 1:  # the server really sent several tokens per chunk
         assert chunks <= tokens / interval + 3, (chunks, tokens)
+
+
+def _responses_tools() -> list[dict]:
+    return [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+            for t in TOOLS]
+
+
+def _responses_events(srv: VLLMServer) -> list[dict]:
+    body = {"model": srv.model, "input": "Weather in Prague, then list /tmp/a b.", "tools": _responses_tools(),
+            "max_output_tokens": 300, "temperature": 0, "stream": True}
+    with _post(srv, body, "/responses") as r:
+        return [json.loads(line[len(b"data:"):]) for line in r if line.startswith(b"data:")]
+
+
+def _check_responses_stream(events: list[dict]) -> list[tuple[str, dict]]:
+    """Every item added is finished once, in order; a call's argument deltas add up to its final arguments.
+    Returns the streamed function calls as (name, arguments)."""
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [e["output_index"] for e in added] == list(range(len(added))), "output items must be numbered 0, 1, ..."
+    assert [(e["output_index"], e["item"]["id"]) for e in done] == [(e["output_index"], e["item"]["id"]) for e in added]
+    calls = []
+    for e in done:
+        item = e["item"]
+        if item["type"] == "function_call":
+            deltas = "".join(d["delta"] for d in events
+                             if d["type"] == "response.function_call_arguments.delta" and d["item_id"] == item["id"])
+            assert deltas == item["arguments"], f"{item['name']}: deltas {deltas!r} != final {item['arguments']!r}"
+            calls.append((item["name"], json.loads(item["arguments"])))
+        elif item["type"] == "reasoning":
+            assert item["content"][0]["text"] == REASONING
+        else:
+            assert item["type"] == "message" and not "".join(c["text"] for c in item["content"]).strip()
+    completed = next(e for e in events if e["type"] == "response.completed")["response"]["output"]
+    final = [(o["name"], json.loads(o["arguments"])) for o in completed if o["type"] == "function_call"]
+    assert final == calls, f"response.completed {final} != the streamed items {calls}"
+    return calls
+
+
+def test_responses_api_tool_calls_survive_multi_token_deltas(server):
+    srv, _, _ = server
+    body = {"model": srv.model, "input": "Weather in Prague, then list /tmp/a b.", "tools": _responses_tools(),
+            "max_output_tokens": 300, "temperature": 0}
+    with _post(srv, body, "/responses") as r:
+        output = json.load(r)["output"]
+    assert [(o["name"], json.loads(o["arguments"])) for o in output if o["type"] == "function_call"] == WANT_CALLS
+    assert _check_responses_stream(_responses_events(srv)) == WANT_CALLS
+
+
+def test_stock_vllm_merges_responses_tool_calls(scripted_model):
+    """Why patches/responses-tool-calls.diff exists: without it, the two calls stream as one item."""
+    model, _ = scripted_model
+    with VLLMServer(model, args=PARSERS) as srv:
+        events = _responses_events(srv)
+    calls = [e["item"] for e in events if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"]
+    assert len(calls) == 1 and calls[0]["arguments"].count("{") == 2, calls

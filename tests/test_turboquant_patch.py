@@ -68,19 +68,21 @@ def _has_dist(name: str) -> bool:
         return False
 
 
-def make_patched_tree(root: Path) -> Path:
-    """A copy of the installed vllm package under root (symlinks) whose seven target files are patched copies:
-    PYTHONPATH=root imports the patched vLLM (tests/test_turboquant_backend.py serves from it)."""
+def make_patched_tree(root: Path, diffs: tuple[tuple[Path, list[str]], ...] = ((DIFF, TARGETS),)) -> Path:
+    """A copy of the installed vllm package under root (symlinks) whose target files are patched copies, one
+    (diff, target files) pair after another: PYTHONPATH=root imports the patched vLLM (the backend and
+    tool-call tests serve from it)."""
     src = installed_vllm_root()
     shutil.copytree(src / "vllm", root / "vllm", symlinks=True, copy_function=os.symlink,
                     ignore=shutil.ignore_patterns("__pycache__"))
-    for rel in TARGETS:
-        (root / rel).unlink()
-        shutil.copyfile(src / rel, root / rel)
-    dry = apply(DIFF, root, dry_run=True)
-    assert dry.returncode == 0, f"the diff does not apply to vLLM 0.19.1:\n{dry.stdout}{dry.stderr}"
-    real = apply(DIFF, root, dry_run=False)
-    assert real.returncode == 0, real.stdout + real.stderr
+    for diff, targets in diffs:
+        for rel in targets:
+            (root / rel).unlink()
+            shutil.copyfile(src / rel, root / rel)
+        dry = apply(diff, root, dry_run=True)
+        assert dry.returncode == 0, f"{diff.name} does not apply to vLLM 0.19.1:\n{dry.stdout}{dry.stderr}"
+        real = apply(diff, root, dry_run=False)
+        assert real.returncode == 0, real.stdout + real.stderr
     return root
 
 
