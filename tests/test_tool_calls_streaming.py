@@ -192,3 +192,21 @@ def test_stock_vllm_merges_responses_tool_calls(scripted_model):
         events = _responses_events(srv)
     calls = [e["item"] for e in events if e["type"] == "response.output_item.done" and e["item"]["type"] == "function_call"]
     assert len(calls) == 1 and calls[0]["arguments"].count("{") == 2, calls
+
+
+def test_responses_plain_text_stream_is_unchanged_by_the_diff(tiny_model_dir, patched_vllm):
+    """An answer without tool calls or reasoning (the tiny model's; its vocabulary has no <think>, so no reasoning
+    parser): one message item whose text deltas add up to its final text and to response.completed's."""
+    args = ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_xml"]
+    with VLLMServer(tiny_model_dir, args=args, env={"PYTHONPATH": str(patched_vllm)}) as srv:
+        body = {"model": srv.model, "input": "Say something.", "max_output_tokens": 24, "temperature": 0, "stream": True}
+        with _post(srv, body, "/responses") as r:
+            events = [json.loads(line[len(b"data:"):]) for line in r if line.startswith(b"data:")]
+    added = [e for e in events if e["type"] == "response.output_item.added"]
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert [(e["output_index"], e["item"]["id"]) for e in done] == [(e["output_index"], e["item"]["id"]) for e in added]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    messages = [e["item"] for e in done if e["item"]["type"] == "message"]
+    assert text and len(messages) == 1 and messages[0]["content"][0]["text"] == text
+    completed = next(e for e in events if e["type"] == "response.completed")["response"]["output"]
+    assert [o["content"][0]["text"] for o in completed if o["type"] == "message"] == [text]
