@@ -175,7 +175,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
             block_table=m.block_table_tensor[: m.num_reqs],
             slot_mapping=m.slot_mapping,
             num_decodes=nd,
-            decode_query_len=T if nd else 0,
+            decode_query_len=T,  # 0 exactly when nd is 0: a leading T > 0 makes nd >= 1
             query_start_loc_cpu=qsl,
             prefill_query_start_loc=prefill_qsl,
             max_prefill_query_len=max(q_lens[nd:], default=0),
