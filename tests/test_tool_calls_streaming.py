@@ -143,10 +143,14 @@ def _responses_tools() -> list[dict]:
             for t in TOOLS]
 
 
-def _responses_events(srv: VLLMServer) -> list[dict]:
-    body = {"model": srv.model, "input": "Weather in Prague, then list /tmp/a b.", "tools": _responses_tools(),
-            "max_output_tokens": 300, "temperature": 0, "stream": True}
-    with _post(srv, body, "/responses") as r:
+def _responses_body(srv, stream: bool, **overrides) -> dict:
+    return {"model": srv.model, "input": "Weather in Prague, then list /tmp/a b.", "tools": _responses_tools(),
+            "max_output_tokens": 300, "temperature": 0, "stream": stream, **overrides}
+
+
+def _responses_events(srv, **overrides) -> list[dict]:
+    """The events of one streamed /v1/responses request, in order."""
+    with _post(srv, _responses_body(srv, stream=True, **overrides), "/responses") as r:
         return [json.loads(line[len(b"data:"):]) for line in r if line.startswith(b"data:")]
 
 
@@ -177,9 +181,7 @@ def _check_responses_stream(events: list[dict]) -> list[tuple[str, dict]]:
 
 def test_responses_api_tool_calls_survive_multi_token_deltas(server):
     srv, _, _ = server
-    body = {"model": srv.model, "input": "Weather in Prague, then list /tmp/a b.", "tools": _responses_tools(),
-            "max_output_tokens": 300, "temperature": 0}
-    with _post(srv, body, "/responses") as r:
+    with _post(srv, _responses_body(srv, stream=False), "/responses") as r:
         output = json.load(r)["output"]
     assert [(o["name"], json.loads(o["arguments"])) for o in output if o["type"] == "function_call"] == WANT_CALLS
     assert _check_responses_stream(_responses_events(srv)) == WANT_CALLS
@@ -199,9 +201,7 @@ def test_responses_plain_text_stream_is_unchanged_by_the_diff(tiny_model_dir, pa
     parser): one message item whose text deltas add up to its final text and to response.completed's."""
     args = ["--enable-auto-tool-choice", "--tool-call-parser", "qwen3_xml"]
     with VLLMServer(tiny_model_dir, args=args, env={"PYTHONPATH": str(patched_vllm)}) as srv:
-        body = {"model": srv.model, "input": "Say something.", "max_output_tokens": 24, "temperature": 0, "stream": True}
-        with _post(srv, body, "/responses") as r:
-            events = [json.loads(line[len(b"data:"):]) for line in r if line.startswith(b"data:")]
+        events = _responses_events(srv, input="Say something.", tools=[], max_output_tokens=24)
     added = [e for e in events if e["type"] == "response.output_item.added"]
     done = [e for e in events if e["type"] == "response.output_item.done"]
     assert [(e["output_index"], e["item"]["id"]) for e in done] == [(e["output_index"], e["item"]["id"]) for e in added]
