@@ -8,21 +8,21 @@ import json
 from pathlib import Path
 
 from onespark.errors import UserError
-from onespark.safetensors_io import Header, TensorInfo, read_header
+from onespark.safetensors_io import REDOWNLOAD, Header, TensorInfo, read_header
 
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST_FILE = "onespark-manifest.json"
 DOWNLOAD_RECORD = "onespark-download.json"
 
 
-def load_json(path: Path, what: str) -> dict:
+def load_json(path: Path, what: str, fix: str = "download it again") -> dict:
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
     except FileNotFoundError:
         raise UserError(f"{path}: missing ({what}): is this the right directory?") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e}): the file is corrupt; download it again") from None
+        raise UserError(f"{path}: not valid JSON ({e}): the file is corrupt; {fix}") from None
     if not isinstance(doc, dict):
         raise UserError(f"{path}: expected a JSON object ({what})")
     return doc
@@ -51,26 +51,39 @@ class Checkpoint:
         return load_json(p, "download record") if p.is_file() else {}
 
 
+def repair_hint(path: Path, config: dict) -> str:
+    """What to do about a damaged file in this directory, naming the step that made it: step 1 writes a
+    hybrid checkpoint's files (and repairs them when run again), step 0 downloads the inputs."""
+    if (config.get("onespark") or {}).get("step") == "hybrid" or (path / MANIFEST_FILE).is_file():
+        return ("step 1 wrote it: re-run step 1 (steps/1-hybrid.sh, or `onespark hybrid` with the same --int4, "
+                "--fp8 and --out), which rewrites what is damaged")
+    return REDOWNLOAD
+
+
 def open_checkpoint(path: Path | str, *, need_index: bool = True) -> Checkpoint:
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"{path}: not a directory: give the checkpoint directory (the one with config.json)")
     if not any(path.iterdir()):
         raise UserError(f"{path}: empty directory: run step 0 (onespark download) or point at the checkpoint")
-    config = load_json(path / "config.json", "the model config")
+    early_fix = repair_hint(path, {})  # before config.json is read, the manifest alone says who wrote it
+    config = load_json(path / "config.json", "the model config", early_fix.removeprefix("delete it and "))
+    fix = repair_hint(path, config)
     index = None
     if (path / INDEX_FILE).is_file():
-        index = load_json(path / INDEX_FILE, "the tensor index")
+        index = load_json(path / INDEX_FILE, "the tensor index", fix.removeprefix("delete it and "))
         if not isinstance(index.get("weight_map"), dict):
-            raise UserError(f"{path / INDEX_FILE}: has no weight_map object: the file is corrupt")
+            raise UserError(f"{path / INDEX_FILE}: has no weight_map object: the file is corrupt; {fix}")
     elif need_index:
-        raise UserError(f"{path / INDEX_FILE}: missing: a sharded checkpoint needs its index; download it again")
+        raise UserError(f"{path / INDEX_FILE}: missing: a sharded checkpoint needs its index; "
+                        f"{fix.removeprefix('delete it and ')}")
     headers: dict[str, Header] = {}
     for f in sorted(path.glob("*.safetensors")):
-        headers[f.name] = read_header(f)
+        headers[f.name] = read_header(f, fix)
     for fname in sorted(set((index or {}).get("weight_map", {}).values())):
         if fname not in headers:
-            raise UserError(f"{path / fname}: missing, but the index lists tensors in it: download it again")
+            raise UserError(f"{path / fname}: missing, but the index lists tensors in it: "
+                            f"{fix.removeprefix('delete it and ')}")
     if not headers:
         raise UserError(f"{path}: no *.safetensors files: is this the right directory?")
     where: dict[str, str] = {}

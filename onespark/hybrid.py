@@ -45,7 +45,7 @@ from onespark import __version__, qwen35
 from onespark.checkpoint import (DOWNLOAD_RECORD, INDEX_FILE, MANIFEST_FILE, Checkpoint, is_inside, load_json,
                                  open_checkpoint, sha256_file)
 from onespark.errors import UserError
-from onespark.safetensors_io import (Range, copy_file_atomic, copy_file_tmp, encode_header, finalize,
+from onespark.safetensors_io import (Range, copy_file_atomic, copy_file_tmp, encode_header, finalize, read_header,
                                      write_json_atomic, write_safetensors_tmp)
 
 PROGRESS_FILE = ".onespark-hybrid-progress.json"
@@ -190,15 +190,26 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
     fp8_local = Path(fp8_arg) if Path(fp8_arg).exists() else None
     _check_dirs(int4_dir, fp8_local, out)
     int4 = open_checkpoint(int4_dir)
-    # Already done? A finished output carries a manifest whose fingerprint matches these inputs.
+    # Already done? A finished output carries a manifest whose fingerprint matches these inputs, and every
+    # file it lists is still there as written; a damaged one is rewritten, the intact ones are kept.
+    carried: dict = {}  # file -> manifest entry (size, sha256) of a finished run's intact files
+    old_steps: dict = {}
     if (out / MANIFEST_FILE).is_file():
-        man = load_json(out / MANIFEST_FILE, "manifest")
-        if man.get("steps", {}).get("hybrid", {}).get("int4_fingerprint") == _int4_fingerprint(int4):
-            log(f"step 1 already done: {out} (manifest present; `onespark verify {out}` checks it)")
+        man = load_json(out / MANIFEST_FILE, "manifest", "delete it and re-run step 1")
+        if man.get("steps", {}).get("hybrid", {}).get("int4_fingerprint") != _int4_fingerprint(int4):
+            raise UserError(f"{out} holds a different finished checkpoint: choose a new --out (nothing was changed)")
+        bad = damaged_outputs(out, man)
+        if not bad:
+            log(f"step 1 already done: {out} (every file the manifest lists is intact; "
+                f"`onespark verify {out}` checks hashes too)")
             return man
-        raise UserError(f"{out} holds a different finished checkpoint: choose a new --out (nothing was changed)")
+        log(f"step 1 output damaged: {'; '.join(list(bad.values())[:3])}"
+            f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}: rewriting {len(bad)} file(s), "
+            f"keeping the {len(man.get('files', {})) - len(bad)} intact ones")
+        carried = {f: v for f, v in man.get("files", {}).items() if f not in bad}
+        old_steps = man.get("steps", {})
     progress = load_json(out / PROGRESS_FILE, "progress") if (out / PROGRESS_FILE).is_file() else None
-    if out.exists() and progress is None and any(p for p in out.iterdir()):
+    if out.exists() and progress is None and not carried and any(p for p in out.iterdir()):
         raise UserError(f"{out} exists, is not empty and was not written by `onespark hybrid`: choose a new --out "
                         f"(nothing was changed)")
     fp8_dir, fp8_source = _resolve_fp8(fp8_arg, out, fp8_revision)
@@ -206,7 +217,10 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
     plan = Plan(int4, fp8, fp8_source)
     fingerprint = plan.fingerprint()
     done: dict = {}
-    if progress and progress.get("fingerprint") == fingerprint:
+    if carried:  # a repair: what the finished run wrote and is still intact counts as done
+        expect = {**plan.sizes, **{p.name: p.stat().st_size for p in plan.aux}}
+        done = {f: v for f, v in carried.items() if f in CONFIG_FILES + (INDEX_FILE,) or expect.get(f) == v["size"]}
+    elif progress and progress.get("fingerprint") == fingerprint:
         done = {f: v for f, v in progress.get("done", {}).items()
                 if (out / f).is_file() and (out / f).stat().st_size == v["size"]}
         if done:
@@ -226,6 +240,8 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
         raise UserError(f"not enough free disk for {out}: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free "
                         f"(checked before writing; free space or choose another --out)")
     write_json_atomic(out / PROGRESS_FILE, {"fingerprint": fingerprint, "done": done})
+    if carried:  # from here on a repair is an interrupted run like any other: the progress file says what is done
+        (out / MANIFEST_FILE).unlink()
     log(f"splicing {len(plan.replace)} shared-expert weights (FP8 + {SCALE_SUFFIX}) into {len(plan.files)} "
         f"files -> {out}")
     # sha256 runs at ~1 GB/s a core (SHA-NI Xeon, measured): hash up to 4 files at once beside the copy.
@@ -271,19 +287,25 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
         # total_size: bytes of the tensors the index lists (the Hugging Face convention)
         index.setdefault("metadata", {})["total_size"] = sum(
             r.length for f, items in plan.files.items() for (n, _, _, r) in items if wm.get(n) == f)
-        write_json_atomic(out / INDEX_FILE, index)
         config = _hybrid_config(int4.config, plan)
-        write_json_atomic(out / "config.json", config)
-        if (int4.path / "quantization_config.json").is_file():
-            write_json_atomic(out / "quantization_config.json", config["quantization_config"])
-        for f in (INDEX_FILE, "config.json", "quantization_config.json"):
-            if (out / f).is_file():
-                finished(f, (out / f).stat().st_size)
-        files = {f: {"size": v["size"], "sha256": None} for f, v in done.items()}
+        written = []  # an intact index of a repaired checkpoint is kept: it carries what step 2 added
+        for f, doc in ((INDEX_FILE, index), ("config.json", config),
+                       ("quantization_config.json", config["quantization_config"])):
+            if f in done or (f == "quantization_config.json" and not (int4.path / f).is_file()):
+                continue
+            write_json_atomic(out / f, doc)
+            finished(f, (out / f).stat().st_size)
+            written.append(f)
+        if carried and INDEX_FILE in written:
+            old_steps.pop("mtp", None)
+            log(f"the index was rewritten from --int4: run step 2 again (`onespark mtp {out} --source "
+                f"{int4.path}`) to list the mtp.* tensors")
+        files = {f: {"size": v["size"], "sha256": carried.get(f, {}).get("sha256")} for f, v in done.items()}
         if hash_outputs:
             for f in files:
-                fut = hashes.get(f) or pool.submit(sha256_file, out / f)
-                files[f]["sha256"] = fut.result()
+                if files[f]["sha256"] is None or f in hashes:
+                    fut = hashes.get(f) or pool.submit(sha256_file, out / f)
+                    files[f]["sha256"] = fut.result()
     finally:
         syncer.shutdown(wait=True)
         pool.shutdown(wait=True, cancel_futures=True)
@@ -296,7 +318,7 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
         "inputs": {"int4": {"path": str(int4.path.resolve()), "repo": int4.record.get("repo"),
                             "revision": int4.record.get("revision")},
                    "fp8": fp8_source},
-        "steps": {"hybrid": {
+        "steps": {**old_steps, "hybrid": {
             "int4_fingerprint": _int4_fingerprint(int4),
             "replaced": sorted(plan.replace), "added": sorted(_scale_name(n) for n in plan.replace),
             "fp8_weight_block_size": list(plan.block),
@@ -316,6 +338,26 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
         log("FP8 tensors left unused (expected; they stay INT4/BF16): " +
             ", ".join(f"{c} {n}" for c, n in sorted(plan.unmatched.items())))
     return manifest
+
+
+def damaged_outputs(out: Path, man: dict) -> dict[str, str]:
+    """The files a finished step 1 (and step 2, which updates the manifest) wrote that no longer are as the
+    manifest says: missing, another size, or a shard header / JSON file that no longer parses. File -> what is
+    wrong.
+    Sizes and headers only: seconds for 77 GB (`onespark verify` compares the sha256)."""
+    bad = {}
+    for fname, entry in sorted(man.get("files", {}).items()):
+        f = out / fname
+        if not f.is_file():
+            bad[fname] = f"{fname} is missing"
+        elif f.stat().st_size != entry.get("size"):
+            bad[fname] = f"{fname} is {f.stat().st_size} bytes, the manifest says {entry.get('size')}"
+        elif fname.endswith((".safetensors", ".json")):
+            try:
+                read_header(f) if fname.endswith(".safetensors") else load_json(f, fname)
+            except UserError:
+                bad[fname] = f"{fname} does not parse"
+    return bad
 
 
 def _int4_fingerprint(ck: Checkpoint) -> str:

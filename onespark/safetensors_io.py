@@ -63,61 +63,69 @@ def nbytes_of(dtype: str, shape: Iterable[int]) -> int:
     return DTYPE_SIZE[dtype] * math.prod(shape)
 
 
-def parse_header(raw: bytes, data_start: int, where: str) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
-    """Parse header JSON bytes. Returns (tensors in offset order, metadata, data end offset)."""
+# The fix a message about a bad downloaded file ends with; a hybrid checkpoint's own files pass step 1's instead.
+REDOWNLOAD = "delete it and download it again (step 0, `onespark download`, fetches only what is missing)"
+
+
+def parse_header(raw: bytes, data_start: int, where: str, fix: str = REDOWNLOAD
+                 ) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
+    """Parse header JSON bytes. Returns (tensors in offset order, metadata, data end offset).
+    `fix` ends the messages about a corrupt header (see read_header)."""
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{where}: safetensors header is not valid JSON ({e}): the file is corrupt; "
-                        f"delete it and download it again") from None
+                        f"{fix}") from None
     if not isinstance(doc, dict):
-        raise UserError(f"{where}: safetensors header is not a JSON object: the file is corrupt")
+        raise UserError(f"{where}: safetensors header is not a JSON object: the file is corrupt; {fix}")
     metadata = doc.pop("__metadata__", None) or {}
     entries = []
     for name, info in doc.items():
         try:
             dtype, shape, (b, e) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise UserError(f"{where}: header entry {name!r} lacks dtype/shape/data_offsets: the file is corrupt") from None
+            raise UserError(f"{where}: header entry {name!r} lacks dtype/shape/data_offsets: the file is corrupt; "
+                            f"{fix}") from None
         if dtype not in DTYPE_SIZE:
-            raise UserError(f"{where}: tensor {name!r} has unknown dtype {dtype!r}")
+            raise UserError(f"{where}: tensor {name!r} has unknown dtype {dtype!r}: {fix}")
         if not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e):
-            raise UserError(f"{where}: tensor {name!r} has bad data_offsets {[b, e]}: the file is corrupt")
+            raise UserError(f"{where}: tensor {name!r} has bad data_offsets {[b, e]}: the file is corrupt; {fix}")
         if e - b != nbytes_of(dtype, shape):
             raise UserError(f"{where}: tensor {name!r} is {e - b} bytes but {dtype}{list(shape)} needs "
-                            f"{nbytes_of(dtype, shape)}: the file is corrupt")
+                            f"{nbytes_of(dtype, shape)}: the file is corrupt; {fix}")
         entries.append(TensorInfo(name, dtype, shape, data_start + b, data_start + e))
     entries.sort(key=lambda t: t.begin)
     pos = data_start
     for t in entries:
         if t.begin != pos:
             raise UserError(f"{where}: tensor {t.name!r} starts at byte {t.begin - data_start}, expected "
-                            f"{pos - data_start} (overlap or hole): the file is corrupt")
+                            f"{pos - data_start} (overlap or hole): the file is corrupt; {fix}")
         pos = t.end
     return {t.name: t for t in entries}, metadata, pos
 
 
-def read_header(path: Union[str, Path]) -> Header:
-    """Read and validate a local file's header; checks the file size against it (truncation)."""
+def read_header(path: Union[str, Path], fix: str = REDOWNLOAD) -> Header:
+    """Read and validate a local file's header; checks the file size against it (truncation).
+
+    `fix` ends every message: what to do, naming the step that makes this file (step 0 for a download,
+    step 1 for a hybrid checkpoint's shards)."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: missing: download it again (step 0) or point at the right directory")
+        raise UserError(f"{path}: missing: {fix.removeprefix('delete it and ')}")
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise UserError(f"{path}: only {size} bytes, too short for a safetensors file: it is truncated; "
-                            f"delete it and download it again")
+            raise UserError(f"{path}: only {size} bytes, too short for a safetensors file: it is truncated; {fix}")
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise UserError(f"{path}: header length {n} does not fit the file ({size} bytes): the file is "
-                            f"truncated or not safetensors; delete it and download it again")
+                            f"truncated or not safetensors; {fix}")
         raw = f.read(n)
-    tensors, metadata, end = parse_header(raw, 8 + n, str(path))
+    tensors, metadata, end = parse_header(raw, 8 + n, str(path), fix)
     if end != size:
         what = "truncated" if size < end else "longer than its header says"
-        raise UserError(f"{path}: {what} ({size} bytes on disk, header says {end}): delete it and "
-                        f"download it again")
+        raise UserError(f"{path}: {what} ({size} bytes on disk, header says {end}): {fix}")
     return Header(path, tensors, metadata, 8 + n, size)
 
 
