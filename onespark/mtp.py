@@ -18,7 +18,7 @@ from pathlib import Path
 from onespark import qwen35
 from onespark.checkpoint import INDEX_FILE, MANIFEST_FILE, is_inside, load_json, open_checkpoint, sha256_file
 from onespark.errors import UserError
-from onespark.safetensors_io import copy_file_atomic, write_json_atomic
+from onespark.safetensors_io import copy_file_atomic, read_header, write_json_atomic
 
 EXTRA_FILE = "model_extra_tensors.safetensors"
 
@@ -27,30 +27,47 @@ def _required_mtp(config: dict) -> set[str]:
     return {n for n in qwen35.expected_tensors(config) if n.startswith("mtp.") and not qwen35.is_optional(n)}
 
 
+def _restore_head(path: Path, source: Path, log) -> list[str]:
+    """Copy the files holding the MTP head from `source` when `path` lacks some required mtp.* tensor.
+
+    Runs before `path` is opened as a checkpoint: after step 2 the index lists the head's file, so a
+    checkpoint that lost it cannot be opened until the file is back."""
+    if is_inside(source, path) or is_inside(path, source):
+        raise UserError(f"--source {source} and {path} overlap: give the original INT4 download as --source")
+    if not path.is_dir():
+        return []  # open_checkpoint says what is wrong with it
+    required = _required_mtp(load_json(path / "config.json", "the model config"))
+    have: set[str] = set()
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            have |= set(read_header(f).tensors)
+        except UserError:
+            continue  # a damaged file: open_checkpoint reports it, with the step that makes it
+    if not required or required <= have:
+        return []
+    src = open_checkpoint(source, need_index=False)
+    files = sorted({src.where[n] for n in src.where if n.startswith("mtp.")})
+    if not files:
+        raise UserError(f"--source {source} has no mtp.* tensors either: it is not the Intel INT4 download")
+    copied = []
+    for f in files:
+        if (path / f).exists():
+            raise UserError(f"{path / f} exists but lacks mtp.* tensors that {source / f} has: "
+                            f"remove it or re-run step 1")
+        log(f"copying {f} from {source}")
+        copy_file_atomic(source / f, path / f)
+        copied.append(f)
+    return copied
+
+
 def mtp(path: Path, *, source: Path | None = None, log=print) -> dict:
     path = Path(path)
+    copied = _restore_head(path, Path(source), log) if source is not None else []
     ck = open_checkpoint(path)
     required = _required_mtp(ck.config)
     if not required:
         raise UserError(f"{path}: config.json has no MTP layers (text_config.mtp_num_hidden_layers = 0): "
                         f"nothing to do for a model without an MTP head")
-    copied = []
-    if source is not None and not required <= set(ck.where):
-        source = Path(source)
-        if is_inside(source, path) or is_inside(path, source):
-            raise UserError(f"--source {source} and {path} overlap: give the original INT4 download as --source")
-        src = open_checkpoint(source, need_index=False)
-        files = sorted({src.where[n] for n in src.where if n.startswith("mtp.")})
-        if not files:
-            raise UserError(f"--source {source} has no mtp.* tensors either: it is not the Intel INT4 download")
-        for f in files:
-            if (path / f).exists():
-                raise UserError(f"{path / f} exists but lacks mtp.* tensors that {source / f} has: "
-                                f"remove it or re-run step 1")
-            log(f"copying {f} from {source}")
-            copy_file_atomic(source / f, path / f)
-            copied.append(f)
-        ck = open_checkpoint(path)
     found = {n: f for n, f in ck.where.items() if n.startswith("mtp.")}
     dup = {n: fs for n, fs in ck.duplicates.items() if n.startswith("mtp.")}
     if dup:

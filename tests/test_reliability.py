@@ -108,3 +108,16 @@ def test_damaged_index_is_rewritten_and_step_2_is_asked_for(pair, finished, tmp_
     mtp(out, log=lambda m: None)
     assert digest(out) == digest(finished)
     assert verify(out)[0] == []
+
+
+# ---- item 3: `mtp --source` restores the head's file deleted after step 2 ------------------------------------
+
+def test_mtp_source_restores_extra_file_deleted_after_step_2(pair, finished, tmp_path):
+    out = _clone(finished, tmp_path / "hy")
+    (out / EXTRA).unlink()  # the index (step 2) lists the 785-style mtp.* tensors in it
+    r = cli("mtp", str(out), "--source", str(pair / "int4"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"copying {EXTRA}" in r.stdout
+    assert (out / EXTRA).read_bytes() == (pair / "int4" / EXTRA).read_bytes()
+    assert digest(out) == digest(finished)
+    assert verify(out)[0] == []  # the manifest's entry for the copied file matches again
