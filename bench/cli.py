@@ -217,6 +217,7 @@ def run(args) -> int:
         raise UserError("--no-think works through the chat template: use it with --api chat")
     if args.top_k < 1:
         raise UserError("--top-k must be at least 1 (above 20, start vLLM with --max-logprobs N)")
+    report.check_writable(args.out)  # before the run: what it measures must have somewhere to go
     created = dt.datetime.now(dt.timezone.utc)
     body = asyncio.run(_bench(args, names, settings))
     rows = [r for s in body["suites"].values() for r in s["rows"]]

@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 
 from onespark.bench.stats import summarize, welch
-from onespark.errors import UserError
+from onespark.errors import UserError, at_path
 
 SCHEMA_VERSION = 1
 
@@ -21,14 +21,29 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
     raw = data.encode() if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with at_path(path, tmp), os.fdopen(fd, "wb") as f:
             f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a result is meant to be read by others
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def check_writable(directory: str | Path) -> None:
+    """Create `directory` and a file in it, now: an unwritable --out fails before the run, not after it
+    (raises OSError naming the path; the CLI prints it as one line)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".onespark-write-check.", dir=directory)
+    except OSError as e:  # named after the directory the user gave, not the probe's random name
+        raise OSError(e.errno, e.strerror, str(directory)) from e
+    os.close(fd)
+    os.unlink(tmp)
 
 
 def _umask() -> int:

@@ -12,7 +12,7 @@ import importlib
 import sys
 
 from onespark import __version__
-from onespark.errors import UserError
+from onespark.errors import UserError, os_error_message
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except UserError as e:
         print(f"onespark {name}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # permission denied, disk full, not a directory...: one line naming the path, no traceback
+        print(f"onespark {name}: error: {os_error_message(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"onespark {name}: interrupted; re-run the same command to resume", file=sys.stderr)

@@ -156,7 +156,10 @@ def _existing_parent(path: Path) -> Path:
 
 def check_disk(work: Path, *, demo: bool) -> list[Check]:
     checks = []
-    if not demo:
+    if not demo and not _existing_parent(work).is_dir():  # --work is a file, or lies under one
+        checks.append(Check("disk (checkpoints)", "FAIL", f"--work {work}: {_existing_parent(work)} is a file, "
+                            "not a directory", "remove or rename it, or pass --work DIR"))
+    elif not demo:
         # What is already in the work directory counts toward the total: a resumed install needs less.
         have = _dir_bytes(work) if work.exists() else 0
         need = max(0, CHECKPOINT_DISK_GB * 1e9 - have)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from onespark import qwen35
 from onespark.checkpoint import DOWNLOAD_RECORD, INDEX_FILE, load_json, open_checkpoint
-from onespark.errors import UserError
+from onespark.errors import UserError, at_path
 from onespark.safetensors_io import MAX_HEADER_BYTES, Range, parse_header, write_json_atomic, write_safetensors
 
 # Pinned commits. Intel: the snapshot hash in Entrpi/qwen3.5-122B-A10B-on-spark tools/inspect_ckpt.py
@@ -97,7 +97,7 @@ class Fetcher:
                                  follow_redirects=True) as r:
             self.requests += 1
             self._check(r, filename, True)
-            with open(tmp, "wb") as f:
+            with at_path(path, tmp), open(tmp, "wb") as f:
                 for block in r.iter_bytes(CHUNK):
                     f.write(block)
                     self.bytes += len(block)
@@ -217,6 +217,8 @@ def download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
     log(f"downloading {repo}@{revision[:12]} -> {dest} (interrupted? re-run: finished files are kept)")
     try:
         snapshot_download(repo, revision=revision, local_dir=dest, max_workers=4, endpoint=_endpoint())
+    except OSError:
+        raise  # permission denied, disk full...: the CLI names the path and the fix
     except Exception as e:  # huggingface_hub's errors name the repo and the HTTP status
         raise UserError(f"download of {repo}@{revision[:12]} failed: {type(e).__name__}: {str(e).splitlines()[0]}; "
                         f"re-run to resume") from None
@@ -242,6 +244,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     log = lambda m: print(m, flush=True)  # noqa: E731
+    args.dest.mkdir(parents=True, exist_ok=True)  # an unwritable --dest fails here, before any transfer
     if not args.skip_int4:
         download_int4(args.int4_repo, args.int4_revision, args.dest / "int4", log=log)
     if not args.skip_fp8:

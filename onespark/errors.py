@@ -1,6 +1,58 @@
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+from collections.abc import Iterator
+
+
 class UserError(Exception):
     """A problem the user can fix. The CLI prints it as one line on stderr and exits 1.
 
     The message says what is wrong and what to do, e.g.
     "shard model-00003-of-00014.safetensors is truncated (4.1 GB of 5.0 GB): re-run `onespark download`".
     """
+
+
+# errno -> (what happened, what to do). Every command's OSError reaches the CLI's one handler
+# (onespark/cli.py), which prints this as one line naming the path; `{dir}` is the path's directory.
+_OS_FIXES = {
+    errno.EACCES: ("permission denied", "give this user access to it (ls -ld; chmod/chown) or choose another path"),
+    errno.EPERM: ("operation not permitted", "give this user access to it (ls -ld; chmod/chown) or choose another path"),
+    errno.EROFS: ("read-only file system", "choose a directory on a writable file system"),
+    errno.ENOSPC: ("no space left on the device (disk full, or out of inodes)",
+                   "check `df -h {dir}` and `df -i {dir}`, free space or choose another directory, then run the "
+                   "same command again (finished files are kept)"),
+    errno.EDQUOT: ("disk quota exceeded", "free space under your quota or choose another directory, then run the "
+                                          "same command again"),
+    errno.ENOTDIR: ("is, or lies under, a file where a directory is expected",
+                    "remove or rename that file, or choose another path"),
+    errno.EEXIST: ("exists and is not a directory", "remove or rename it, or choose another path"),
+    errno.EISDIR: ("is a directory where a file is expected", "give the path of a file"),
+    errno.ENOENT: ("does not exist", "check the path"),
+    errno.EIO: ("input/output error", "the disk or file system is failing: check `dmesg`, copy the data elsewhere"),
+    errno.EMFILE: ("too many open files", "raise the limit (ulimit -n 65536) and run the same command again"),
+    errno.ENAMETOOLONG: ("file name too long", "choose a shorter path"),
+}
+
+
+def os_error_message(e: OSError) -> str:
+    """One line for an operating-system error: the path, what happened, the fix."""
+    path = e.filename if e.filename is not None else "(unknown path)"
+    what, fix = _OS_FIXES.get(e.errno, (e.strerror or str(e), "check the path and run the same command again"))
+    if e.filename2 is not None:
+        path = f"{path} -> {e.filename2}"
+    directory = os.path.dirname(os.path.abspath(str(e.filename))) if e.filename is not None else "."
+    return f"{path}: {what}: {fix.format(dir=directory)}"
+
+
+@contextlib.contextmanager
+def at_path(path, *also) -> Iterator[None]:
+    """Attribute an OSError that names no file (os.write, os.fsync, copy_file_range on descriptors), or names
+    one of `also` (a temp name), to `path`, so the user reads the file they asked for."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None or str(e.filename) in {str(a) for a in also}:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise

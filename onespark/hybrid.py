@@ -233,6 +233,10 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
     out.mkdir(parents=True, exist_ok=True)
     for p in out.glob(".*.tmp-*"):  # temp files of a killed run: never renamed, so never trusted
         p.unlink()
+    # Every input is opened once before the first byte is written: an unreadable file fails now, not after
+    # an hour of copying (open_checkpoint read the shards' headers; the other files it never opened).
+    for src in sorted({r.path for items in plan.files.values() for *_, r in items} | set(plan.aux)):
+        os.close(os.open(src, os.O_RDONLY))
     need = sum(sz for f, sz in plan.sizes.items() if f not in done)
     need += sum(p.stat().st_size for p in plan.aux if p.name not in done) + 10 * 1024 * 1024
     free = shutil.disk_usage(out).free

@@ -21,7 +21,7 @@ import struct
 from pathlib import Path
 from typing import Iterable, NamedTuple, Union
 
-from onespark.errors import UserError
+from onespark.errors import UserError, at_path
 
 # safetensors dtype string -> bytes per element (safetensors `Dtype` enum).
 DTYPE_SIZE = {
@@ -216,12 +216,13 @@ def write_safetensors(path: Union[str, Path], tensors: list[tuple[str, str, tupl
 
 def finalize(tmp: Union[str, Path], path: Union[str, Path]) -> None:
     """fsync a file written by write_safetensors_tmp, then rename it to its final name."""
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    with at_path(path, tmp):
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # ENOSPC can surface here (delayed allocation): reported as `path`'s
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
 
 
 def write_safetensors_tmp(path: Union[str, Path], tensors: list[tuple[str, str, tuple[int, ...], Source]],
@@ -239,7 +240,7 @@ def write_safetensors_tmp(path: Union[str, Path], tensors: list[tuple[str, str, 
     fds: dict[Path, int] = {}
     ok = False
     try:
-        with open(tmp, "wb") as out:
+        with at_path(path, tmp), open(tmp, "wb") as out:
             out.write(header)
             out.flush()
             dst = out.fileno()
@@ -267,12 +268,13 @@ def write_json_atomic(path: Union[str, Path], obj) -> None:
     path = Path(path)
     tmp = _tmp_name(path)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        with at_path(path, tmp), open(tmp, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with at_path(path, tmp):
+            os.replace(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -292,7 +294,7 @@ def copy_file_tmp(src: Union[str, Path], dst: Union[str, Path]) -> tuple[Path, i
     ok = False
     try:
         size = src.stat().st_size
-        with open(src, "rb") as fi, open(tmp, "wb") as fo:
+        with open(src, "rb") as fi, at_path(dst, tmp), open(tmp, "wb") as fo:
             copy_range(fi.fileno(), fo.fileno(), 0, size)
         ok = True
     finally:

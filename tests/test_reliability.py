@@ -5,8 +5,12 @@ clean run wrote), real permission bits and filesystems, and a real HTTP server s
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -121,3 +125,123 @@ def test_mtp_source_restores_extra_file_deleted_after_step_2(pair, finished, tmp
     assert (out / EXTRA).read_bytes() == (pair / "int4" / EXTRA).read_bytes()
     assert digest(out) == digest(finished)
     assert verify(out)[0] == []  # the manifest's entry for the copied file matches again
+
+
+# ---- item 4: operating-system errors are one line naming the path, in every command --------------------------
+# Permission bits do not stop root: as root, the commands run without the capabilities that override them
+# (setpriv drops CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH), so chmod means what it says, as for any user.
+# Disk full and out of inodes come from a small tmpfs.
+
+NO_DAC = (["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+           "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else [])
+
+
+def ucli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(NO_DAC + [sys.executable, "-m", "onespark", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+IN_THE_WAY = "(exists and is not a directory|is, or lies under, a file where a directory is expected)"
+
+
+def _tmpfs(path: Path, opts: str) -> bool:
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+    return r.returncode == 0
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """mount(dir, 'size=..,nr_inodes=..') -> a fresh tmpfs there (skips where mounting is not allowed)."""
+    mounted = []
+
+    def mount(name: str, opts: str) -> Path:
+        p = tmp_path / name
+        if not _tmpfs(p, opts + ",mode=0777"):
+            pytest.skip("cannot mount a tmpfs here (not root); test_disk_full_in_process covers ENOSPC")
+        mounted.append(p)
+        return p
+
+    yield mount
+    for p in mounted:
+        subprocess.run(["umount", str(p)], check=False)
+
+
+def _unreadable_copy(src: Path, dst: Path, name: str) -> Path:
+    d = _clone(src, dst)
+    os.chmod(d / name, 0)
+    return d
+
+
+def test_permission_denied_not_a_directory_and_file_in_the_way(pair, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    os.chmod(ro, 0o555)
+    last = one_line_error(ucli("synth", "--format", "int4", "--out", str(ro / "x")), "synth")
+    assert f"{ro / 'x'}: permission denied" in last, last
+    (tmp_path / "afile").write_text("x")
+    last = one_line_error(ucli("synth", "--format", "int4", "--out", str(tmp_path / "afile")), "synth")
+    assert re.search(f"{tmp_path / 'afile'}: {IN_THE_WAY}", last), last
+    last = one_line_error(ucli("synth", "--format", "int4", "--out", str(tmp_path / "afile" / "sub")), "synth")
+    assert str(tmp_path / "afile") in last and "a file where a directory is expected" in last, last
+    last = one_line_error(ucli("download", "--dest", str(ro / "models")), "download")
+    assert f"{ro / 'models'}: permission denied" in last, last
+    last = one_line_error(ucli("bench", "--out", str(tmp_path / "afile"), "--base-url", "http://127.0.0.1:9"), "bench")
+    assert re.search(f"{tmp_path / 'afile'}: {IN_THE_WAY}", last), last  # before any request is sent
+    last = one_line_error(ucli("doctor", "--demo", "--meminfo", str(tmp_path)), "doctor")
+    assert f"{tmp_path}: is a directory where a file is expected" in last, last
+    r = ucli("doctor", "--skip-hf", "--work", str(tmp_path / "afile"))
+    assert "Traceback" not in r.stderr and "is a file, not a directory" in r.stdout, r.stdout + r.stderr
+
+
+def test_unreadable_inputs_fail_before_the_copy(pair, tmp_path):
+    # an input the step never parses (copied as is, last): refused before the first output byte
+    int4 = _unreadable_copy(pair / "int4", tmp_path / "int4", "generation_config.json")
+    last = one_line_error(ucli("hybrid", "--int4", str(int4), "--fp8", str(pair / "fp8"), "--out",
+                               str(tmp_path / "out")), "hybrid")
+    assert f"{int4 / 'generation_config.json'}: permission denied" in last, last
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.safetensors"))
+    bad = _unreadable_copy(pair / "int4", tmp_path / "int4b", SHARD)
+    last = one_line_error(ucli("verify", str(bad)), "verify")
+    assert f"{bad / SHARD}: permission denied" in last, last
+    last = one_line_error(ucli("hybrid", "--int4", str(bad), "--fp8", str(pair / "fp8"), "--out",
+                               str(tmp_path / "out2")), "hybrid")
+    assert f"{bad / SHARD}: permission denied" in last, last
+
+
+def test_mtp_into_a_directory_it_may_not_write(pair, tmp_path):
+    out = tmp_path / "hy"
+    hybrid(pair / "int4", str(pair / "fp8"), out, log=lambda m: None)
+    os.chmod(out, 0o555)
+    try:
+        last = one_line_error(ucli("mtp", str(out)), "mtp")
+    finally:
+        os.chmod(out, 0o755)
+    assert f"{out / 'model.safetensors.index.json'}: permission denied" in last, last
+
+
+def test_disk_full_and_out_of_inodes(pair, small_fs):
+    full = small_fs("full", "size=256k")
+    last = one_line_error(cli("synth", "--format", "int4", "--out", str(full / "ck")), "synth")
+    assert f"{full / 'ck'}/" in last and "no space left on the device" in last and "df -i" in last, last
+    assert not [p for p in (full / "ck").iterdir() if ".tmp-" in p.name]  # no temp file left behind
+    inodes = small_fs("inodes", "size=64m,nr_inodes=6")  # room for the bytes, not for the files
+    last = one_line_error(cli("hybrid", "--int4", str(pair / "int4"), "--fp8", str(pair / "fp8"), "--out",
+                              str(inodes / "hy")), "hybrid")
+    assert f"{inodes / 'hy'}/" in last and "out of inodes" in last, last
+
+
+def test_disk_full_in_process(pair, tmp_path, monkeypatch, capsys):
+    """ENOSPC from a descriptor-level write names the file being written (the kernel gives no path)."""
+    from onespark import cli as cli_mod
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "copy_file_range", full, raising=False)
+    monkeypatch.setattr(os, "write", full)
+    rc = cli_mod.main(["hybrid", "--int4", str(pair / "int4"), "--fp8", str(pair / "fp8"),
+                       "--out", str(tmp_path / "hy")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 1 and err.startswith("onespark hybrid: error: "), err
+    assert f"{tmp_path / 'hy'}/model-00001-of-00003.safetensors: no space left" in err, err
