@@ -300,9 +300,11 @@ def _nibbles(CACHE, ptr, nmask, TAB, HALF: tl.constexpr, PRMT: tl.constexpr):
 
 @triton.jit
 def _u8_centred(b):
-    """uint8 code -> fp16 code - 127.5 without I2F (quarter rate on sm_90): fp16 bits 0x6400 | b are
-    1024 + b, and 1024 + b - 1151.5 is exact."""
-    return (b.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1151.5
+    """uint8 code -> fp16 code - 127.5 without I2F (quarter rate on sm_90): fp16 bits 0x6000 | (b << 1) are
+    512 + b (the ulp is 0.5 in [512, 1024)), and 512 + b - 639.5 is exact, the constant included. (The
+    1024 + b - 1151.5 this replaced was half a code low: Triton rounds a Python constant to the tensor's fp16,
+    1152; tests/test_turboquant_triton.py::test_u8_centred_is_exact.)"""
+    return ((b.to(tl.uint16) << 1) | 0x6000).to(tl.float16, bitcast=True) - 639.5
 
 
 @triton.jit
@@ -665,3 +667,117 @@ def prefill_attention(
             num_warps=num_warps, num_stages=num_stages,
         )
     return torch.matmul(o_rot, t["r"]).to(q.dtype)  # back from the rotated basis: o = o_rot @ R
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill by dequantize + flash: the backend's default prefill path on CUDA
+#
+# Prefill is compute-bound (a 2K chunk at 128K context is ~2.2 TFLOP per layer), so decoding the cache
+# once into BF16 and handing it to a flash kernel costs only the decode pass: K+V of 128K tokens, 2 KV heads,
+# K4V4 is 35 MB read + 268 MB written, ~0.1 ms on an H200 against ~28 ms of attention (bench/results/
+# turboquant_prefill_h200.json). The fused `prefill_attention` above decodes every key once per block of
+# query positions instead, and its mma.sync/wgmma code is Triton's, not FlashAttention's.
+
+
+@triton.jit
+def _tq_dequant_kernel(
+    CACHE, CACHE_F32, BT_ROW, t0, n, K_OUT, V_OUT, stride_oh, KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
+    H: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, PRMT: tl.constexpr,
+    D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Tokens [t0, t0 + n) of one sequence, KV head program_id(1): K and V as codebook value x scale in the
+    rotated basis, written to K_OUT/V_OUT [H, n, D] (rows i = token t0 + i) in their dtype."""
+    i = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    h = tl.program_id(1)
+    nmask = i < n
+    tok = t0 + i
+    blk = tl.load(BT_ROW + tok // PAGE, mask=nmask, other=0).to(tl.int64)
+    row = (tok % PAGE) * H + h
+    base = blk * block_bytes
+    KB: tl.constexpr = K_BITS * D // 8
+    VB: tl.constexpr = V_BITS * D // 8
+    sidx = (base + s_offset) // 4 + row * 2
+    ks = tl.load(CACHE_F32 + sidx, mask=nmask, other=0.0) * k_mul
+    vs = tl.load(CACHE_F32 + sidx + 1, mask=nmask, other=0.0) * v_mul
+    c64 = tl.arange(0, 64)
+    out = h.to(tl.int64) * stride_oh + i.to(tl.int64)[:, None] * D + c64[None, :]
+    k0, k1, k2, k3 = _codes(CACHE, tl.multiple_of(base + row * KB, 16), nmask, KTAB, K_BITS, PRMT, D)
+    ty = K_OUT.dtype.element_ty
+    tl.store(K_OUT + out, (k0 * ks[:, None]).to(ty), mask=nmask[:, None])
+    tl.store(K_OUT + out + 64, (k1 * ks[:, None]).to(ty), mask=nmask[:, None])
+    tl.store(K_OUT + out + 128, (k2 * ks[:, None]).to(ty), mask=nmask[:, None])
+    tl.store(K_OUT + out + 192, (k3 * ks[:, None]).to(ty), mask=nmask[:, None])
+    v0, v1, v2, v3 = _codes(CACHE, tl.multiple_of(base + v_offset + row * VB, 16), nmask, VTAB, V_BITS, PRMT, D)
+    tl.store(V_OUT + out, (v0 * vs[:, None]).to(ty), mask=nmask[:, None])
+    tl.store(V_OUT + out + 64, (v1 * vs[:, None]).to(ty), mask=nmask[:, None])
+    tl.store(V_OUT + out + 128, (v2 * vs[:, None]).to(ty), mask=nmask[:, None])
+    tl.store(V_OUT + out + 192, (v3 * vs[:, None]).to(ty), mask=nmask[:, None])
+
+
+def dequantize_rotated(cache, layout: tq.CacheLayout, block_table_row, t0: int, t1: int, seed: int, dtype,
+                       block_n: int = 64, decoder: str = "prmt"):
+    """Tokens [t0, t1) of one sequence as (K, V), each [H, t1 - t0, d] in dtype, still in the rotated basis
+    (what `turboquant.read_rotated` computes in plain torch; here the codebook values are fp16)."""
+    _check_cache(cache, layout)
+    if block_table_row.dtype != torch.int32 or block_table_row.dim() != 1:
+        raise ValueError(f"block_table_row must be int32 [max_blocks], got {block_table_row.dtype} "
+                         f"{tuple(block_table_row.shape)}")
+    if not 0 <= t0 <= t1 <= block_table_row.shape[0] * layout.page:
+        raise ValueError(f"tokens [{t0}, {t1}) are outside the block table ({block_table_row.shape[0]} blocks)")
+    H, d, n = layout.num_kv_heads, layout.head_dim, t1 - t0
+    k = torch.empty(H, n, d, dtype=dtype, device=cache.device)
+    v = torch.empty_like(k)
+    if n:
+        t = _tables(layout.preset, seed, cache.device, d)
+        _tq_dequant_kernel[(triton.cdiv(n, block_n), H)](
+            cache, cache.view(torch.float32), block_table_row, t0, n, k, v, k.stride(0), t["kcb"], t["vcb"],
+            layout.block_bytes, layout.v_offset, layout.s_offset, t["kdelta"] or 1.0, t["vdelta"] or 1.0,
+            H=H, PAGE=layout.page, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
+            PRMT=decoder == "prmt" and cache.is_cuda, D=d, BLOCK_N=block_n, num_warps=4,
+        )
+    return k, v
+
+
+def flash_with_lse(q, k, v, sm_scale: float, causal: bool):
+    """q [1, Hq, ql, d], k/v [1, H, n, d] (H divides Hq: GQA without repeating K/V) -> (out [1, Hq, ql, d]
+    in q's dtype, logsumexp [1, Hq, ql] fp32 of the scaled scores). causal: lower-right aligned (query i
+    sees keys up to n - ql + i), which is what this flash op's is_causal means (torch.nn.attention.bias)."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=sm_scale)[:2]
+    return out, lse
+
+
+def merge_lse(acc, acc_lse, out, lse):
+    """Attention over two disjoint key sets -> over their union, from each one's normalised output
+    [..., ql, d] and log-sum-exp [..., ql]; acc None starts the running merge. fp32 throughout."""
+    out, lse = out.float(), lse.float()
+    if acc is None:
+        return out, lse
+    m = torch.maximum(acc_lse, lse)
+    a, b = torch.exp(acc_lse - m), torch.exp(lse - m)
+    return (acc * a[..., None] + out * b[..., None]) / (a + b)[..., None], m + torch.log(a + b)
+
+
+# Keys decoded per flash call: bounds the BF16 scratch at 2 x 2 heads x 32K x 256 x 2 B = 64 MiB per layer-step
+# whatever the context length (256K keys at once would take 512 MiB that vLLM's profiling run never sees).
+PREFILL_KV_CHUNK = 32768
+
+
+def prefill_attention_flash(q, cache, layout: tq.CacheLayout, block_table_row, seq_len: int, seed: int,
+                            sm_scale: float, kv_chunk: int = PREFILL_KV_CHUNK, attend=flash_with_lse):
+    """One request's ql query tokens q [ql, Hq, d] (the last of its seq_len tokens, all already in the cache),
+    causal -> [ql, Hq, d] in q's dtype. The keys before the chunk go through `attend` in pieces of at most
+    kv_chunk (every query sees all of them), the chunk's own keys in one causal call; the pieces are merged by
+    their log-sum-exp. All in the rotated basis (q . x_hat = scale * (R q) . c); the output is rotated back."""
+    ql, Hq, d = q.shape
+    if not 0 < ql <= seq_len:
+        raise ValueError(f"query length {ql} must be in [1, seq_len={seq_len}]")
+    t = _tables(layout.preset, seed, q.device, d)
+    qr = torch.matmul(q, t["rt"][q.dtype]).transpose(0, 1)[None]  # [1, Hq, ql, d]
+    ctx = seq_len - ql
+    bounds = [(c0, min(ctx, c0 + kv_chunk), False) for c0 in range(0, ctx, kv_chunk)] + [(ctx, seq_len, True)]
+    acc = acc_lse = None
+    for c0, c1, causal in bounds:
+        k, v = dequantize_rotated(cache, layout, block_table_row, c0, c1, seed, q.dtype)
+        acc, acc_lse = merge_lse(acc, acc_lse, *attend(qr, k[None], v[None], sm_scale, causal))
+    o_rot = acc[0].transpose(0, 1)  # [ql, Hq, d] fp32
+    return torch.matmul(o_rot, t["r"]).to(q.dtype)

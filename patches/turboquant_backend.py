@@ -60,12 +60,17 @@ def install() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
 
 
+PREFILL_PATHS = ("flash", "triton", "torch")
+
+
 def _prefill_choice() -> str:
-    """ONESPARK_TQ_PREFILL: "triton" (default) or "torch", the plain-torch path (dequantize, then SDPA), kept as a
-    fallback while the Triton prefill kernel has not been run on a GPU (README: turboquant)."""
-    choice = os.environ.get("ONESPARK_TQ_PREFILL", "triton")
-    if choice not in ("triton", "torch"):
-        raise ValueError(f"ONESPARK_TQ_PREFILL={choice!r}: use triton (the default) or torch")
+    """ONESPARK_TQ_PREFILL, the prefill path on CUDA: "flash" (default: Triton decodes the cache into BF16 32K keys
+    at a time, torch's FlashAttention attends, pieces merged by log-sum-exp), "triton" (the fused kernel that
+    attends straight from the codes) or "torch" (plain torch: dequantize, then SDPA in blocks of rows).
+    README: turboquant has their H200 times."""
+    choice = os.environ.get("ONESPARK_TQ_PREFILL", "flash")
+    if choice not in PREFILL_PATHS:
+        raise ValueError(f"ONESPARK_TQ_PREFILL={choice!r}: use flash (the default), triton or torch")
     return choice
 
 
@@ -140,6 +145,9 @@ class TurboQuantMetadata:
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1] host
     prefill_query_start_loc: torch.Tensor | None  # [num_reqs - num_decodes + 1] device, from 0 at the first prefill token
     max_prefill_query_len: int
+    # host copy of the prefill requests' seq_lens (one sync per step that has prefills; the flash path sizes its
+    # calls with them); None without prefills
+    prefill_seq_lens_cpu: list[int] | None = None
 
 
 class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
@@ -163,9 +171,10 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         nd = 0
         while T and nd < m.num_reqs and q_lens[nd] == T:  # the leading run of equal short queries
             nd += 1
-        prefill_qsl = None
+        prefill_qsl = prefill_lens = None
         if nd < m.num_reqs:
             prefill_qsl = m.query_start_loc[nd: m.num_reqs + 1] - nd * T
+            prefill_lens = m.seq_lens[nd: m.num_reqs].tolist()
         return TurboQuantMetadata(
             num_actual_tokens=m.num_actual_tokens,
             num_reqs=m.num_reqs,
@@ -179,6 +188,7 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
             query_start_loc_cpu=qsl,
             prefill_query_start_loc=prefill_qsl,
             max_prefill_query_len=max(q_lens[nd:], default=0),
+            prefill_seq_lens_cpu=prefill_lens,
         )
 
 
@@ -208,7 +218,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.attn_type = attn_type
-        self._triton_prefill = _prefill_choice() == "triton"
+        self._prefill_path = _prefill_choice()
         self._seed: int | None = None
         self._rotation: dict[str, torch.Tensor] = {}
         self._codebooks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -267,7 +277,9 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         if md.num_decodes:
             self._decode(query, kv_cache, layout, seed, md, output)
         if md.num_decodes < md.num_reqs:
-            if kv_cache.is_cuda and self._triton_prefill:
+            if kv_cache.is_cuda and self._prefill_path == "flash":
+                self._prefill_flash(query, kv_cache, layout, seed, md, output)
+            elif kv_cache.is_cuda and self._prefill_path == "triton":
                 self._prefill(query, kv_cache, layout, seed, md, output)
             else:
                 self._prefill_reference(query, kv_cache, layout, seed, md, output)
@@ -290,11 +302,25 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         """Every request after the decodes, in one Triton call straight from the compressed cache."""
         from onespark.kernels import turboquant_triton as tt
 
-        nd, t0, t1 = md.num_decodes, md.num_decodes * md.decode_query_len, md.num_actual_tokens
+        # the step's tokens end at the last request's, not at num_actual_tokens: rows past it (padding) are
+        # not this backend's to write
+        nd, t0, t1 = md.num_decodes, md.num_decodes * md.decode_query_len, int(md.query_start_loc_cpu[-1])
         o = tt.prefill_attention(query[t0:t1].view(t1 - t0, self.num_heads, self.head_size), kv_cache, layout,
                                  md.block_table[nd:], md.seq_lens[nd:], md.prefill_query_start_loc, seed, self.scale,
                                  md.max_prefill_query_len)
         output[t0:t1].copy_(o)
+
+    def _prefill_flash(self, query, kv_cache, layout, seed, md: TurboQuantMetadata, output) -> None:
+        """Each request after the decodes: its cache decoded into BF16 and attended by FlashAttention."""
+        from onespark.kernels import turboquant_triton as tt
+
+        qsl = md.query_start_loc_cpu.tolist()
+        for j, i in enumerate(range(md.num_decodes, md.num_reqs)):
+            s, e = qsl[i], qsl[i + 1]
+            if e > s:
+                output[s:e] = tt.prefill_attention_flash(query[s:e].view(e - s, self.num_heads, self.head_size),
+                                                         kv_cache, layout, md.block_table[i],
+                                                         md.prefill_seq_lens_cpu[j], seed, self.scale)
 
     def _prefill_reference(self, query, kv_cache, layout, seed, md: TurboQuantMetadata, output) -> None:
         """CPU, or a GPU with ONESPARK_TQ_PREFILL=torch: per request, `turboquant.prefill_attention_sdpa`

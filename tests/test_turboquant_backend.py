@@ -163,9 +163,10 @@ def test_prefill_only_batch():
     ([(37, 1), (0, 20), (33, 11), (5, 1)], 1, 1), ([(40, 1), (0, 1), (63, 1)], 1, 3), ([(30, 3), (0, 3), (17, 3)], 3, 3),
     ([(0, 12), (20, 1), (300, 70)], 0, 0)], ids=["mixed", "decode", "verify", "prefill-only"])
 @pytest.mark.parametrize("preset", list(tq.PRESETS))
-@pytest.mark.parametrize("prefill", ["triton", "torch"])
+@pytest.mark.parametrize("prefill", ["flash", "triton", "torch"])
 def test_cuda_path_triton_kernels(preset, reqs, want_T, want_decodes, prefill, monkeypatch):
-    """The same steps on a GPU: Triton encode, decode and prefill kernels (or the plain-torch prefill path)."""
+    """The same steps on a GPU: Triton encode and decode, and each prefill path (dequantize + flash, the fused
+    Triton kernel, plain torch); rows past the step's tokens stay NaN."""
     monkeypatch.setenv("ONESPARK_TQ_PREFILL", prefill)
     md, cache, want_cache, out, want, qsl = _step(preset, reqs, torch.bfloat16, dev="cuda")
     assert (md.decode_query_len, md.num_decodes) == (want_T, want_decodes)
@@ -204,13 +205,14 @@ def test_unsupported_features_are_refused_naming_the_flag(kwargs, needle):
 
 def test_prefill_switch_is_validated(monkeypatch):
     tb = _tb()
-    monkeypatch.setenv("ONESPARK_TQ_PREFILL", "torch")
-    assert not tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")._triton_prefill
-    monkeypatch.setenv("ONESPARK_TQ_PREFILL", "flash")
-    with pytest.raises(ValueError, match="ONESPARK_TQ_PREFILL='flash': use triton"):
+    for path in ("torch", "triton", "flash"):
+        monkeypatch.setenv("ONESPARK_TQ_PREFILL", path)
+        assert tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")._prefill_path == path
+    monkeypatch.setenv("ONESPARK_TQ_PREFILL", "sdpa")
+    with pytest.raises(ValueError, match="ONESPARK_TQ_PREFILL='sdpa': use flash"):
         tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")
     monkeypatch.delenv("ONESPARK_TQ_PREFILL")
-    assert tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")._triton_prefill
+    assert tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")._prefill_path == "flash"
 
 
 def test_wrong_cache_dtype_and_layer_name_are_refused():

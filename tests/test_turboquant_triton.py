@@ -14,6 +14,8 @@ import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from onespark.kernels import turboquant as tq
 from onespark.kernels import turboquant_triton as tt
@@ -342,6 +344,80 @@ def test_prefill_equals_decode_at_the_same_positions():
     pre = tt.prefill_attention(q.to(DEV, torch.float16), *args, qsl.to(DEV), SEED, 1 / 16, 3)
     dec = tt.decode_attention(q.to(DEV, torch.float16).transpose(0, 1)[None], *args, SEED, 1 / 16, 61, num_splits=1)
     assert_rel(pre.float(), dec[0].transpose(0, 1).float(), 2e-3, "prefill vs decode kernel")
+
+
+@triton.jit
+def _u8_centred_probe(X, Y):
+    i = tl.arange(0, 256)
+    tl.store(Y + i, tt._u8_centred(tl.load(X + i)).to(tl.float32))
+
+
+@kernel_case
+def test_u8_centred_is_exact():
+    """The 8-bit decode gives code - 127.5 exactly for every code (fp16 arithmetic, constants included)."""
+    x = torch.arange(256, dtype=torch.uint8, device=DEV)
+    y = torch.empty(256, device=DEV)
+    _u8_centred_probe[(1,)](x, y)
+    assert torch.equal(y.cpu(), torch.arange(256, dtype=torch.float32) - 127.5)
+
+
+@kernel_case
+@pytest.mark.parametrize("name", list(tq.PRESETS))
+@pytest.mark.parametrize("t0,t1", [(0, 90), (37, 61), (61, 61)])
+def test_dequantize_rotated_matches_read_rotated(name, t0, t1):
+    """The Triton decode into BF16 equals turboquant.read_rotated (fp32 levels) to BF16 rounding, for a
+    token range that starts and ends inside pages; a canvas poisoned with NaN beyond the range stays so."""
+    lay, cache, bt, seq_lens, _, _ = _prefill_case(name, 4, 2, [(1, 90)], 16, seed=3)
+    levels = tuple(tq.codebook(b).levels.to(torch.float32) for b in (lay.preset.k_bits, lay.preset.v_bits))
+    kr, vr = tq.read_rotated(cache, lay, bt[0], 90, levels, torch.float32)
+    k, v = tt.dequantize_rotated(cache.to(DEV), lay, bt[0].to(DEV), t0, t1, SEED, torch.bfloat16)
+    assert k.shape == v.shape == (2, t1 - t0, 256) and k.dtype == torch.bfloat16
+    # one BF16 ulp (2^-7 relative: Triton's interpreter truncates fp32 -> bf16, the GPU rounds to nearest) plus the
+    # fp16 codebook (2^-11); a wrong code, scale or coordinate is off by the value itself
+    for what, got, ref in (("K", k, kr[:, t0:t1]), ("V", v, vr[:, t0:t1])):
+        err = (got.double().cpu() - ref.double()).abs()
+        assert bool((err <= (2 ** -7 + 2 ** -11) * ref.double().abs() + 1e-6).all()), f"{what}: worst |diff| {float(err.max()):.3g}"
+
+
+def _attend_float64(q, k, v, sm_scale, causal):
+    """flash_with_lse in float64 on any device: GQA by repeating K/V, lower-right causal."""
+    G = q.shape[1] // k.shape[1]
+    kk, vv = k.double().repeat_interleave(G, 1), v.double().repeat_interleave(G, 1)
+    s = (q.double() @ kk.transpose(-1, -2)) * sm_scale
+    if causal:
+        ql, n = q.shape[2], k.shape[2]
+        s = s.masked_fill(torch.arange(n)[None, :] > (n - ql + torch.arange(ql))[:, None], float("-inf"))
+    return torch.softmax(s, -1) @ vv, torch.logsumexp(s, -1)
+
+
+@kernel_case
+@pytest.mark.parametrize("name", list(tq.PRESETS))
+@pytest.mark.parametrize("ql,L,kv_chunk", [(7, 7, 4), (13, 90, 16), (1, 40, 7), (30, 61, 1000)],
+                         ids=["fresh", "continuation", "one-token", "one-piece"])
+def test_prefill_flash_path_matches_reference(name, ql, L, kv_chunk):
+    """Dequantize + attend in pieces merged by log-sum-exp = attention over the whole cached sequence (float64
+    reference); the attend step here is a float64 stand-in for the flash op (CUDA only; the GPU lane runs it)."""
+    lay, cache, bt, seq_lens, _, q = _prefill_case(name, 32, 2, [(ql, L)], 16, seed=L + ql)
+    attend = tt.flash_with_lse if CUDA else _attend_float64
+    out = tt.prefill_attention_flash(q.to(DEV, torch.bfloat16), cache.to(DEV), lay, bt[0].to(DEV), L, SEED, 1 / 16,
+                                     kv_chunk=kv_chunk, attend=attend)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    ref = tq.decode_attention_reference(q.transpose(0, 1)[None], cache, lay, bt, seq_lens, tq.rotation(SEED),
+                                        1 / 16)[0].transpose(0, 1)
+    # BF16 queries and decoded K/V (~2^-9 each, normwise less; the interpreter truncates to BF16: twice that); a
+    # wrong piece, mask or merge is off by O(0.1)
+    assert_rel(out.float(), ref, 1.5e-2 if INTERPRET else 8e-3, f"{name} flash prefill (q_len {ql}, seq_len {L}, pieces of {kv_chunk})")
+
+
+def test_merge_lse_is_attention_over_the_union():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 5, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    k, v = torch.randn(1, 2, 11, 8, generator=g), torch.randn(1, 2, 11, 8, generator=g)
+    whole = _attend_float64(q, k, v, 0.3, False)
+    acc = lse = None
+    for a, b in ((0, 3), (3, 4), (4, 11)):
+        acc, lse = tt.merge_lse(acc, lse, *_attend_float64(q, k[:, :, a:b], v[:, :, a:b], 0.3, False))
+    assert torch.allclose(acc.double(), whole[0], atol=1e-6) and torch.allclose(lse.double(), whole[1], atol=1e-6)
 
 
 def test_prefill_refuses_bad_shapes():

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The GPU lane: every kernel test on CUDA in this process (the cases the CPU lane runs in Triton's
+# interpreter, plus the gpu-marked ones), then the kernel benchmarks. Sent to a GPU host as it is:
+#
+#   tests/gpu.sh [--tests-only | --bench-only] [--quick]
+#
+# Needs: python3 with torch (CUDA) + Triton + pytest-xdist; the vLLM stand-in the TurboQuant backend test
+# imports (`.venv/bin/python tests/gpu_lane_stub.py .gpustub` on a machine with the test venv; carried to the
+# GPU host, which has no vLLM). onespark is installed into a scratch --target (no path surgery); pytest runs
+# with --import-mode=append so that copy, not the checkout's onespark/ folder, is what the tests import.
+# Writes into $OUT (the device tool's folder) or bench/results: gpu_lane_<gpu>.json (git_sha, command, gpu,
+# torch, triton, passed, failed, skipped, failing ids), the benchmark JSONs, and logs. Exit 1 on any failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
+tests=1 bench=1 quick=()
+for arg in "$@"; do
+  case $arg in
+    --tests-only) bench=0 ;;
+    --bench-only) tests=0 ;;
+    --quick) quick=(--quick) ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "tests/gpu.sh: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
+  esac
+done
+
+py=${PYTHON:-python3}
+out=${OUT:-bench/results}
+mkdir -p "$out"
+sha=${ONESPARK_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+stub=${ONESPARK_GPU_STUB:-.gpustub}
+if [[ ! -f $stub/vllm/v1/attention/backend.py ]]; then
+  echo "tests/gpu.sh: no vLLM stand-in at $stub: run '.venv/bin/python tests/gpu_lane_stub.py $stub' where the" \
+       "test venv exists, and carry $stub (or set ONESPARK_GPU_STUB)" >&2
+  exit 2
+fi
+"$py" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "tests/gpu.sh: torch sees no CUDA device")'
+
+site=$(mktemp -d)
+trap 'rm -rf "$site"' EXIT
+"$py" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" "${ONESPARK_WHEEL:-.}"
+export PYTHONPATH="$site:$PWD/$stub" PYTHONUNBUFFERED=1
+gpu=$("$py" -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
+rc=0
+
+if ((tests)); then
+  set +e
+  "$py" -P -m pytest --import-mode=append -p no:cacheprovider -q -n "${JOBS:-8}" --junitxml "$out/gpu_lane.xml" \
+    tests/test_turboquant_triton.py tests/test_kernels_lm_head.py \
+    tests/test_turboquant_backend.py -k "not served_end_to_end" 2>&1 | tee "$out/gpu_lane.log"
+  rc=${PIPESTATUS[0]}
+  set -e
+  "$py" - "$out/gpu_lane.xml" "$out/gpu_lane_$gpu.json" "$sha" "tests/gpu.sh $*" <<'EOF'
+import json, os, sys, time
+import xml.etree.ElementTree as ET
+
+import torch
+import triton
+
+xml, dest, sha, command = sys.argv[1:]
+cases = list(ET.parse(xml).getroot().iter("testcase"))
+failing = [f"{c.get('classname')}::{c.get('name')}" for c in cases if c.find("failure") is not None or c.find("error") is not None]
+skipped = sum(c.find("skipped") is not None for c in cases)
+result = dict(schema_version=1, git_sha=sha, command=command, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+              triton=triton.__version__, date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              passed=len(cases) - len(failing) - skipped, failed=len(failing), skipped=skipped, failing=failing)
+with open(dest + ".tmp", "w") as f:
+    json.dump(result, f, indent=1)
+os.replace(dest + ".tmp", dest)
+print(f"gpu lane: {result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped -> {dest}")
+EOF
+fi
+
+if ((bench)); then
+  for cmd in "bench/kernels/turboquant.py --out $out/turboquant_$gpu.json ${quick[*]}" \
+             "bench/kernels/turboquant.py --prefill --out $out/turboquant_prefill_$gpu.json ${quick[*]}" \
+             "bench/kernels/lm_head.py --out $out/lm_head_$gpu.json" \
+             "bench/kernels/lm_head_glue.py --out $out/lm_head_glue_$gpu.json"; do
+    echo "== $cmd"
+    # shellcheck disable=SC2086  # word splitting wanted: the command's arguments
+    "$py" -P $cmd --git-sha "$sha" || rc=1
+  done
+fi
+exit "$rc"
