@@ -60,7 +60,7 @@ def _dims(size_gb: float) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--work", type=Path, required=True, help="scratch directory (needs ~3 x --size-gb free)")
     ap.add_argument("--size-gb", type=float, default=4.0)
     ap.add_argument("--shard-gb", type=float, default=2.0)

@@ -45,15 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
     sub = p.add_subparsers(dest="action", metavar="[compare]")
-    c = sub.add_parser("compare", help="B vs A: per-metric deltas with their noise")
+    c = sub.add_parser("compare", help="B vs A: per-metric deltas with their noise", allow_abbrev=False)
     c.add_argument("a", help="result JSON (the reference, A)")
     c.add_argument("b", help="result JSON (the candidate, B)")
     c.add_argument("--markdown", action="store_true", help="print a Markdown table")
 
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
-    g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                   help="bearer token (default: $OPENAI_API_KEY); never written to results")
+    g.add_argument("--api-key", help="bearer token; visible in `ps`: prefer --api-key-file or $OPENAI_API_KEY "
+                                     "(then $ONESPARK_API_KEY, the key `onespark serve` reads); never written to "
+                                     "results")
+    g.add_argument("--api-key-file", help="read the bearer token from this file (first line)")
     g.add_argument("--model", help="served model name (default: the first one /v1/models lists)")
     g.add_argument("--api", choices=["chat", "completions"], default="chat", help="default: %(default)s")
     g.add_argument("--no-think", action="store_true",
@@ -83,7 +85,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--server-log", help="server start-up log, for the KV cache size (docker logs NAME > FILE)")
     g.add_argument("--b-base-url", help="quality: the second endpoint (B)")
     g.add_argument("--b-model", help="quality: B's model name (default: its first)")
-    g.add_argument("--b-api-key", default=os.environ.get("OPENAI_API_KEY"), help="quality: B's bearer token")
+    g.add_argument("--b-api-key", help="quality: B's bearer token (default: A's); visible in `ps`, prefer "
+                                       "--b-api-key-file")
+    g.add_argument("--b-api-key-file", help="quality: read B's bearer token from this file")
     g.add_argument("--top-k", type=int, default=20,
                    help="quality: top logprobs per position (default: %(default)s, vLLM's default limit; more needs "
                         "the server started with --max-logprobs N; the whole vocabulary makes KL exact)")
@@ -112,6 +116,53 @@ def _recorded_quality(a: dict, b: dict, path_a: str, path_b: str) -> dict | None
     except ValueError as e:
         raise UserError(f"cannot compare the quality recordings of {path_a} and {path_b}: {e}; "
                         "record both with the same --max-tokens and --top-k") from e
+
+
+KEY_ENV = ("OPENAI_API_KEY", "ONESPARK_API_KEY")
+
+
+def _read_key(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except OSError as e:
+        raise UserError(f"cannot read {flag} {path}: {e.strerror}") from e
+    if not key:
+        raise UserError(f"{flag} {path} is empty: put the key on its first line")
+    return key
+
+
+def resolve_keys(args) -> None:
+    """args.api_key / args.b_api_key from the file, the flag or the environment, in that order of preference."""
+    if args.api_key and args.api_key_file:
+        raise UserError("give --api-key or --api-key-file, not both")
+    if args.b_api_key and args.b_api_key_file:
+        raise UserError("give --b-api-key or --b-api-key-file, not both")
+    env = next((os.environ[k] for k in KEY_ENV if os.environ.get(k)), None)
+    args.api_key = _read_key(args.api_key_file, "--api-key-file") if args.api_key_file else args.api_key or env
+    args.b_api_key = (_read_key(args.b_api_key_file, "--b-api-key-file") if args.b_api_key_file
+                      else args.b_api_key or args.api_key)
+
+
+def secrets(args) -> list[str]:
+    """Every key this run knows of, to be removed by value from whatever it records."""
+    values = [args.api_key, args.b_api_key] + [os.environ.get(k) for k in KEY_ENV + ("HF_TOKEN",)]
+    # Shorter than 4 characters, a value would be replaced inside ordinary words and numbers; the flags'
+    # own redaction (_redacted) still hides it on the command line.
+    return sorted({v for v in values if v and len(v) >= 4}, key=len, reverse=True)
+
+
+def redact(obj, values: list[str]):
+    """obj (JSON-ready) with every occurrence of each secret value replaced by ***."""
+    if isinstance(obj, str):
+        for v in values:
+            obj = obj.replace(v, "***")
+        return obj
+    if isinstance(obj, dict):
+        return {redact(k, values): redact(v, values) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [redact(v, values) for v in obj]
+    return obj
 
 
 def _git_sha() -> str | None:
@@ -212,6 +263,10 @@ def run(args) -> int:
         return 0
 
     names = _suites(args.suite)
+    resolve_keys(args)
+    if "--api-key" in sys.argv or any(a.startswith("--api-key=") for a in sys.argv):
+        print("onespark bench: warning: --api-key shows the key to every user in `ps`; use --api-key-file or "
+              "$OPENAI_API_KEY", file=sys.stderr)
     settings = settings_from(args)
     if args.no_think and args.api != "chat":
         raise UserError("--no-think works through the chat template: use it with --api chat")
@@ -243,6 +298,7 @@ def run(args) -> int:
         "requests": len(rows),
         "failed_requests": len(failed),
     }
+    result = redact(result, secrets(args))  # a key passed anywhere (--note, a URL) is never recorded
     stem = args.name or f"{'-'.join(names)}-{created.strftime('%Y%m%dT%H%M%SZ')}"
     out = Path(args.out)
     text = json.dumps(result, indent=1)
@@ -261,7 +317,8 @@ def run(args) -> int:
               "lower --depths / max tokens to fit the server's max_model_len", file=sys.stderr)
         return 1
     if failed:
-        print(f"onespark bench: error: {len(failed)} of {len(rows)} requests failed (first: {failed[0]['error']}); "
+        print(f"onespark bench: error: {len(failed)} of {len(rows)} requests failed (first: "
+              f"{redact(failed[0]['error'], secrets(args))}); "
               "their figures are left out of every summary", file=sys.stderr)
         return 1
     return 0
@@ -274,6 +331,9 @@ def _command() -> str:
     return "onespark " + shlex.join(_redacted(argv))
 
 
+SECRET_FLAGS = ("--api-key", "--b-api-key")
+
+
 def _redacted(argv: list[str]) -> list[str]:
     """The command line for the record, without API keys."""
     out, hide = [], False
@@ -281,10 +341,10 @@ def _redacted(argv: list[str]) -> list[str]:
         if hide:
             out.append("***")
             hide = False
-        elif a in ("--api-key", "--b-api-key"):
+        elif a in SECRET_FLAGS:
             out.append(a)
             hide = True
-        elif a.startswith(("--api-key=", "--b-api-key=")):
+        elif a.startswith(tuple(f + "=" for f in SECRET_FLAGS)):
             out.append(a.split("=", 1)[0] + "=***")
         else:
             out.append(a)

@@ -134,7 +134,7 @@ def needle(r):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", default="bench/results/turboquant_quality.json")
     args = ap.parse_args(argv)
     t0 = time.time()

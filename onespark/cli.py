@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from onespark import __version__
@@ -16,6 +17,7 @@ from onespark.errors import UserError, os_error_message
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
+    "specs": ("onespark.specs", "the supported models: repos, pinned revisions, shapes, MTP layout, serving defaults"),
     "doctor": ("onespark.doctor", "preflight: GPU, driver, Docker, NVIDIA runtime, disk, memory, Hugging Face"),
     "synth": ("onespark.synth", "write a small checkpoint in the real Intel INT4 / Qwen FP8 formats"),
     "download": ("onespark.download", "step 0: the INT4 checkpoint, and the FP8 shared experts by byte range"),
@@ -26,6 +28,20 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("onespark.serve", "launch the v2 / v2-tq container on 127.0.0.1 and wait until it answers"),
     "bench": ("onespark.bench.cli", "benchmark an OpenAI-compatible endpoint (published, depth, concurrency, ...)"),
 }
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, minus the echo of values it did not understand: `--api-ke sk-...` must not print the key
+    (as an unrecognized argument, or as an "invalid choice" of the next positional, e.g. bench's `compare`)."""
+
+    def error(self, message: str):
+        head, sep, rest = message.partition("unrecognized arguments: ")
+        if sep:
+            flags = [a for a in rest.split() if a.startswith("-")]
+            message = f"{head}unrecognized arguments: {' '.join(flags) or '(values not shown)'}"
+        # a choice typo (--api chta) stays readable; a value as long as a key is not echoed
+        message = re.sub(r"invalid choice: '([^']{12,})'", "invalid choice: (value not shown)", message)
+        super().error(message)
 
 
 def _usage() -> str:
@@ -49,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module_name, help_ = COMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"onespark {name}", description=help_)
+    # allow_abbrev=False: argparse would take a prefix (--api-ke KEY) for the flag, and its value past the
+    # redaction of the recorded command line; every parser here turns that off
+    parser = _Parser(prog=f"onespark {name}", description=help_, allow_abbrev=False)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     try:

@@ -5,6 +5,7 @@ clean run wrote), real permission bits and filesystems, and a real HTTP server s
 
 from __future__ import annotations
 
+import ast
 import errno
 import hashlib
 import json
@@ -245,3 +246,67 @@ def test_disk_full_in_process(pair, tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert rc == 1 and err.startswith("onespark hybrid: error: "), err
     assert f"{tmp_path / 'hy'}/model-00001-of-00003.safetensors: no space left" in err, err
+
+
+# ---- item 5: no abbreviations, keys from a file or the environment, redacted by value ------------------------
+
+def _parser_calls(path: Path):
+    """(line, allow_abbrev keyword or None) of every ArgumentParser(...) / add_parser(...) call in a file."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name in ("ArgumentParser", "add_parser", "_Parser"):
+                kw = next((k.value for k in node.keywords if k.arg == "allow_abbrev"), None)
+                yield node.lineno, kw
+
+
+def test_every_parser_turns_abbreviations_off():
+    tracked = subprocess.run(["git", "ls-files", "onespark", "bench", "patches", "kernels"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.split()
+    files = [ROOT / f for f in tracked if f.endswith(".py")]
+    calls = [(f, line, kw) for f in files for line, kw in _parser_calls(f)]
+    assert len(calls) >= 7  # the CLI's, bench compare's and the lab scripts'
+    bad = [f"{f.relative_to(ROOT)}:{line}" for f, line, kw in calls
+           if not (isinstance(kw, ast.Constant) and kw.value is False)]
+    assert not bad, f"parsers that accept abbreviations: {bad}"
+
+
+def test_abbreviated_key_flag_is_refused_and_not_echoed(tmp_path):
+    key = "sk-abbrev-0123456789"
+    for argv in (["bench", "--api-ke", key, "--out", str(tmp_path)], ["bench", "--no-png", "--api-ke", key],
+                 ["hybrid", "--int", "a", "--fp8", "b", "--out", "c"]):
+        r = cli(*argv)
+        assert r.returncode == 2, (argv, r.stdout, r.stderr)
+        assert key not in r.stdout + r.stderr
+    assert not list(tmp_path.iterdir())  # nothing ran, nothing recorded
+
+
+def _bench_args(srv, out: Path, *extra: str) -> list[str]:
+    return ["bench", "--base-url", srv.base_url, "--suite", "published", "--classes", "Q&A", "--runs", "1",
+            "--warmup", "0", "--max-tokens", "3", "--no-png", "--no-progress", "--out", str(out), "--name", "r",
+            *extra]
+
+
+def test_api_key_from_file_or_env_reaches_the_server_and_no_record(tmp_path):
+    from tests._openai_standin import StandIn
+    key = "sk-file-key-0123456789"
+    (tmp_path / "key").write_text(key + "\n")
+    os.chmod(tmp_path / "key", 0o600)
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "ONESPARK_API_KEY")}
+    with StandIn() as srv:
+        r = cli(*_bench_args(srv, tmp_path / "a", "--api-key-file", str(tmp_path / "key"),
+                             "--note", f"served with key {key}"), env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert set(srv.auth) == {f"Bearer {key}"}
+        r2 = cli(*_bench_args(srv, tmp_path / "b", "--note", f"key={key}"), env=dict(env, OPENAI_API_KEY=key))
+        assert r2.returncode == 0, r2.stdout + r2.stderr
+        assert set(srv.auth) == {f"Bearer {key}"}
+        r3 = cli(*_bench_args(srv, tmp_path / "c", f"--api-key={key}"), env=env)
+        assert r3.returncode == 0 and "--api-key shows the key" in r3.stderr, r3.stderr
+    for d, run in ((tmp_path / "a", r), (tmp_path / "b", r2), (tmp_path / "c", r3)):
+        text = (d / "r.json").read_text() + (d / "r.md").read_text() + run.stdout + run.stderr
+        assert key not in text, d
+    rec = json.loads((tmp_path / "a" / "r.json").read_text())
+    assert rec["note"] == "served with key ***" and rec["requests"] == 1 and rec["failed_requests"] == 0
+    assert "--api-key=***" in json.loads((tmp_path / "c" / "r.json").read_text())["command"]

@@ -273,7 +273,7 @@ def _table(res: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--m", default=None, help="comma-separated row counts (default: the full list)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/lm_head_<gpu>.json)")
     p.add_argument("--git-sha", default=os.environ.get("GIT_SHA", "unknown"))

@@ -78,7 +78,7 @@ def _median_ms(fn, reps: int, graph: bool) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--git-sha", required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lm_head_glue_h200.json")
     ap.add_argument("--reps", type=int, default=32, help="calls per timed sample (default 32)")
