@@ -648,7 +648,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def guard_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m onespark.memory guard",
+    p = argparse.ArgumentParser(prog="python -m onespark.memory guard", allow_abbrev=False,
                                 description="stop a container (or process) before the host runs out of memory")
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--container", help="Docker container to watch and stop")
