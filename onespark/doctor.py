@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", default=".work", help="directory the checkpoints go to (default: .work)")
     p.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face check (checkpoint already downloaded)")
     p.add_argument("--meminfo", default="/proc/meminfo", help=argparse.SUPPRESS)  # tests point it at a file
+    add_memory_plan_arguments(p)
 
 
 def _cmd(*argv: str, timeout: float = 20) -> tuple[int, str]:
@@ -204,6 +205,41 @@ def check_memory(meminfo: str, *, demo: bool) -> list[Check]:
     return [Check("memory", "ok", detail)]
 
 
+# ---- the memory plan (onespark.memory): the same plan `onespark serve` prints and enforces before launch
+
+def add_memory_plan_arguments(p: argparse.ArgumentParser) -> None:
+    from onespark import memory
+    p.add_argument("--model", help="checkpoint the memory plan is made for (default: WORK/hybrid, once it exists)")
+    p.add_argument("--gpu-memory-utilization", type=float,
+                   help=f"the value you will pass to vLLM (default: the image's, {memory.DEFAULT_GPU_UTIL:g})")
+    memory.add_plan_arguments(p)
+
+
+def check_memory_plan(args: argparse.Namespace) -> list[Check]:
+    from onespark import memory
+    model = getattr(args, "model", None) or str(Path(args.work) / "hybrid")
+    if not (Path(model) / "config.json").is_file():
+        return [Check("memory plan", "ok", f"made once the checkpoint exists ({model}); onespark serve makes it "
+                      "again before every launch")]
+    util = getattr(args, "gpu_memory_utilization", None)
+    guard_floor = getattr(args, "guard_floor_gib", None)
+    try:
+        plan = memory.make_plan(model, [] if util is None else ["--gpu-memory-utilization", str(util)],
+                                meminfo=args.meminfo,
+                                floor_gib=getattr(args, "host_reserve_gib", memory.HOST_RESERVE_FLOOR_GIB),
+                                guard_floor_gib=memory.GUARD_FLOOR_GIB if guard_floor is None else guard_floor)
+    except memory.PlanError as e:
+        return [Check("memory plan", "FAIL", str(e))]
+    detail = (f"{memory.gib(plan.weights)} weights + {memory.gib(plan.overhead)} overhead in vLLM's "
+              f"{memory.gib(plan.share)} ({plan.util:g} x {memory.gib(plan.mem_total)}): KV pool "
+              f"{memory.gib(plan.kv_pool)}, host keeps {memory.gib(plan.host_reserve)}")
+    problems = plan.problems()
+    checks = [Check("memory plan", "FAIL" if problems else "ok", detail, " | ".join(problems))]
+    for c in memory.consumers(memory.read_meminfo(args.meminfo)):
+        checks.append(Check(f"memory: {c.what}", "warn", c.detail, c.fix))
+    return checks
+
+
 def check_hf() -> list[Check]:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     url = f"{endpoint}/api/models/{HF_REPO}"
@@ -251,6 +287,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     checks += check_docker(nvidia=True)
     checks += check_disk(work, demo=False)
     checks += check_memory(args.meminfo, demo=False)
+    checks += check_memory_plan(args)
     if not args.skip_hf:
         checks += check_hf()
     return checks

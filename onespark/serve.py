@@ -10,6 +10,10 @@ While it starts, one progress line names the stage read from the server log (loa
 capturing CUDA graphs, ...): the 122B model's cold start takes minutes and should never look hung.
 If the container dies, the log tail and the likely cause are printed. Once /health answers, one chat
 request is sent and its answer and rate (completion tokens from the server's `usage` / wall time) shown.
+Before `docker run`, a memory plan (onespark.memory) shows weights, vLLM's share, KV pool and host
+reserve, and refuses a configuration that leaves the host too little; beside the container a memory
+guard runs (its own process, gone with the container) that stops it before the host swaps itself to a
+standstill (--no-memory-guard turns it off).
 The API key travels as the environment variable VLLM_API_KEY, never on a command line or in output.
 """
 
@@ -27,7 +31,7 @@ import time
 import urllib.error
 import urllib.request
 
-from onespark import __version__
+from onespark import __version__, memory
 from onespark.errors import UserError
 
 V2_IMAGE = f"onespark/v2:{__version__}"
@@ -113,6 +117,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="smoke-test answer length (default: 64)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke request")
     p.add_argument("--dry-run", action="store_true", help="print the docker command, run nothing")
+    memory.add_plan_arguments(p)
+    p.add_argument("--no-memory-guard", action="store_true",
+                   help="do not start the memory guard (it stops the container before the host runs out of memory)")
+    p.add_argument("--meminfo", default="/proc/meminfo", help=argparse.SUPPRESS)  # tests point these at files
+    p.add_argument("--vmstat", default="/proc/vmstat", help=argparse.SUPPRESS)
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: extra vLLM flags (they replace defaults)")
 
 
@@ -122,7 +131,12 @@ def docker_run_command(args: argparse.Namespace, image: str) -> tuple[list[str],
     health_host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     env = {"ONESPARK_HEALTH_URL": f"http://{health_host}:{args.port}/health"}
     cmd = ["docker", "run", "-d", "--name", args.name, "--network", "host",
-           "-v", f"{model}:/model:ro"]
+           "-v", f"{model}:/model:ro",
+           # When the host runs out of memory the kernel kills the container's processes first, not sshd or the
+           # desktop: on the GB10 GPU memory is not in a process's RSS, so without this the OOM killer's
+           # badness score points elsewhere. No --memory limit: a cgroup does not count the driver's GPU
+           # allocations on unified memory (README: unified memory), it would bound only the CPU side.
+           "--oom-score-adj", "1000"]
     if args.demo:
         env.update(DEMO_ENV)
         env["ONESPARK_DROP_DEFAULTS"] = DEMO_DROP
@@ -226,7 +240,7 @@ def _logs(name: str, tail: int = 400) -> str:
     return out.stdout + out.stderr
 
 
-def wait_healthy(name: str, base_url: str, timeout: float, tty: bool) -> None:
+def wait_healthy(name: str, base_url: str, timeout: float, tty: bool, guard_report=None) -> None:
     t0 = time.monotonic()
     last_line = ""
     while True:
@@ -242,6 +256,9 @@ def wait_healthy(name: str, base_url: str, timeout: float, tty: bool) -> None:
         if not running:
             if tty:
                 print(flush=True)
+            if guard_report is not None and guard_report.is_file():
+                raise UserError(f"container {name} was stopped by the memory guard after {elapsed:.0f} s:\n"
+                                + guard_report.read_text(errors="replace").rstrip())
             tail = "\n".join(log.splitlines()[-40:])
             raise UserError(
                 f"container {name} exited (code {code}) after {elapsed:.0f} s.\n--- last 40 log lines ---\n{tail}\n"
@@ -290,13 +307,59 @@ def smoke(base_url: str, prompt: str, max_tokens: int, api_key: str | None) -> d
     }
 
 
+def _vllm_extra(args: argparse.Namespace) -> list[str]:
+    extra = list(args.vllm_args or [])
+    return extra[1:] if extra and extra[0] == "--" else extra
+
+
+def guard_floor_gib(args: argparse.Namespace) -> float:
+    if args.guard_floor_gib is not None:
+        return args.guard_floor_gib
+    return memory.DEMO_GUARD_FLOOR_GIB if args.demo else memory.GUARD_FLOOR_GIB
+
+
+def memory_plan(args: argparse.Namespace) -> None:
+    """Print the plan and the other consumers; raise UserError when the plan must not start (a dry run only
+    says so). The CPU demo has no plan: vLLM on CPU takes a fixed 1 GiB KV cache, no share of the pool."""
+    if args.demo:
+        print("onespark serve: memory plan: none for --demo (vLLM on CPU, 1 GiB KV cache)")
+        return
+    try:
+        plan = memory.make_plan(args.model, _vllm_extra(args), meminfo=args.meminfo, floor_gib=args.host_reserve_gib,
+                                guard_floor_gib=guard_floor_gib(args))
+    except memory.PlanError as e:
+        if args.dry_run:
+            print(f"onespark serve: memory plan: not made ({e})")
+            return
+        raise UserError(str(e)) from None
+    print("onespark serve: memory plan (unified memory: vLLM's share and the host's reserve are one pool):")
+    for line in plan.lines():
+        print("  " + line)
+    mem = memory.read_meminfo(args.meminfo)
+    for c in memory.consumers(mem):
+        print(f"onespark serve: also using memory: {c.what}: {c.detail}\n  frees it: {c.fix}")
+    problems = plan.problems()
+    if problems and args.dry_run:
+        print("onespark serve: the plan would refuse: " + " | ".join(problems))
+    elif problems:
+        raise UserError("memory plan refused: " + "\n".join(problems))
+
+
 def run(args: argparse.Namespace) -> int:
     image = args.image or (DEMO_IMAGE if args.demo else V2_TQ_IMAGE if args.tq else V2_IMAGE)
     if not args.dry_run and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UserError(f"{args.model} has no config.json: --model must be a checkpoint directory "
                         "(steps 1-2 write it; onespark verify checks it)")
     cmd, env = docker_run_command(args, image)
+    util = memory.vllm_flag(_vllm_extra(args), "--gpu-memory-utilization") or (
+        None if args.demo else f"{memory.DEFAULT_GPU_UTIL:g}")
+    guard_log, guard_report = memory.guard_files(args.name)
+    guard_cmd = memory.guard_command(args.name, floor_gib=guard_floor_gib(args), report=guard_report, util=util,
+                                     meminfo=args.meminfo, vmstat=args.vmstat)
+    memory_plan(args)
     print("onespark serve: + " + shlex.join(cmd))
+    if not args.no_memory_guard:
+        print("onespark serve: + " + shlex.join(guard_cmd) + f" >> {guard_log}   (memory guard)")
     if args.dry_run:
         return 0
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -311,13 +374,21 @@ def run(args: argparse.Namespace) -> int:
     probe = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     if _port_open(probe, args.port):
         raise UserError(f"something already listens on {probe}:{args.port}: stop it or pass --port")
+    guard_report.unlink(missing_ok=True)  # a report of an earlier run of this name is not this run's
     try:
         subprocess.run(cmd, env={**os.environ, **env}, check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError as e:
         raise UserError(f"docker run failed: {e.stderr.strip()}") from None
+    if not args.no_memory_guard:
+        # Started right after the container, so it watches start-up profiling too; it ends when `docker wait`
+        # returns, i.e. with the container (stopped, removed or replaced).
+        guard = memory.start_guard(guard_cmd, guard_log)
+        print(f"onespark serve: memory guard pid {guard.pid}: stops {args.name} if MemAvailable stays below "
+              f"{guard_floor_gib(args):g} GiB or the host keeps swapping (log: {guard_log})")
     base_url = f"http://{probe}:{args.port}"
     timeout = args.timeout or (600 if args.demo else 1800)
-    wait_healthy(args.name, base_url, timeout, tty=sys.stdout.isatty())
+    wait_healthy(args.name, base_url, timeout, tty=sys.stdout.isatty(),
+                 guard_report=None if args.no_memory_guard else guard_report)
     if not args.no_smoke:
         r = smoke(base_url, args.prompt, args.max_tokens, args.api_key)
         print(f"onespark serve: {r['model']} answered {args.prompt!r}:\n  {r['answer'].strip()!r}")
