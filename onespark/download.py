@@ -1,11 +1,15 @@
-"""Step 0, `onespark download --dest DIR`: the INT4 checkpoint, and of the FP8 one only what step 1 needs.
+"""Step 0, `onespark download [--model NAME] --dest DIR`: the INT4 checkpoint, and of the FP8 one only what step 1
+needs. Repos and pinned revisions come from the spec (onespark.specs; default qwen3.5-122b-a10b):
 
-    DEST/int4  Intel/Qwen3.5-122B-A10B-int4-AutoRound at a pinned commit (huggingface_hub snapshot_download:
+    DEST/int4  e.g. Intel/Qwen3.5-122B-A10B-int4-AutoRound at a pinned commit (huggingface_hub snapshot_download:
                resumable, its progress bars; ~77 GB)
-    DEST/fp8   from Qwen/Qwen3.5-122B-A10B-FP8 at a pinned commit: config.json, and in one file
+    DEST/fp8   e.g. from Qwen/Qwen3.5-122B-A10B-FP8 at a pinned commit: config.json, and in one file
                `fp8-shared-experts.safetensors` the 144 shared-expert weights + their weight_scale_inv
                (~0.5 GB), read by HTTP byte ranges: for each shard that holds some, its 8-byte length and
                JSON header, then the tensors' bytes (neighbours coalesced into one request). Never a whole shard.
+
+A spec without a public pin (qwen3.5-35b-a3b's INT4 repo, `custom`) needs --revision SHA; a spec without an FP8
+source (qwen3.6-35b-a3b) skips DEST/fp8 and says why.
 
 Both directories carry `onespark-download.json` (repo, revision, bytes); step 1 copies that into its manifest.
 Re-running resumes: snapshot_download keeps every file it finished (huggingface_hub 2.4 starts the file it
@@ -23,18 +27,16 @@ import os
 import struct
 from pathlib import Path
 
-from onespark import qwen35
+from onespark import qwen35, specs
 from onespark.checkpoint import DOWNLOAD_RECORD, INDEX_FILE, load_json, open_checkpoint
 from onespark.errors import UserError, at_path
 from onespark.safetensors_io import MAX_HEADER_BYTES, Range, parse_header, write_json_atomic, write_safetensors
 
-# Pinned commits. Intel: the snapshot hash in Entrpi/qwen3.5-122B-A10B-on-spark tools/inspect_ckpt.py
-# ("snapshots/3045d02bb737...") = the head commit "3045d02" on the repo's Files page. Qwen FP8: the snapshot
-# hash several independent public scripts load (models--Qwen--Qwen3.5-122B-A10B-FP8/snapshots/a099dee7...).
-INT4_REPO = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
-INT4_REVISION = "3045d02bb737effc4581da91bddbad3be02934e4"
-FP8_REPO = "Qwen/Qwen3.5-122B-A10B-FP8"
-FP8_REVISION = "a099dee70ccfcd8d5dda56aaa0b60cb8ecadabc9"
+# The default spec's pinned commits (every spec's repos, pins and where each pin comes from: onespark.specs).
+INT4_REPO = specs.SPECS[specs.DEFAULT].int4.repo
+INT4_REVISION = specs.SPECS[specs.DEFAULT].int4.revision
+FP8_REPO = specs.SPECS[specs.DEFAULT].fp8.repo
+FP8_REVISION = specs.SPECS[specs.DEFAULT].fp8.revision
 FP8_FILE = "fp8-shared-experts.safetensors"
 COALESCE_GAP = 64 * 1024  # fetch two tensors in one request when at most this many bytes lie between them
 CHUNK = 8 * 1024 * 1024
@@ -232,21 +234,40 @@ def download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dest", required=True, type=Path, help="directory for int4/ and fp8/")
-    p.add_argument("--int4-repo", default=INT4_REPO)
-    p.add_argument("--int4-revision", "--revision", default=INT4_REVISION,
-                   help=f"commit SHA of the INT4 repo (default: the pinned {INT4_REVISION[:12]})")
-    p.add_argument("--fp8-repo", default=FP8_REPO)
-    p.add_argument("--fp8-revision", default=FP8_REVISION,
-                   help=f"commit SHA of the FP8 repo (default: the pinned {FP8_REVISION[:12]})")
+    specs.add_model_argument(p)
+    p.add_argument("--int4-repo", help="INT4 repo (default: the spec's; required with --model custom)")
+    p.add_argument("--int4-revision", "--revision",
+                   help="commit SHA of the INT4 repo (default: the spec's pin; required where it has none)")
+    p.add_argument("--fp8-repo", help="FP8 repo (default: the spec's)")
+    p.add_argument("--fp8-revision", help="commit SHA of the FP8 repo (default: the spec's pin)")
     p.add_argument("--skip-int4", action="store_true", help="fetch only the FP8 tensors")
     p.add_argument("--skip-fp8", action="store_true", help="download only the INT4 checkpoint")
 
 
 def run(args: argparse.Namespace) -> int:
     log = lambda m: print(m, flush=True)  # noqa: E731
+    spec = specs.from_args(args)  # an unknown --model or a missing --revision fails before anything is created
+    int4 = None if args.skip_int4 else _pinned(spec.int4, args.int4_repo, args.int4_revision, "--revision", spec)
+    fp8 = None
+    if not args.skip_fp8 and (spec.fp8 is not None or args.fp8_repo):
+        fp8 = _pinned(spec.fp8, args.fp8_repo, args.fp8_revision, "--fp8-revision", spec)
     args.dest.mkdir(parents=True, exist_ok=True)  # an unwritable --dest fails here, before any transfer
-    if not args.skip_int4:
-        download_int4(args.int4_repo, args.int4_revision, args.dest / "int4", log=log)
-    if not args.skip_fp8:
-        fetch_fp8(args.fp8_repo, args.fp8_revision, args.dest / "fp8", log=log)
+    if int4:  # whether the files are the spec's model is checked by steps 1-2 (they name the spec they look like)
+        download_int4(*int4, args.dest / "int4", log=log)
+    if fp8:
+        fetch_fp8(*fp8, args.dest / "fp8", log=log)
+    elif not args.skip_fp8:
+        log(f"step 0: no FP8 source for {spec.name}: {spec.no_splice}; FP8 fetch skipped")
     return 0
+
+
+def _pinned(src: specs.Source | None, repo: str | None, revision: str | None, flag: str,
+            spec: specs.Spec) -> tuple[str, str]:
+    """(repo, revision): the flags, else the spec's; a repo without a pinned revision needs the flag."""
+    repo = repo or src.repo
+    revision = revision or (src.revision if src and repo == src.repo else None)
+    if not revision:
+        why = src.pin_source if src and repo == src.repo else "not the spec's repo"
+        raise UserError(f"{repo}: no pinned revision ({why}): pass {flag} SHA, the commit you checked on the "
+                        f"repo's 'Files and versions' page (`onespark specs --model {spec.name}` shows the pins)")
+    return repo, revision

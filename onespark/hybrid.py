@@ -1,4 +1,6 @@
-"""Step 1, `onespark hybrid --int4 DIR --fp8 DIR_OR_REPO --out DIR`: FP8 shared experts in the INT4 checkpoint.
+"""Step 1, `onespark hybrid [--model NAME] --int4 DIR --fp8 DIR_OR_REPO --out DIR`: FP8 shared experts in the INT4
+checkpoint. --model (default qwen3.5-122b-a10b, see onespark.specs) refuses another model's files, naming the spec
+they look like; a spec without an FP8 source (qwen3.6-35b-a3b) skips the step and says why.
 
 Replaces the 3 x num_hidden_layers BF16 `mlp.shared_expert.{gate,up,down}_proj.weight` tensors of the
 Intel INT4 checkpoint (144 for the 122B) by the FP8 weights of the Qwen FP8 checkpoint and adds each one's
@@ -41,7 +43,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from onespark import __version__, qwen35
+from onespark import __version__, qwen35, specs
 from onespark.checkpoint import (DOWNLOAD_RECORD, INDEX_FILE, MANIFEST_FILE, Checkpoint, is_inside, load_json,
                                  open_checkpoint, sha256_file)
 from onespark.errors import UserError
@@ -170,7 +172,7 @@ class Plan:
         return h.hexdigest()
 
 
-def _resolve_fp8(arg: str, out: Path, revision: str | None) -> tuple[Path, dict]:
+def _resolve_fp8(arg: str, out: Path, revision: str | None, spec: specs.Spec) -> tuple[Path, dict]:
     """--fp8 is a local directory, or a Hub repo id whose needed tensors are fetched by byte range."""
     p = Path(arg)
     if p.exists():
@@ -180,16 +182,21 @@ def _resolve_fp8(arg: str, out: Path, revision: str | None) -> tuple[Path, dict]
         raise UserError(f"--fp8 {arg}: no such directory (and not a Hub repo id like Qwen/Qwen3.5-122B-A10B-FP8)")
     from onespark import download  # imports huggingface_hub only when needed
     dest = out.parent / f".{out.name}.fp8-fetch"
-    rec = download.fetch_fp8(arg, revision or download.FP8_REVISION, dest)
+    revision = revision or (spec.fp8.revision if spec.fp8 and spec.fp8.repo == arg else None)
+    if not revision:
+        raise UserError(f"--fp8 {arg}: no pinned revision for this repo in {spec.name}: pass --fp8-revision SHA")
+    rec = download.fetch_fp8(arg, revision, dest)
     return dest, {"path": None, "repo": rec["repo"], "revision": rec["revision"]}
 
 
 def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None = None,
-           hash_outputs: bool = True, log=print) -> dict:
+           hash_outputs: bool = True, spec: specs.Spec | None = None, log=print) -> dict:
+    spec = spec or specs.get(None)
     int4_dir, out = Path(int4_dir), Path(out)
     fp8_local = Path(fp8_arg) if Path(fp8_arg).exists() else None
     _check_dirs(int4_dir, fp8_local, out)
     int4 = open_checkpoint(int4_dir)
+    specs.check_config(spec, int4.config, f"--int4 {int4_dir}")
     # Already done? A finished output carries a manifest whose fingerprint matches these inputs, and every
     # file it lists is still there as written; a damaged one is rewritten, the intact ones are kept.
     carried: dict = {}  # file -> manifest entry (size, sha256) of a finished run's intact files
@@ -212,8 +219,9 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
     if out.exists() and progress is None and not carried and any(p for p in out.iterdir()):
         raise UserError(f"{out} exists, is not empty and was not written by `onespark hybrid`: choose a new --out "
                         f"(nothing was changed)")
-    fp8_dir, fp8_source = _resolve_fp8(fp8_arg, out, fp8_revision)
+    fp8_dir, fp8_source = _resolve_fp8(fp8_arg, out, fp8_revision, spec)
     fp8 = open_checkpoint(fp8_dir)
+    specs.check_config(spec, fp8.config, f"--fp8 {fp8_dir}")
     plan = Plan(int4, fp8, fp8_source)
     fingerprint = plan.fingerprint()
     done: dict = {}
@@ -391,9 +399,10 @@ def _hybrid_config(config: dict, plan: Plan) -> dict:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    specs.add_model_argument(p)
     p.add_argument("--int4", required=True, type=Path, help="the Intel AutoRound INT4 checkpoint directory")
-    p.add_argument("--fp8", required=True,
-                   help="the Qwen FP8 checkpoint: a directory (full, or what step 0 fetched) or a Hub repo id")
+    p.add_argument("--fp8", help="the Qwen FP8 checkpoint: a directory (full, or what step 0 fetched) or a Hub "
+                                 "repo id (required unless the spec has no FP8 source)")
     p.add_argument("--fp8-revision", help="with a repo id: the commit to fetch (default: the pinned one)")
     p.add_argument("--out", required=True, type=Path, help="new directory for the hybrid checkpoint")
     p.add_argument("--hash", action=argparse.BooleanOptionalAction, default=True,
@@ -401,7 +410,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    hybrid(args.int4, args.fp8, args.out, fp8_revision=args.fp8_revision, hash_outputs=args.hash,
+    spec = specs.custom("(local files)", args.fp8) if args.model == specs.CUSTOM else specs.get(args.model)
+    if not spec.splice:
+        print(f"step 1 skipped for {spec.name}: {spec.no_splice}; nothing written (step 2 and serve use --int4 "
+              f"{args.int4} as it is)", flush=True)
+        return 0
+    if not args.fp8:
+        raise UserError(f"--fp8 is required for {spec.name}: step 0's fp8/ directory or {spec.fp8.repo}")
+    hybrid(args.int4, args.fp8, args.out, fp8_revision=args.fp8_revision, hash_outputs=args.hash, spec=spec,
            log=lambda m: print(m, flush=True))
     return 0
 

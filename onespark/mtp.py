@@ -1,8 +1,10 @@
-"""Step 2, `onespark mtp DIR [--source INT4_DIR]`: every mtp.* tensor loadable.
+"""Step 2, `onespark mtp DIR [--model NAME] [--source INT4_DIR]`: every mtp.* tensor loadable.
 
 vLLM finds a tensor only through model.safetensors.index.json. The Intel 122B release keeps its MTP head
 (785 tensors) in model_extra_tensors.safetensors without listing it there (the reason albond's
-add-mtp-weights.py exists), and a public fork's splice step dropped the file altogether (112 -> 45 tok/s).
+add-mtp-weights.py exists; the 35B release lists its 2329: onespark.specs), and a public fork's splice
+step dropped the file altogether (112 -> 45 tok/s). --model (default qwen3.5-122b-a10b) refuses another
+model's files, naming the spec they look like.
 This step makes the index list every mtp.* tensor at the file that really holds it, whatever step 1 or
 the source did: it adds missing entries, corrects wrong ones, and with --source copies
 model_extra_tensors.safetensors back when the head is absent. It fails when the head is incomplete.
@@ -15,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from onespark import qwen35
+from onespark import qwen35, specs
 from onespark.checkpoint import INDEX_FILE, MANIFEST_FILE, is_inside, load_json, open_checkpoint, sha256_file
 from onespark.errors import UserError
 from onespark.safetensors_io import copy_file_atomic, read_header, write_json_atomic
@@ -60,8 +62,11 @@ def _restore_head(path: Path, source: Path, log) -> list[str]:
     return copied
 
 
-def mtp(path: Path, *, source: Path | None = None, log=print) -> dict:
+def mtp(path: Path, *, source: Path | None = None, spec: specs.Spec | None = None, log=print) -> dict:
     path = Path(path)
+    spec = spec or specs.get(None)
+    if path.is_dir() and (path / "config.json").is_file():  # before anything is copied into it
+        specs.check_config(spec, load_json(path / "config.json", "the model config"), str(path / "config.json"))
     copied = _restore_head(path, Path(source), log) if source is not None else []
     ck = open_checkpoint(path)
     required = _required_mtp(ck.config)
@@ -114,10 +119,12 @@ def mtp(path: Path, *, source: Path | None = None, log=print) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=Path, help="checkpoint directory (the output of step 1)")
+    specs.add_model_argument(p)
     p.add_argument("--source", type=Path,
                    help="the original INT4 download, to copy model_extra_tensors.safetensors from if it is missing")
 
 
 def run(args: argparse.Namespace) -> int:
-    mtp(args.dir, source=args.source, log=lambda m: print(m, flush=True))
+    spec = specs.custom("(local files)", None) if args.model == specs.CUSTOM else specs.get(args.model)
+    mtp(args.dir, source=args.source, spec=spec, log=lambda m: print(m, flush=True))
     return 0

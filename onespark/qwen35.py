@@ -14,9 +14,9 @@ Sources, so each detail can be checked again:
   `mtp.pre_fc_norm_hidden`, `mtp.pre_fc_norm_embedding`, `mtp.layers.{i}.*` = one full-attention MoE
   decoder layer). Layer types: transformers `Qwen3_5MoeTextConfig` (`layer_types`, or every
   `full_attention_interval`-th layer full attention).
-- 785 MTP tensors in the real 122B model: 4 + (2 norms + 4 attn + 2 qk-norms + gate + shared gate
-  + 3 shared + 256 * 3 experts) = 785 single `.weight` tensors, i.e. the MTP head is stored 16-bit
-  (the count quoted in this project's design; albond's add-mtp-weights.py copies them unchanged).
+- MTP tensor counts follow from the config (each model's published count: onespark.specs). The 122B's
+  785 = 4 + (2 norms + 4 attn + 2 qk-norms + gate + shared gate + 3 shared + 256 * 3 experts) single
+  `.weight` tensors, i.e. its MTP head is stored 16-bit (albond's add-mtp-weights.py copies them unchanged).
 - INT4 packing (`packing_format: auto_round:auto_gptq`): intel/auto-round
   `export/export_to_autogptq/qlinear_triton.py` QuantLinear: `qweight` int32 [in/8, out] (value of
   input row 8j+k in bits 4k..4k+3 of word j), `qzeros` int32 [in/group, out/8] holding zero-1 (the
@@ -246,9 +246,9 @@ def expected_tensors(config: dict, *, include_mtp: bool = True) -> dict[str, Exp
             out[p + ".weight"] = Expect(frozenset({"F8_E4M3"}), (m.out, m.inp))
             out[p + ".weight_scale_inv"] = Expect(frozenset({"BF16", "F32"}),
                                                   (math.ceil(m.out / block[0]), math.ceil(m.inp / block[1])))
-        elif method in ("auto-round", "intel/auto-round") and int4_layer_bits(p, qc) < 16:
-            bits, group = int(qc["bits"]), int(qc["group_size"])
-            pack = 32 // bits
+        elif method in ("auto-round", "intel/auto-round") and (bits := int4_layer_bits(p, qc)) < 16:
+            group = int(qc["group_size"])
+            pack = 32 // bits  # per layer: a W4A16-mixed export stores its 8-bit layers 4 values a word
             out[p + ".qweight"] = Expect(frozenset({"I32"}), (m.inp // pack, m.out))
             out[p + ".qzeros"] = Expect(frozenset({"I32"}), (math.ceil(m.inp / group), m.out // pack))
             out[p + ".scales"] = Expect(frozenset({"F16", "BF16"}), (math.ceil(m.inp / group), m.out))

@@ -1,27 +1,32 @@
-"""`onespark synth`: small checkpoints in the exact formats of the two real repositories.
+"""`onespark synth`: small checkpoints in the exact formats of each spec's two real repositories.
 
-    onespark synth --format int4 --out DIR [--mtp-in-index | --no-mtp-in-index] [--mtp-dtype bf16|int4]
-    onespark synth --format fp8  --out DIR
+    onespark synth --model NAME --format int4 --out DIR [--preset tiny|real] [--mtp-in-index | --no-mtp-in-index]
+                   [--mtp-dtype bf16|int4] [--g-idx | --no-g-idx]
+    onespark synth --model NAME --format fp8  --out DIR
 
-`int4` is the layout of Intel/Qwen3.5-122B-A10B-int4-AutoRound, `fp8` that of Qwen/Qwen3.5-122B-A10B-FP8
-(tensor names, dtypes and shapes: onespark.qwen35, which cites its sources). What each file holds:
+`int4` is the layout of the spec's Intel AutoRound repository (e.g. Intel/Qwen3.5-122B-A10B-int4-AutoRound),
+`fp8` that of its Qwen FP8 one (tensor names, dtypes and shapes: onespark.qwen35, which cites its sources;
+the repos, dims and MTP layout of each model: onespark.specs). `--preset tiny` (default) writes the spec's tiny
+dims (~10 MB, every structural feature of the real model), `--preset real` its real dims without weights.
+What each file holds:
 
 - `config.json`: Qwen3_5MoeForConditionalGeneration, `text_config`, `vision_config`, and
   `quantization_config` at top level, as transformers writes it. INT4: auto-round's
   (`quant_method: auto-round`, `packing_format: auto_round:auto_gptq`, `bits 4`, `group_size 128`,
   `sym true`, `block_name_to_quantize`, `extra_config` marking the 16-bit layers: every
   `linear_attn.in_proj_a/b` (as Intel's Qwen3.5 AutoRound configs list them) and the shared experts
-  + their gate (why the shared experts are BF16 in the 122B release and can be swapped for FP8:
-  Entrpi/qwen3.5-122B-A10B-on-spark docs/FINDINGS.md, "144 layers, 0.48 GB")). auto-round also saves
-  the same dict as `quantization_config.json`, so we do too. FP8: `quant_method fp8`, `fmt e4m3`,
-  `activation_scheme dynamic`, `weight_block_size [128, 128]`, `modules_to_not_convert`.
+  + their gate (why the shared experts are BF16 in the Qwen3.5 releases and can be swapped for FP8:
+  Entrpi/qwen3.5-122B-A10B-on-spark docs/FINDINGS.md, "144 layers, 0.48 GB")). A W4A16-mixed spec
+  (specs.Spec.mixed_bits) marks every non-expert quantized linear, shared experts included, at 8 bits
+  instead. auto-round also saves the same dict as `quantization_config.json`, so we do too. FP8:
+  `quant_method fp8`, `fmt e4m3`, `activation_scheme dynamic`, `weight_block_size [128, 128]`,
+  `modules_to_not_convert`.
 - `model-0000N-of-0000M.safetensors` + `model.safetensors.index.json` ({"metadata": {"total_size"},
   "weight_map"}). INT4: the MTP head is in `model_extra_tensors.safetensors` (the file auto-round's
   copy_missing_tensors_from_source writes); whether the index lists it differs between releases (the
-  122B index does not, albond's add-mtp-weights.py exists for that; the 35B one does), hence
-  --mtp-in-index / --no-mtp-in-index (default: as the 122B). Whether the MTP layer is INT4 or 16-bit
-  also differs (785 16-bit tensors in the 122B; auto-round >= 0.13 adds `mtp.layers` to
-  block_name_to_quantize and keeps `mtp.fc` 16-bit), hence --mtp-dtype.
+  122B index does not, albond's add-mtp-weights.py exists for that; the 35B one does), and whether the MTP
+  layer is INT4 or 16-bit too (785 16-bit tensors in the 122B; the 35B's 2329 are INT4 but mtp.fc): the
+  spec says which, --mtp-in-index / --mtp-dtype override it.
 
 Both formats derive every weight from (seed, tensor name), so the FP8 shared experts are an FP8
 quantization of the very BF16 shared experts in the INT4 checkpoint: a splice can be checked numerically.
@@ -32,37 +37,28 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import zlib
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
-from onespark import qwen35
+from onespark import qwen35, specs
 from onespark.errors import UserError
 from onespark.safetensors_io import nbytes_of, write_json_atomic, write_safetensors
 
-INT4_REPO = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
-FP8_REPO = "Qwen/Qwen3.5-122B-A10B-FP8"
 EXTRA_FILE = "model_extra_tensors.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 GROUP = 128
 
-# The real model's text_config (Qwen/Qwen3.5-122B-A10B config.json, as transformers' Qwen3_5MoeTextConfig
-# reads it); `synth --preset real` writes it without weights, e.g. for `verify`'s 785-MTP-tensor count.
-REAL_TEXT = dict(hidden_size=3072, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=2,
-                 head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
-                 linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
-                 moe_intermediate_size=1024, shared_expert_intermediate_size=1024, vocab_size=248320,
-                 mtp_num_hidden_layers=1)
-# Tiny default: every dimension a multiple of the INT4 group (128) where a packed layer needs it;
-# 4 layers = 3 linear-attention + 1 full-attention; vocab deliberately not a power of two.
-TINY_TEXT = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                 head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
-                 linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
-                 moe_intermediate_size=128, shared_expert_intermediate_size=128, vocab_size=1000,
-                 mtp_num_hidden_layers=1)
+# Linear layers a W4A16-mixed export keeps 16-bit (routers, the small GDN projections).
+MIXED_16BIT = re.compile(r"(\.mlp\.gate|\.shared_expert_gate|\.in_proj_a|\.in_proj_b)$")
+
+# The default spec's real and tiny text_config (the dims of every model live in onespark.specs).
+REAL_TEXT = specs.TEXT_122B
+TINY_TEXT = specs.TINY_122B
 
 
 # vision_config of the real model (transformers Qwen3_5MoeVisionConfig defaults; out_hidden_size = text hidden),
@@ -81,7 +77,8 @@ def _mrope_section(head_dim: int, partial_rotary_factor: float) -> list[int]:
     return [t, h, pairs - t - h]
 
 
-def make_config(fmt: str, dims: dict, *, mtp_dtype: str = "bf16", vision: dict | None = None) -> dict:
+def make_config(fmt: str, dims: dict, *, mtp_dtype: str = "bf16", vision: dict | None = None,
+                mixed_bits: int | None = None) -> dict:
     tc = dict(dims)
     tc.update(model_type="qwen3_5_moe_text", hidden_act="silu", attn_output_gate=True, attention_bias=False,
               attention_dropout=0.0, full_attention_interval=4, max_position_embeddings=262144,
@@ -118,6 +115,15 @@ def make_config(fmt: str, dims: dict, *, mtp_dtype: str = "bf16", vision: dict |
             for i in range(tc["mtp_num_hidden_layers"]):
                 for p in ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"):
                     extra[f"mtp.layers.{i}.mlp.{p}"] = {"bits": 16, "data_type": "fp"}
+        if mixed_bits:
+            # auto-round W4A16_MIXED: routed experts stay 4-bit, every other quantized linear (shared experts
+            # included) gets mixed_bits; routers, in_proj_a/b, mtp.fc and lm_head stay 16-bit as above.
+            mods = qwen35.language_modules({"text_config": tc})
+            mods += qwen35.mtp_modules({"text_config": tc}) if mtp_dtype == "int4" else []
+            for m in mods:
+                if isinstance(m, qwen35.Linear) and ".mlp.experts." not in m.prefix \
+                        and m.prefix not in ("lm_head", "mtp.fc") and not MIXED_16BIT.search(m.prefix):
+                    extra[m.prefix] = {"bits": mixed_bits, "data_type": "int"}
         config["quantization_config"] = {
             "bits": 4, "data_type": "int", "group_size": GROUP, "sym": True, "iters": 200,
             "autoround_version": "0.9.0",  # illustrative: vLLM reads only the fields above/below
@@ -151,38 +157,62 @@ def master_weight(seed: int, prefix: str, shape: tuple[int, ...]) -> np.ndarray:
     return w.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def quantize_int4(w: np.ndarray, group: int = GROUP) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Symmetric RTN int4, auto_gptq v1 packing. w: [out, in] -> qweight, qzeros, scales, g_idx."""
+def quantize_int(w: np.ndarray, bits: int = 4, group: int = GROUP):
+    """Symmetric RTN at `bits` (4 or 8), auto_gptq v1 packing. w: [out, in] -> qweight, qzeros, scales, g_idx."""
     out, inp = w.shape
+    zero = 1 << (bits - 1)  # 8 for int4, 128 for int8
     g = w.reshape(out, inp // group, group)
-    scale = (np.abs(g).max(axis=2) / 7.0).astype(np.float16)  # [out, groups]
+    scale = (np.abs(g).max(axis=2) / (zero - 1)).astype(np.float16)  # [out, groups]
     s = np.maximum(scale.astype(np.float32), np.float32(1e-8))[:, :, None]
-    q = (np.clip(np.rint(g / s), -8, 7) + 8).astype(np.uint32).reshape(out, inp)  # 0..15, zero point 8
-    return pack_int4(q), _qzeros(inp // group, out), np.ascontiguousarray(scale.T), (np.arange(inp) // group).astype(np.int32)
+    q = (np.clip(np.rint(g / s), -zero, zero - 1) + zero).astype(np.uint32).reshape(out, inp)
+    return (pack_int(q, bits), _qzeros(inp // group, out, bits), np.ascontiguousarray(scale.T),
+            (np.arange(inp) // group).astype(np.int32))
 
 
-def pack_int4(q: np.ndarray) -> np.ndarray:
-    """q: [out, in] uint32 values 0..15 -> qweight [in/8, out] int32, row 8j+k in bits 4k."""
+def quantize_int4(w: np.ndarray, group: int = GROUP):
+    return quantize_int(w, 4, group)
+
+
+def pack_int(q: np.ndarray, bits: int = 4) -> np.ndarray:
+    """q: [out, in] uint32 values 0..2^bits-1 -> qweight [in*bits/32, out] int32, row (32/bits)j+k in bits k*bits."""
     out, inp = q.shape
-    words = (q.reshape(out, inp // 8, 8) << (np.arange(8, dtype=np.uint32) * 4)).sum(axis=2, dtype=np.uint32)
+    per = 32 // bits
+    words = (q.reshape(out, inp // per, per) << (np.arange(per, dtype=np.uint32) * bits)).sum(axis=2, dtype=np.uint32)
     return np.ascontiguousarray(words.T).view(np.int32)
 
 
-def unpack_int4(qweight: np.ndarray) -> np.ndarray:
-    """qweight [in/8, out] int32 -> [out, in] values 0..15 (the inverse of pack_int4)."""
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    return pack_int(q, 4)
+
+
+def unpack_int(qweight: np.ndarray, bits: int = 4) -> np.ndarray:
+    """qweight [in*bits/32, out] int32 -> [out, in] unsigned values (the inverse of pack_int)."""
+    per = 32 // bits
     w = qweight.view(np.uint32)
-    nib = (w[:, None, :] >> (np.arange(8, dtype=np.uint32)[None, :, None] * 4)) & 0xF  # [in/8, 8, out]
+    shifts = (np.arange(per, dtype=np.uint32) * bits)[None, :, None]
+    nib = (w[:, None, :] >> shifts) & np.uint32((1 << bits) - 1)  # [in/per, per, out]
     return nib.reshape(-1, w.shape[1]).T
 
 
-def _qzeros(groups: int, out: int) -> np.ndarray:
-    # GPTQ v1 stores zero-1: symmetric int4's zero point 8 becomes 7 in every nibble.
-    return np.full((groups, out // 8), 0x77777777, dtype=np.uint32).view(np.int32)
+def unpack_int4(qweight: np.ndarray) -> np.ndarray:
+    return unpack_int(qweight, 4)
+
+
+def _qzeros(groups: int, out: int, bits: int = 4) -> np.ndarray:
+    # GPTQ v1 stores zero-1: symmetric int4's zero point 8 becomes 7 in every nibble (0x77777777), int8's
+    # 128 becomes 127 in every byte (0x7F7F7F7F).
+    per = 32 // bits
+    word = sum(((1 << (bits - 1)) - 1) << (bits * k) for k in range(per))
+    return np.full((groups, out // per), word, dtype=np.uint32).view(np.int32)
+
+
+def dequantize_int(qweight: np.ndarray, scales: np.ndarray, bits: int = 4, group: int = GROUP) -> np.ndarray:
+    q = unpack_int(qweight, bits).astype(np.float32) - float(1 << (bits - 1))
+    return q * np.repeat(scales.astype(np.float32).T, group, axis=1)
 
 
 def dequantize_int4(qweight: np.ndarray, scales: np.ndarray, group: int = GROUP) -> np.ndarray:
-    q = unpack_int4(qweight).astype(np.float32) - 8.0
-    return q * np.repeat(scales.astype(np.float32).T, group, axis=1)
+    return dequantize_int(qweight, scales, 4, group)
 
 
 def quantize_fp8_block(w: np.ndarray, block: tuple[int, int] = (128, 128)) -> tuple[np.ndarray, np.ndarray]:
@@ -237,9 +267,9 @@ def tensors_for(config: dict, fmt: str, seed: int, *, mtp: bool, g_idx: bool):
                     return cache.pop(part)
                 yield p + ".weight", "F8_E4M3", shape, lambda f=fp8: f("q")
                 yield p + ".weight_scale_inv", "BF16", sshape, lambda f=fp8: f("s")
-        elif fmt == "int4" and qwen35.int4_layer_bits(p, qc) < 16:
+        elif fmt == "int4" and (bits := qwen35.int4_layer_bits(p, qc)) < 16:
             groups = m.inp // GROUP
-            if expert:
+            if expert and bits == 4:
                 yield p + ".qweight", "I32", (m.inp // 8, m.out), lambda p=p, m=m: (
                     _rng(seed, p).integers(0, 2**32, size=(m.inp // 8, m.out), dtype=np.uint32).view(np.int32))
                 yield p + ".qzeros", "I32", (groups, m.out // 8), lambda m=m, g=groups: _qzeros(g, m.out)
@@ -250,12 +280,13 @@ def tensors_for(config: dict, fmt: str, seed: int, *, mtp: bool, g_idx: bool):
             else:
                 cache = {}
 
-                def int4(i, p=p, shape=shape, cache=cache):
+                def int4(i, p=p, shape=shape, cache=cache, bits=bits):
                     if not cache:
-                        cache["t"] = quantize_int4(master_weight(seed, p, shape))
+                        cache["t"] = quantize_int(master_weight(seed, p, shape), bits)
                     return cache["t"][i]
-                yield p + ".qweight", "I32", (m.inp // 8, m.out), lambda f=int4: f(0)
-                yield p + ".qzeros", "I32", (groups, m.out // 8), lambda f=int4: f(1)
+                per = 32 // bits
+                yield p + ".qweight", "I32", (m.inp // per, m.out), lambda f=int4: f(0)
+                yield p + ".qzeros", "I32", (groups, m.out // per), lambda f=int4: f(1)
                 yield p + ".scales", "F16", (groups, m.out), lambda f=int4: f(2)
                 if g_idx:
                     yield p + ".g_idx", "I32", (m.inp,), lambda f=int4: f(3)
@@ -292,13 +323,13 @@ def _write_group(path: Path, items: list) -> dict[str, str]:
 
 def synth(out: Path, fmt: str, *, dims: dict | None = None, seed: int = 0, mtp_in_index: bool = False,
           mtp_dtype: str = "bf16", g_idx: bool = True, shards: int = 3, weights: bool = True,
-          vision: dict | None = None) -> dict:
+          vision: dict | None = None, mixed_bits: int | None = None) -> dict:
     """Write a checkpoint; returns its config. See the module docstring for what is written."""
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UserError(f"{out} exists and is not empty: choose a new --out directory (nothing was written)")
     out.mkdir(parents=True, exist_ok=True)
-    config = make_config(fmt, dims or TINY_TEXT, mtp_dtype=mtp_dtype, vision=vision)
+    config = make_config(fmt, dims or TINY_TEXT, mtp_dtype=mtp_dtype, vision=vision, mixed_bits=mixed_bits)
     if weights:
         main = list(tensors_for(config, fmt, seed, mtp=False, g_idx=g_idx))
         mtp = list(tensors_for(config, fmt, seed, mtp=True, g_idx=g_idx))
@@ -333,21 +364,35 @@ def synth(out: Path, fmt: str, *, dims: dict | None = None, seed: int = 0, mtp_i
     return config
 
 
+def synth_spec(out: Path, fmt: str, spec: specs.Spec, *, preset: str = "tiny", seed: int = 0,
+               weights: bool | None = None, shards: int = 3, **overrides) -> dict:
+    """synth() with the spec's dims and INT4 layout (MTP dtype, index, g_idx, mixed bits); overrides win."""
+    if spec.name == specs.CUSTOM:
+        raise UserError("synth needs a named --model (a custom checkpoint's layout is whatever its config says)")
+    kw = dict(mtp_in_index=spec.mtp_in_index, mtp_dtype=spec.mtp_dtype, g_idx=spec.g_idx,
+              mixed_bits=spec.mixed_bits, dims=dict(spec.text if preset == "real" else spec.tiny),
+              vision=REAL_VISION if preset == "real" else TINY_VISION)
+    kw.update({k: v for k, v in overrides.items() if v is not None})
+    return synth(out, fmt, seed=seed, shards=shards, weights=(preset == "tiny") if weights is None else weights, **kw)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    specs.add_model_argument(p)
     p.add_argument("--format", choices=("int4", "fp8"), required=True,
-                   help=f"int4: the layout of {INT4_REPO}; fp8: that of {FP8_REPO}")
+                   help="int4: the layout of the spec's Intel AutoRound repo; fp8: that of its Qwen FP8 repo")
     p.add_argument("--out", required=True, type=Path, help="new (or empty) directory to write")
-    p.add_argument("--mtp-in-index", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--mtp-in-index", action=argparse.BooleanOptionalAction, default=None,
                    help="list model_extra_tensors.safetensors' mtp.* tensors in the index "
-                        "(int4; default: no, as the 122B release)")
-    p.add_argument("--mtp-dtype", choices=("bf16", "int4"), default="bf16",
-                   help="int4: store the MTP layer 16-bit (default, the 122B release: 785 tensors) or INT4")
-    p.add_argument("--g-idx", action=argparse.BooleanOptionalAction, default=True,
-                   help="write GPTQ g_idx tensors next to qweight/qzeros/scales (int4)")
+                        "(int4; default: as the spec's release: not for the 122B, yes for the 35B)")
+    p.add_argument("--mtp-dtype", choices=("bf16", "int4"), default=None,
+                   help="int4: store the MTP layer 16-bit (the 122B release: 785 tensors) or INT4 (the 35B's: 2329); "
+                        "default: as the spec's release")
+    p.add_argument("--g-idx", action=argparse.BooleanOptionalAction, default=None,
+                   help="write GPTQ g_idx tensors next to qweight/qzeros/scales (int4; default: as the spec's release)")
     p.add_argument("--seed", type=int, default=0, help="same seed + dims = splice-compatible int4/fp8 pair")
     p.add_argument("--shards", type=int, default=3, help="number of model-*.safetensors files")
     p.add_argument("--preset", choices=("tiny", "real"), default="tiny",
-                   help="tiny: ~10 MB; real: the 122B dims (config and no weights unless --weights)")
+                   help="tiny: ~10 MB; real: the spec's real dims (config and no weights unless --weights)")
     p.add_argument("--weights", action=argparse.BooleanOptionalAction, default=None,
                    help="write weights (default: yes for tiny, no for real)")
     for key in ("hidden_size", "num_hidden_layers", "num_experts", "moe_intermediate_size",
@@ -356,7 +401,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    dims = dict(REAL_TEXT if args.preset == "real" else TINY_TEXT)
+    spec = specs.get(args.model)
+    dims = dict(spec.text if args.preset == "real" else spec.tiny)
     for key in ("hidden_size", "num_hidden_layers", "num_experts", "moe_intermediate_size",
                 "shared_expert_intermediate_size", "vocab_size"):
         if getattr(args, key) is not None:
@@ -364,13 +410,12 @@ def run(args: argparse.Namespace) -> int:
     if dims["hidden_size"] % GROUP or dims["moe_intermediate_size"] % GROUP:
         raise UserError(f"hidden size and moe intermediate size must be multiples of {GROUP} "
                         f"(the INT4 group): got {dims['hidden_size']} and {dims['moe_intermediate_size']}")
-    weights = args.weights if args.weights is not None else args.preset == "tiny"
     if args.shards < 1:
         raise UserError("--shards must be at least 1")
-    synth(args.out, args.format, dims=dims, seed=args.seed, mtp_in_index=args.mtp_in_index,
-          mtp_dtype=args.mtp_dtype, g_idx=args.g_idx, shards=args.shards, weights=weights,
-          vision=REAL_VISION if args.preset == "real" else TINY_VISION)
+    synth_spec(args.out, args.format, spec, preset=args.preset, seed=args.seed, weights=args.weights,
+               shards=args.shards, dims=dims, mtp_in_index=args.mtp_in_index, mtp_dtype=args.mtp_dtype,
+               g_idx=args.g_idx)
     files = sorted(p.name for p in args.out.iterdir())
     size = sum((args.out / f).stat().st_size for f in files)
-    print(f"wrote {args.format} checkpoint to {args.out}: {len(files)} files, {size / 1e6:.1f} MB")
+    print(f"wrote {spec.name} {args.format} checkpoint to {args.out}: {len(files)} files, {size / 1e6:.1f} MB")
     return 0

@@ -1,11 +1,15 @@
-"""`onespark verify DIR [--fast]`: is this checkpoint exactly what its config, index and manifest say?
+"""`onespark verify DIR [--model NAME] [--fast]`: is this checkpoint exactly what its config, index and manifest say?
 
 Checks, each reported with the file and tensor it concerns:
+- the config is the chosen spec's model (onespark.specs; default qwen3.5-122b-a10b): other files are refused
+  with the spec they look like; `--model custom` checks any checkpoint of this family against its own config
+  and refuses one whose config lacks a fact the layout is derived from;
 - every shard's header parses and its size matches the header (truncation), every index entry exists
   in the shard it names, no tensor is in two files, no tensor sits in a shard without an index entry;
 - every tensor has the dtype and shape the config implies (onespark.qwen35: INT4 qweight/qzeros/scales,
   FP8 weight + weight_scale_inv, 16-bit elsewhere), and every tensor the config implies is present,
-  all mtp.* tensors included (785 for the real model);
+  all mtp.* tensors included (the spec's published count for real shapes: 785 for the 122B, 2329 for the
+  35B's INT4 release);
 - every F8_E4M3 weight has its weight_scale_inv;
 - the manifest's sizes and sha256 match the files (--fast checks sizes only).
 Exit status 0 when all hold; otherwise 1, with every problem on stderr and the first in the last line.
@@ -20,17 +24,20 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from onespark import qwen35
+from onespark import qwen35, specs
 from onespark.checkpoint import MANIFEST_FILE, load_json, open_checkpoint, sha256_file
 from onespark.errors import UserError
 
 MAX_LISTED = 10  # per kind of problem; the rest are counted
 
 
-def verify(path: Path, *, fast: bool = False) -> tuple[list[str], dict]:
-    """Returns (problems, summary). Raises UserError when the directory cannot be read at all."""
+def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) -> tuple[list[str], dict]:
+    """Returns (problems, summary). Raises UserError when the directory cannot be read at all, or is another
+    model than `spec` (default: the default spec)."""
     path = Path(path)
+    spec = spec or specs.get(None)
     ck = open_checkpoint(path)
+    specs.check_config(spec, ck.config, str(path / "config.json"))
     problems: list[str] = []
     kinds: Counter = Counter()
 
@@ -76,6 +83,12 @@ def verify(path: Path, *, fast: bool = False) -> tuple[list[str], dict]:
     missing = sorted(n for n in expected if n not in ck.where and not qwen35.is_optional(n))
     mtp_missing = [n for n in missing if n.startswith("mtp.")]
     mtp_required = sum(1 for n in expected if n.startswith("mtp.") and not qwen35.is_optional(n))
+    published = spec.mtp_tensors if specs.facts(qwen35.text_config(ck.config)) == specs.facts(spec.text) else None
+    if published and (ck.config.get("quantization_config") or {}).get("quant_method") != "fp8" \
+            and mtp_required != published:
+        problems.append(f"the config implies {mtp_required} mtp.* tensors, {spec.name}'s INT4 release has "
+                        f"{published}: its quantization_config differs from the release's (wrong --model, or a "
+                        f"re-quantized checkpoint: check it with --model custom)")
     if mtp_missing:
         problems.append(f"MTP head incomplete: {len(mtp_missing)} of {mtp_required} mtp.* tensors missing "
                         f"(e.g. {mtp_missing[0]}): run `onespark mtp {path} --source INT4_DIR`")
@@ -115,19 +128,21 @@ def verify(path: Path, *, fast: bool = False) -> tuple[list[str], dict]:
         "bytes": sum(h.file_size for h in ck.headers.values()),
         "mtp_tensors": sum(1 for n in ck.where if n.startswith("mtp.")), "mtp_required": mtp_required,
         "fp8_weights": sum(1 for n in ck.where if ck.info(n).dtype == "F8_E4M3"),
-        "manifest": man_path.is_file(), "hashed_files": hashed,
+        "manifest": man_path.is_file(), "hashed_files": hashed, "spec": spec.name,
     }
     return problems, summary
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=Path, help="checkpoint directory")
+    specs.add_model_argument(p)
     p.add_argument("--fast", action="store_true", help="skip sha256 (check sizes only)")
 
 
 def run(args: argparse.Namespace) -> int:
-    problems, s = verify(args.dir, fast=args.fast)
-    line = (f"{args.dir}: {s['tensors']} tensors in {s['files']} files ({s['bytes'] / 1e9:.2f} GB), "
+    spec = specs.custom("(local files)", None) if args.model == specs.CUSTOM else specs.get(args.model)
+    problems, s = verify(args.dir, fast=args.fast, spec=spec)
+    line = (f"{args.dir} ({spec.name}): {s['tensors']} tensors in {s['files']} files ({s['bytes'] / 1e9:.2f} GB), "
             f"{s['fp8_weights']} FP8 weights, mtp.* {s['mtp_tensors']}/{s['mtp_required']}, "
             f"manifest: {'yes, ' + str(s['hashed_files']) + ' files hashed' if s['manifest'] else 'none'}")
     if problems:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from onespark import qwen35
+from onespark import qwen35, specs
 from onespark.checkpoint import MANIFEST_FILE
 from onespark.errors import UserError
 from onespark.hybrid import hybrid
@@ -253,7 +253,9 @@ def test_fp8_source_with_wrong_shapes(pair, tmp_path):
         hybrid(pair / "int4", str(d), tmp_path / "o", log=lambda m: None)
     other = tmp_path / "fp8other"
     synth(other, "fp8", seed=7, dims=dict(TINY_TEXT, shared_expert_intermediate_size=256))
-    with pytest.raises(UserError, match="different models"):
+    with pytest.raises(UserError, match="different models"):  # --model custom: the step's own dims check
+        hybrid(pair / "int4", str(other), tmp_path / "o", spec=specs.custom("int4", "fp8"), log=lambda m: None)
+    with pytest.raises(UserError, match="fp8other: these files match no spec"):  # a named spec refuses first
         hybrid(pair / "int4", str(other), tmp_path / "o", log=lambda m: None)
 
 

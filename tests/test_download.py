@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from onespark import qwen35
+from onespark import qwen35, specs
 from onespark.synth import TINY_TEXT, synth
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
@@ -154,10 +154,11 @@ def test_download_int4_and_ranged_fp8_then_splice(hub, tmp_path):
         for k in got.keys():
             assert got.get_tensor(k).view(-1).view(torch.uint8).equal(src[k].view(-1).view(torch.uint8)), k
     out = tmp_path / "hybrid"
-    man = hybrid(int4, str(fp8), out, log=lambda m: None)
+    off_spec = specs.custom(INT4, FP8)  # the hub's tiny dims are no spec's (shared experts 512 wide)
+    man = hybrid(int4, str(fp8), out, spec=off_spec, log=lambda m: None)
     assert man["inputs"]["int4"]["revision"] == INT4_SHA and man["inputs"]["fp8"]["revision"] == FP8_SHA
-    mtp(out, log=lambda m: None)
-    assert verify(out)[0] == []
+    mtp(out, spec=off_spec, log=lambda m: None)
+    assert verify(out, spec=off_spec)[0] == []
     # a second run is "already done" and transfers no shard bytes
     n = len(_log(d))
     r = _download(endpoint, tmp_path / "models")
@@ -169,7 +170,8 @@ def test_hybrid_fetches_fp8_by_repo_id(hub, tmp_path):
     d, endpoint = hub
     env = _env(endpoint, tmp_path)
     out = tmp_path / "hybrid"
-    r = subprocess.run([sys.executable, "-m", "onespark", "hybrid", "--int4", str(d / "src-int4"), "--fp8", FP8,
+    r = subprocess.run([sys.executable, "-m", "onespark", "hybrid", "--model", "custom", "--int4", str(d / "src-int4"),
+                        "--fp8", FP8,
                         "--fp8-revision", FP8_SHA, "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
