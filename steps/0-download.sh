@@ -27,8 +27,8 @@ USAGE
 parse_args() {
   while (($#)); do
     case $1 in
-      --work) WORK=${2:?--work needs a directory}; shift ;;
-      --int4-revision | --fp8-revision) EXTRA+=("$1" "${2:?$1 needs a commit SHA}"); shift ;;
+      --work) need_value "$@"; WORK=$2; shift ;;
+      --int4-revision | --fp8-revision) need_value "$@"; EXTRA+=("$1" "$2"); shift ;;
       --dry-run) DRY_RUN=1 ;;
       -h | --help) usage; exit 0 ;;
       *) err "unknown option: $1"; usage >&2; exit 2 ;;

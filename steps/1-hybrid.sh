@@ -24,7 +24,7 @@ USAGE
 parse_args() {
   while (($#)); do
     case $1 in
-      --work) WORK=${2:?--work needs a directory}; shift ;;
+      --work) need_value "$@"; WORK=$2; shift ;;
       --dry-run) DRY_RUN=1 ;;
       -h | --help) usage; exit 0 ;;
       *) err "unknown option: $1"; usage >&2; exit 2 ;;

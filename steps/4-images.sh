@@ -1,17 +1,12 @@
 #!/usr/bin/env bash
-# Step 4: the serving images. Dockerfile.v2 FROM the step-3 base (VLLM_BASE), and with --tq Dockerfile.v2-tq
-# FROM v2. Skips an image whose fingerprint label (its Dockerfile, the onespark sources, the base image id)
+# Step 4: the serving images of a track (--vllm). Dockerfile.v2 FROM the step-3 base (VLLM_BASE), and with --tq
+# Dockerfile.v2-tq FROM v2. A base whose dev.onespark.vllm.track label names another track is refused. Skips an image whose fingerprint label (its Dockerfile, the onespark sources, the base image id)
 # matches; --no-cache rebuilds.
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ONESPARK_ROOT/pyproject.toml")
-BASE=${ONESPARK_BASE_IMAGE:-onespark/vllm-base:0.19.1-cu130-sm121}
-V2=onespark/v2:$VERSION
-V2_TQ=onespark/v2-tq:$VERSION
-DEMO_BASE=onespark-demo/vllm-cpu:0.19.1
-DEMO_V2=onespark-demo/v2:$VERSION
 LABEL_KEY=dev.onespark.fingerprint
 # What the v2 image contains from this checkout.
 SOURCES=(pyproject.toml README.md LICENSE onespark kernels patches bench docker)
@@ -19,9 +14,13 @@ SOURCES=(pyproject.toml README.md LICENSE onespark kernels patches bench docker)
 usage() {
   cat <<USAGE
 usage: steps/4-images.sh [options]
-  --base NAME:TAG   the vLLM base image, passed as VLLM_BASE (default: $BASE; with --demo: $DEMO_BASE)
-  --tag NAME:TAG    the v2 image (default: $V2; with --demo: $DEMO_V2)
-  --tq              also build Dockerfile.v2-tq as $V2_TQ (TurboQuant)
+  --vllm VERSION    the vLLM track: ${VLLM_TRACKS[*]} (default: $VLLM_DEFAULT); the base image must carry
+                    the label $TRACK_LABEL=VERSION (step 3 sets it)
+  --base NAME:TAG   the vLLM base image, passed as VLLM_BASE (default: $(base_tag "$VLLM_DEFAULT"), $(base_tag 0.32.0);
+                    with --demo: $(demo_base_tag "$VLLM_DEFAULT"), $(demo_base_tag 0.32.0))
+  --tag NAME:TAG    the v2 image (default: onespark/v2:$VERSION, onespark/v2:$VERSION$(track_suffix 0.32.0);
+                    with --demo: onespark-demo/v2:$VERSION, onespark-demo/v2:$VERSION$(track_suffix 0.32.0))
+  --tq              also build Dockerfile.v2-tq as the same tag with v2-tq for v2 (TurboQuant)
   --demo            build v2 on the CPU stand-in base from step 3 --demo
   --no-cache        rebuild even if the images exist
   --dry-run         print the commands, run nothing
@@ -29,33 +28,48 @@ usage: steps/4-images.sh [options]
 USAGE
 }
 
-# build_image TAG DOCKERFILE FROM_IMAGE BUILD_ARG_NAME
+# The track an image was built for (its label), checked before anything is built on it: a v2 build on a base
+# of the other track would fail later, at run time or in the plugin's version guard.
+check_base_track() {
+  local image=$1 track=$2 got
+  got=$(image_label "$image" "$TRACK_LABEL")
+  [[ $got == "$track" ]] && return 0
+  if [[ -z $got ]]; then
+    die "$image has no $TRACK_LABEL label (built by an older onespark): rebuild it with steps/3-base-image.sh --vllm $track --no-cache"
+  fi
+  die "$image is a vLLM $got base, not $track: pass --vllm $got, or build the $track base first (steps/3-base-image.sh --vllm $track)"
+}
+
+# build_image TAG DOCKERFILE FROM_IMAGE BUILD_ARG_NAME TRACK
 build_image() {
-  local tag=$1 dockerfile=$2 from=$3 arg=$4 from_id fp
+  local tag=$1 dockerfile=$2 from=$3 arg=$4 track=$5 from_id fp
   from_id=$from
   if [[ $DRY_RUN != 1 ]]; then
     from_id=$(docker image inspect --format '{{.Id}}' "$from" 2>/dev/null) \
-      || die "base image $from not found: run steps/3-base-image.sh first (or pass --base)"
+      || die "base image $from not found: run steps/3-base-image.sh$([[ $track == "$VLLM_DEFAULT" ]] || printf ' --vllm %s' "$track") first (or pass --base)"
+    check_base_track "$from" "$track"
   fi
-  fp=$(fingerprint "$dockerfile" "${SOURCES[@]}" "$from_id")
+  fp=$(fingerprint "$dockerfile" "${SOURCES[@]}" "$from_id" "VLLM_VERSION=$track")
   if [[ $DRY_RUN != 1 && $NO_CACHE == 0 && $(image_label "$tag" "$LABEL_KEY") == "$fp" ]]; then
     say "step 4: $tag is up to date ($LABEL_KEY=$fp), skipping"
     return 0
   fi
-  local -a args=(docker build --network host --build-arg "$arg=$from" --label "$LABEL_KEY=$fp")
+  local -a args=(docker build --network host --build-arg "$arg=$from" --build-arg "VLLM_VERSION=$track"
+                 --label "$LABEL_KEY=$fp" --label "$TRACK_LABEL=$track")
   ((NO_CACHE)) && args+=(--no-cache)
   args+=(-f "$dockerfile" -t "$tag" .)
-  say "step 4: building $tag from $dockerfile on $from"
+  say "step 4: building $tag (vLLM $track) from $dockerfile on $from"
   timed "docker build $tag" "${args[@]}"
 }
 
 main() {
-  local tq=0 demo=0 base="" tag=""
+  local tq=0 demo=0 base="" tag="" track=$VLLM_DEFAULT
   NO_CACHE=0
   while (($#)); do
     case $1 in
-      --base) base=${2:?--base needs a value}; shift ;;
-      --tag) tag=${2:?--tag needs a value}; shift ;;
+      --vllm) need_value "$@"; track=$2; shift ;;
+      --base) need_value "$@"; base=$2; shift ;;
+      --tag) need_value "$@"; tag=$2; shift ;;
       --tq) tq=1 ;;
       --demo) demo=1 ;;
       --no-cache) NO_CACHE=1 ;;
@@ -65,18 +79,25 @@ main() {
     esac
     shift
   done
+  check_track "$track"
   cd "$ONESPARK_ROOT" || die "cannot cd to $ONESPARK_ROOT"
+  # Dockerfile.v2-tq applies the track's TurboQuant diff (patches/turboquant.diff is 0.19.1's).
+  local tq_diff=patches/turboquant.diff
+  [[ $track == "$VLLM_DEFAULT" ]] || tq_diff=patches/turboquant-$track.diff
+  if ((tq)) && [[ ! -f $tq_diff ]]; then
+    die "--tq on vLLM $track needs $tq_diff, which this checkout does not have (TurboQuant is not ported to $track yet)"
+  fi
   [[ $DRY_RUN == 1 ]] || need_cmd docker "install Docker: https://docs.docker.com/engine/install/"
   if ((demo)); then
-    base=${base:-$DEMO_BASE}
-    tag=${tag:-$DEMO_V2}
+    base=${base:-$(demo_base_tag "$track")}
+    tag=${tag:-onespark-demo/v2:$VERSION$(track_suffix "$track")}
   else
-    base=${base:-$BASE}
-    tag=${tag:-$V2}
+    base=${base:-$(base_tag "$track")}
+    tag=${tag:-onespark/v2:$VERSION$(track_suffix "$track")}
   fi
-  build_image "$tag" Dockerfile.v2 "$base" VLLM_BASE
+  build_image "$tag" Dockerfile.v2 "$base" VLLM_BASE "$track"
   if ((tq)); then
-    build_image "${tag/\/v2:/\/v2-tq:}" Dockerfile.v2-tq "$tag" ONESPARK_V2
+    build_image "${tag/\/v2:/\/v2-tq:}" Dockerfile.v2-tq "$tag" ONESPARK_V2 "$track"
   fi
   timing_summary
 }

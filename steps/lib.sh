@@ -10,6 +10,16 @@ say() { printf 'onespark: %s\n' "$*"; }
 err() { printf 'onespark: error: %s\n' "$*" >&2; }
 die() { err "$@"; exit 1; }
 
+# need_value "$@" inside an option loop: the option in $1 must be followed by its value. Dies naming the option
+# (bash's own ${2:?} says "line 65: 2: ..."), also when the next word is another option (`--work --demo`).
+need_value() {
+  if (($# < 2)) || [[ -z $2 ]]; then
+    err "$1 needs a value (see $0 --help)"; exit 2
+  elif [[ $2 == --* ]]; then
+    err "$1 needs a value, got the option $2 (see $0 --help)"; exit 2
+  fi
+}
+
 need_cmd() {
   command -v "$1" >/dev/null 2>&1 || die "need '$1' (command not found)${2:+: $2}"
 }
@@ -34,6 +44,26 @@ onespark_cli() {
 }
 
 # ---- images (steps 3-4; appended by the images issue) --------------------------------------------
+
+# The two pinned vLLM tracks (patches/_compat.py SUPPORTED_VLLM): 0.19.1 reproduces the published tables and is
+# the default; 0.32.0 is built from official wheels (Dockerfile.base, stage vllm-wheels).
+VLLM_TRACKS=(0.19.1 0.32.0)
+VLLM_DEFAULT=0.19.1
+# The base image label that names the track; steps/4-images.sh refuses a base of the other track by it.
+# shellcheck disable=SC2034  # read by the scripts that source this file
+TRACK_LABEL=dev.onespark.vllm.track
+
+check_track() {
+  local t
+  for t in "${VLLM_TRACKS[@]}"; do [[ $1 == "$t" ]] && return 0; done
+  err "--vllm must be one of ${VLLM_TRACKS[*]}, got '$1'"; exit 2
+}
+
+# Image names per track. The default track keeps the names it always had; the other track's v2 images carry
+# the vLLM version in the tag, so that both tracks' images coexist.
+base_tag() { printf 'onespark/vllm-base:%s-cu130-sm121' "$1"; }
+demo_base_tag() { printf 'onespark-demo/vllm-cpu:%s' "$1"; }
+track_suffix() { [[ $1 == "$VLLM_DEFAULT" ]] || printf -- '-vllm%s' "$1"; }
 
 # Print the value of LABEL on IMAGE, or nothing when the image (or the label) does not exist.
 image_label() {

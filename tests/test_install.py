@@ -81,10 +81,17 @@ if args[:2] == ["buildx", "version"]:
 if args[:2] == ["image", "inspect"]:
     tag = args[-1]
     if tag not in state: sys.exit(1)
-    print(state[tag] if "Labels" in " ".join(args) else "sha256:" + "ab" * 32); sys.exit(0)
+    labels = state[tag] if isinstance(state[tag], dict) else {{"dev.onespark.fingerprint": state[tag]}}
+    fmt = " ".join(args)
+    if "Labels" in fmt:
+        key = fmt.split('"')[1]  # {{{{ index .Config.Labels "KEY" }}}}
+        print(labels.get(key, ""))
+    else:
+        print("sha256:" + "ab" * 32)
+    sys.exit(0)
 if args[:1] == ["build"]:
-    label = next(a.split("=", 1)[1] for a in args if a.startswith("dev.onespark.fingerprint="))
-    state[args[args.index("-t") + 1]] = label
+    labels = dict(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "--label")
+    state[args[args.index("-t") + 1]] = labels
     json.dump(state, open(state_path, "w")); print("Successfully built"); sys.exit(0)
 sys.exit(0)
 PY
@@ -163,6 +170,118 @@ def test_api_key_never_printed(fakebin):
              ONESPARK_VENV=str(fakebin["dir"].parent / "v"))
     assert r.returncode == 0, r.stderr
     assert secret not in r.stdout + r.stderr
+
+
+# Every shell option that takes a value, as the last word and followed by another option. Before: bash's
+# `${2:?}` printed "install.sh: line 65: 2: --host needs a value"; `--work --demo` took "--demo" as the directory.
+VALUE_FLAGS = [
+    ("install.sh", "--host"), ("install.sh", "--port"), ("install.sh", "--api-key"), ("install.sh", "--work"),
+    ("install.sh", "--vllm"), ("steps/0-download.sh", "--work"), ("steps/0-download.sh", "--int4-revision"),
+    ("steps/1-hybrid.sh", "--work"), ("steps/2-mtp.sh", "--work"), ("steps/3-base-image.sh", "--tag"),
+    ("steps/3-base-image.sh", "--vllm"), ("steps/3-base-image.sh", "--max-jobs"), ("steps/4-images.sh", "--base"),
+    ("steps/4-images.sh", "--vllm"), ("demo/rootfs.sh", "--mirror"),
+]
+
+
+@pytest.mark.parametrize("script, flag", VALUE_FLAGS, ids=[f"{s}{f}" for s, f in VALUE_FLAGS])
+@pytest.mark.parametrize("where", ["last", "before-option"])
+def test_flag_missing_its_value_is_named(fakebin, script, flag, where):
+    argv = [BASH, script, flag] + (["--dry-run"] if where == "before-option" else [])
+    r = _run(argv, fakebin)
+    assert r.returncode == 2, r.stdout + r.stderr
+    want = f"onespark: error: {flag} needs a value" + (", got the option --dry-run" if where == "before-option" else "")
+    assert r.stderr.splitlines() == [f"{want} (see {script} --help)"], r.stderr
+    assert _calls(fakebin) == []
+
+
+@pytest.mark.parametrize("script", ["install.sh", "steps/3-base-image.sh", "steps/4-images.sh"])
+def test_unknown_vllm_track_is_one_line(fakebin, script):
+    r = _run([BASH, script, "--vllm", "0.23.0", "--dry-run"], fakebin)
+    assert r.returncode == 2
+    assert r.stderr.splitlines() == ["onespark: error: --vllm must be one of 0.19.1 0.32.0, got '0.23.0'"], r.stderr
+    assert _calls(fakebin) == []
+
+
+def _in_order(out: str, pieces: list[str]) -> None:
+    pos = 0
+    for piece in pieces:
+        found = out.find(piece, pos)
+        assert found >= 0, f"{piece!r} missing (or out of order) in the plan:\n{out}"
+        pos = found
+
+
+def test_dry_run_prints_the_032_plan(fakebin, tmp_path):
+    venv, work = tmp_path / "venv", tmp_path / "work"
+    r = _run([BASH, "install.sh", "--dry-run", "--vllm", "0.32.0", "--launch", "--work", str(work)], fakebin,
+             ONESPARK_VENV=str(venv))
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    v2 = f"onespark/v2:{__version__}-vllm0.32.0"
+    _in_order(out, [
+        "vLLM 0.32.0", "steps/0-download.sh", "steps/2-mtp.sh",
+        "steps/3-base-image.sh --vllm 0.32.0", "docker build --network host --target vllm-wheels",
+        "-f Dockerfile.base -t onespark/vllm-base:0.32.0-cu130-sm121",
+        "steps/4-images.sh --vllm 0.32.0", "--build-arg VLLM_BASE=onespark/vllm-base:0.32.0-cu130-sm121 "
+        "--build-arg VLLM_VERSION=0.32.0", f"-f Dockerfile.v2 -t {v2}",
+        f"serve --host 127.0.0.1 --port 8000 --replace --image {v2}", f"{v2} --host 127.0.0.1 --port 8000",
+    ])
+    # The wheels stage needs no BuildKit (CI's classic builder builds it); the source build's does.
+    assert "DOCKER_BUILDKIT" not in out and "MAX_JOBS" not in out and "vllm-base:0.19.1" not in out
+    assert _calls(fakebin) == [] and not venv.exists() and not work.exists()
+    tq = _run([BASH, "steps/4-images.sh", "--dry-run", "--vllm", "0.32.0", "--tq"], fakebin)
+    if (ROOT / "patches/turboquant-0.32.0.diff").exists():
+        assert tq.returncode == 0 and f"-t onespark/v2-tq:{__version__}-vllm0.32.0" in tq.stdout, tq.stderr
+    else:  # the TurboQuant port to 0.32.0 is not in this checkout: refused before anything is built
+        assert tq.returncode == 1 and "needs patches/turboquant-0.32.0.diff" in tq.stderr, tq.stderr
+
+
+def test_dry_run_prints_the_032_demo_plan(fakebin, tmp_path):
+    r = _run([BASH, "install.sh", "--dry-run", "--demo", "--vllm", "0.32.0", "--work", str(tmp_path / "w")], fakebin,
+             ONESPARK_VENV=str(tmp_path / "venv"))
+    assert r.returncode == 0, r.stderr
+    v2 = f"onespark-demo/v2:{__version__}-vllm0.32.0"
+    _in_order(r.stdout, [
+        "demo/rootfs.sh", "--build-arg VLLM_VERSION=0.32.0 --build-arg TORCH_VERSION=2.13.0 "
+        "--build-arg REQUIREMENTS=tests/requirements-032.txt --build-arg OVERRIDES=tests/overrides-032.txt",
+        "-f demo/Dockerfile.cpu-base -t onespark-demo/vllm-cpu:0.32.0",
+        "--build-arg VLLM_BASE=onespark-demo/vllm-cpu:0.32.0 --build-arg VLLM_VERSION=0.32.0", f"-t {v2}",
+        f"--image {v2}",
+    ])
+    # the default track's plan is unchanged by the second one
+    r = _run([BASH, "install.sh", "--dry-run", "--demo", "--work", str(tmp_path / "w")], fakebin,
+             ONESPARK_VENV=str(tmp_path / "venv"))
+    assert "-t onespark-demo/vllm-cpu:0.19.1" in r.stdout and "REQUIREMENTS=tests/requirements.txt" in r.stdout
+    assert f"-t onespark-demo/v2:{__version__} ." in r.stdout and "--replace --image" not in r.stdout
+
+
+def test_step4_refuses_a_base_of_the_other_track(fakebin):
+    state = _fake_docker(fakebin)
+    assert _run([BASH, "steps/3-base-image.sh"], fakebin).returncode == 0  # the 0.19.1 base, labelled
+    builds = lambda: [c for c in _calls(fakebin) if c.startswith("docker build")]  # noqa: E731
+    assert "--label dev.onespark.vllm.track=0.19.1" in builds()[0]
+    r = _run([BASH, "steps/4-images.sh", "--vllm", "0.32.0", "--base", "onespark/vllm-base:0.19.1-cu130-sm121"], fakebin)
+    assert r.returncode == 1 and len(builds()) == 1, r.stdout + r.stderr
+    assert r.stderr.splitlines() == ["onespark: error: onespark/vllm-base:0.19.1-cu130-sm121 is a vLLM 0.19.1 base, "
+                                     "not 0.32.0: pass --vllm 0.19.1, or build the 0.32.0 base first "
+                                     "(steps/3-base-image.sh --vllm 0.32.0)"]
+    # a base built before the label existed
+    labels = json.loads(state.read_text())
+    labels["old/base:1"] = {"dev.onespark.fingerprint": "x"}
+    state.write_text(json.dumps(labels))
+    r = _run([BASH, "steps/4-images.sh", "--base", "old/base:1"], fakebin)
+    assert r.returncode == 1 and "old/base:1 has no dev.onespark.vllm.track label" in r.stderr and len(builds()) == 1
+    # the matching track builds, and v2 carries the track for v2-tq's check
+    assert _run([BASH, "steps/3-base-image.sh", "--vllm", "0.32.0"], fakebin).returncode == 0
+    r = _run([BASH, "steps/4-images.sh", "--vllm", "0.32.0"], fakebin)
+    assert r.returncode == 0, r.stderr
+    assert f"-t onespark/v2:{__version__}-vllm0.32.0" in builds()[-1] and "VLLM_VERSION=0.32.0" in builds()[-1]
+    assert json.loads(state.read_text())[f"onespark/v2:{__version__}-vllm0.32.0"]["dev.onespark.vllm.track"] == "0.32.0"
+
+
+def test_step3_from_a_stand_in_needs_a_tag(fakebin):
+    _fake_docker(fakebin)
+    r = _run([BASH, "steps/3-base-image.sh", "--vllm", "0.32.0", "--from", "onespark-demo/debian:bookworm"], fakebin)
+    assert r.returncode == 2 and "--from needs --tag" in r.stderr and _calls(fakebin) == []
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -72,23 +72,53 @@ def demo_container():
     subprocess.run(["docker", "rm", "-f", CONTAINER], capture_output=True)
 
 
+def fresh_clone(dest: Path) -> Path:
+    """What a fresh clone of this checkout holds: tracked and untracked-but-not-ignored files, modes kept, no
+    virtualenv (tests/run.sh's .venv, .venv-032 or an old .venv-host) and no work directory."""
+    out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout
+    for rel in out.split("\0"):
+        src = ROOT / rel
+        if not rel or rel.startswith((".venv", ".work/")) or not src.is_file():
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / rel)
+    return dest
+
+
+def clean_env() -> dict:
+    """The environment of a user's shell: no test venv on PATH or active, nothing of ours preset."""
+    venv = Path(sys.prefix).resolve()
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ONESPARK_", "VLLM_", "PYTHON")) and k not in ("VIRTUAL_ENV", "OPENAI_API_KEY")}
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if p and not Path(p).resolve().is_relative_to(venv))
+    return env
+
+
 def test_install_demo_end_to_end(tmp_path, demo_container):
+    """A fresh clone's `./install.sh --demo -y`, with install.sh's own host venv (.venv-host, `pip install -e .`),
+    not the test venv: what a new user runs. (It failed here once because that venv lacked tokenizers.)"""
     reason = _docker_ok()
     if reason:
         pytest.skip(reason)
     port = _free_port()
     work = tmp_path / "work"
-    env = dict(os.environ)
-    # The test venv already has this checkout installed (tests/run.sh): install.sh reuses it.
-    env["ONESPARK_VENV"] = str(Path(sys.executable).parent.parent)
+    clone = fresh_clone(tmp_path / "clone")
+    env = clean_env()
     t0 = time.monotonic()
     key = "sk-demo-" + os.urandom(8).hex()
     r = subprocess.run(["./install.sh", "--demo", "-y", "--port", str(port), "--work", str(work), "--api-key", key],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=3300, stdin=subprocess.DEVNULL)
+                       cwd=clone, env=env, capture_output=True, text=True, timeout=3300, stdin=subprocess.DEVNULL)
     elapsed = time.monotonic() - t0
     out = r.stdout + r.stderr
     assert r.returncode == 0, f"install.sh --demo failed after {elapsed:.0f} s:\n{out[-6000:]}"
     assert key not in out, "the API key must never be printed"
+    # install.sh built its own host venv in the clone and ran every onespark command from it.
+    host = clone / ".venv-host"
+    assert f"host tools: creating {host}" in out, out[:3000]
+    assert (host / ".onespark-installed").is_file() and f"+ {host}/bin/onespark tiny-model" in out
+    assert not (clone / ".venv").exists()
 
     # Steps 0-2 ran on generated checkpoints and the result verifies.
     assert (work / "hybrid" / "onespark-manifest.json").is_file()

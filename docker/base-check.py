@@ -1,0 +1,100 @@
+"""Dockerfile.base's last build step, for both tracks: fail the build, loudly, on the failures users hit weeks later.
+
+  python base-check.py --vllm 0.32.0 --torch 2.13.0 --cuda 13.0 --triton 3.7.1 --flashinfer 0.7.0.post1
+
+Checks, each against what the Dockerfile pinned:
+  - torch is the CUDA build expected (a CPU torch, or one of another CUDA, reports another torch.version.cuda);
+    `--torch X+cu130` compares the full version, `--torch X` the release (PyPI's wheels carry no suffix);
+  - exactly one installed distribution owns the `torch` and the `triton` packages (two would overwrite each
+    other's files: the "two torches" class of ABI failure);
+  - vllm imports at the pinned version, and so do its compiled ops (`vllm._C`: an ABI mismatch shows there);
+  - FlashInfer and Triton import at their pins;
+  - the ptxas that Triton uses for sm_121 (the GB10) knows `sm_121a`: Triton >= 3.7 picks its bundled
+    CUDA 13 `ptxas-blackwell` for sm_100+, older ones use TRITON_PTXAS_PATH (triton-lang/triton#8539).
+No GPU is needed: a docker build has none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata as md
+import os
+import subprocess
+import sys
+
+
+def owners(package: str) -> list[str]:
+    """Installed distributions whose RECORD lists PACKAGE/__init__.py."""
+    found = []
+    for dist in md.distributions():
+        files = dist.files or []
+        if any(str(f) == f"{package}/__init__.py" for f in files):
+            found.append(f"{dist.metadata['Name']}=={dist.version}")
+    return sorted(found)
+
+
+def ptxas_for_sm121() -> tuple[str, str]:
+    """(path, why) of the ptxas Triton runs for compute capability 12.1."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas  # Triton >= 3.7: per-architecture ptxas
+        return get_ptxas(121).path, "Triton's choice for sm_121 (get_ptxas(121))"
+    except ImportError:
+        path = os.environ.get("TRITON_PTXAS_PATH", "")
+        return path, "TRITON_PTXAS_PATH (this Triton has one ptxas for every architecture)"
+
+
+def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    problems, facts = [], []
+    import torch
+
+    release = torch.__version__.split("+")[0]
+    got = torch.__version__ if "+" in args.torch else release
+    if got != args.torch or torch.version.cuda != args.cuda:
+        problems.append(f"torch is {torch.__version__} (CUDA {torch.version.cuda}), expected {args.torch} with CUDA "
+                        f"{args.cuda}: a CPU or other-CUDA torch was resolved")
+    facts.append(f"torch {torch.__version__} (CUDA {torch.version.cuda})")
+    for package in ("torch", "triton"):
+        own = owners(package)
+        if len(own) != 1:
+            problems.append(f"{len(own)} distributions install the {package} package ({', '.join(own) or 'none'}): "
+                            "exactly one may")
+    for name, want, compiled in (("vllm", args.vllm, "vllm._C"), ("flashinfer", args.flashinfer, None),
+                                 ("triton", args.triton, None)):
+        try:
+            mod = importlib.import_module(name)
+            if mod.__version__ != want:
+                problems.append(f"{name} is {mod.__version__}, expected {want}")
+            if compiled:
+                importlib.import_module(compiled)
+            facts.append(f"{name} {mod.__version__}")
+        except Exception as e:  # report every failure, then fail once
+            problems.append(f"import {compiled or name} failed: {e!r}")
+    path, why = ptxas_for_sm121()
+    try:
+        out = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60).stdout
+        version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+        if "sm_121a" not in out:
+            problems.append(f"{path} ({why}) does not know sm_121a: Triton kernels would fail on the GB10; point "
+                            "TRITON_PTXAS_PATH at CUDA 13's ptxas")
+        facts.append(f"ptxas for sm_121: {path} ({why}; {version.strip().splitlines()[-1] if version else '?'})")
+    except OSError as e:
+        problems.append(f"no ptxas for sm_121 ({why}: {path or 'unset'}): {e}")
+    return problems, facts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    for flag in ("--vllm", "--torch", "--cuda", "--triton", "--flashinfer"):
+        p.add_argument(flag, required=True)
+    args = p.parse_args(argv)
+    problems, facts = check(args)
+    if problems:
+        print("Dockerfile.base check failed:\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+    print("ok: " + "; ".join(facts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
