@@ -529,3 +529,80 @@ def test_the_guard_stops_a_real_allocation_before_the_cgroup_limit(cgroup, tmp_p
     finally:
         bystander.kill()
         bystander.wait()
+
+
+# ------------------------------------------------------------------------------------------------------
+# a real container: the flag serve passes, and the guard's docker wait / docker stop
+
+@pytest.mark.docker
+def test_a_real_container_gets_the_oom_adjustment_and_the_guard_stops_it(tmp_path):
+    """An image with nothing in it; the host's /usr (bin, lib) mounted read-only gives it a `sleep`."""
+    empty = tmp_path / "empty.tar"
+    subprocess.run(["tar", "cf", str(empty), "--files-from", "/dev/null"], check=True)
+    image = "onespark-test/empty:1"
+    subprocess.run(["docker", "import", str(empty), image], check=True, capture_output=True)
+    cmd, _ = serve.docker_run_command(_serve_args(tmp_path, "--demo"), image)
+    adj = cmd[cmd.index("--oom-score-adj"):cmd.index("--oom-score-adj") + 2]
+    name = f"onespark-test-guard-{os.getpid()}"
+    mounts = [a for d in ("/usr", "/bin", "/lib", "/lib64") if os.path.exists(d) for a in ("-v", f"{d}:{d}:ro")]
+    run = ["docker", "run", "-d", "--name", name, *adj, *mounts, image, "/bin/sleep", "300"]
+    try:
+        subprocess.run(run, check=True, capture_output=True, timeout=120)
+        pid = subprocess.run(["docker", "inspect", "-f", "{{.State.Pid}}", name], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        # the kernel's choice: 1000 makes these processes the OOM killer's first victims, whatever their RSS
+        assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == "1000"
+        mi = tmp_path / "meminfo"
+        mi.write_text(_mi(40))
+        guard = subprocess.Popen(memory.guard_command(name, floor_gib=5, report=tmp_path / "report", util="0.82",
+                                                      meminfo=str(mi)) + ["--interval", "0.1"],
+                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(1.5)
+        assert guard.poll() is None
+        mi.write_text(_mi(1))
+        out, _ = guard.communicate(timeout=60)
+        assert guard.returncode == 3, out
+        state = subprocess.run(["docker", "inspect", "-f", "{{.State.Running}}", name], capture_output=True,
+                               text=True).stdout.strip()
+        assert state == "false" and "docker stop --time 5" in (tmp_path / "report").read_text()
+        # a guard whose container is removed ends with it
+        subprocess.run(["docker", "start", name], check=True, capture_output=True)
+        mi.write_text(_mi(40))
+        guard = subprocess.Popen(memory.guard_command(name, floor_gib=5, report=tmp_path / "r2", util=None,
+                                                      meminfo=str(mi)),
+                                 cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(1.5)
+        subprocess.run(["docker", "rm", "-f", name], check=True, capture_output=True)
+        out, _ = guard.communicate(timeout=60)
+        assert guard.returncode == 0 and f"container {name} ended" in out, out
+    finally:
+        subprocess.run(["docker", "rm", "-f", name], capture_output=True)
+
+
+def test_doctor_makes_the_same_plan(tmp_path):
+    from onespark import doctor
+
+    model = _index_only(tmp_path / "work" / "hybrid", _real_122b_bytes())
+    mi = _meminfo(tmp_path / "mi")
+    ns = dict(work=str(tmp_path / "work"), meminfo=mi, host_reserve_gib=20.0, guard_floor_gib=None)
+    # [0]: the plan; what follows names this machine's own large processes, if any
+    ok = doctor.check_memory_plan(argparse.Namespace(**ns, model=None, gpu_memory_utilization=None))[0]
+    assert ok.status == "ok" and "KV pool 26.7 GiB, host keeps 21.5 GiB" in ok.detail
+    bad = doctor.check_memory_plan(argparse.Namespace(**ns, model=str(model), gpu_memory_utilization=0.88))[0]
+    assert bad.status == "FAIL" and "--gpu-memory-utilization 0.83" in bad.fix
+    [later] = doctor.check_memory_plan(argparse.Namespace(**{**ns, "work": str(tmp_path / "none")}, model=None,
+                                                          gpu_memory_utilization=None))
+    assert later.status == "ok" and "made once the checkpoint exists" in later.detail
+
+
+def test_serve_shows_the_guards_report_when_it_stopped_the_container(tmp_path, monkeypatch):
+    report = tmp_path / "guard.report"
+    report.write_text("onespark memory guard stopped container onespark at ...: MemAvailable 4.1 GiB stayed below\n")
+    monkeypatch.setattr(serve, "_http", lambda *a, **k: (0, b""))
+    monkeypatch.setattr(serve, "_container_state", lambda name: (False, 143, False))
+    monkeypatch.setattr(serve, "_logs", lambda name: "INFO Memory profiling takes 3 s\n")
+    with pytest.raises(UserError, match=r"stopped by the memory guard after \d+ s:\nonespark memory guard stopped"):
+        serve.wait_healthy("onespark", "http://127.0.0.1:1", 60, tty=False, guard_report=report)
+    report.unlink()  # no report: the usual exit message and cause
+    with pytest.raises(UserError, match="exited \\(code 143\\)"):
+        serve.wait_healthy("onespark", "http://127.0.0.1:1", 60, tty=False, guard_report=report)
