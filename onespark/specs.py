@@ -216,14 +216,14 @@ def names() -> list[str]:
     return list(SPECS) + [CUSTOM]
 
 
-def get(name: str | None) -> Spec:
+def get(name: str | None, flag: str = "--model") -> Spec:
     """The spec called `name` (None: the default). `custom` needs custom(); unknown names list the specs."""
     name = name or DEFAULT
     if name in SPECS:
         return SPECS[name]
     if name == CUSTOM:
-        raise UserError("--model custom needs --int4-repo (and --fp8-repo for the splice) and --revision")
-    raise UserError(f"--model {name}: unknown; the specs are: {', '.join(names())}")
+        raise UserError(f"{flag} custom needs --int4-repo (and --fp8-repo for the splice) and --revision")
+    raise UserError(f"{flag} {name}: unknown; the specs are: {', '.join(names())}")
 
 
 def custom(int4_repo: str, fp8_repo: str | None, revision: str | None = None,

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,7 @@ SHARD = "model-00002-of-00003.safetensors"
 EXTRA = "model_extra_tensors.safetensors"
 
 
-def digest(d: Path, skip=(MANIFEST_FILE,)) -> dict[str, str]:
+def digest(d: Path, skip=(MANIFEST_FILE, ".onespark.lock")) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())
             if p.is_file() and p.name not in skip}
 
@@ -310,3 +311,56 @@ def test_api_key_from_file_or_env_reaches_the_server_and_no_record(tmp_path):
     rec = json.loads((tmp_path / "a" / "r.json").read_text())
     assert rec["note"] == "served with key ***" and rec["requests"] == 1 and rec["failed_requests"] == 0
     assert "--api-key=***" in json.loads((tmp_path / "c" / "r.json").read_text())["command"]
+
+
+# ---- item 6: one writer per output directory -------------------------------------------------------------
+
+HELD_CHILD = """
+import os, sys, time
+import onespark.safetensors_io as io
+real = io.copy_range
+go = sys.argv.pop(1)
+def held(*a):  # the test's brake: the first run copies nothing until the test has tried the second one
+    deadline = time.monotonic() + 120
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    real(*a)
+io.copy_range = held
+from onespark.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_second_writer_is_refused_naming_the_holder(pair, finished, tmp_path):
+    out = tmp_path / "hy"
+    args = ["hybrid", "--int4", str(pair / "int4"), "--fp8", str(pair / "fp8"), "--out", str(out)]
+    go = tmp_path / "go"
+    first = subprocess.Popen([sys.executable, "-c", HELD_CHILD, str(go), *args], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    lock = out / ".onespark.lock"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not (lock.is_file() and lock.read_text() and list(out.glob(".*.tmp-*"))
+                                               ) and first.poll() is None:
+        time.sleep(0.005)
+    assert first.poll() is None, "the first run ended before the second one could start"
+    second = cli(*args)
+    last = one_line_error(second, "hybrid")
+    assert f"--out {out} is in use by pid {first.pid} (onespark hybrid --int4 " in last, last
+    last = one_line_error(cli("mtp", str(out)), "mtp")  # step 2 waits for step 1 too
+    assert f"is in use by pid {first.pid}" in last, last
+    go.touch()
+    assert first.wait(timeout=300) == 0, first.stdout.read()
+    # byte-identical to a clean run (whose index step 2 has since extended)
+    skip = (MANIFEST_FILE, ".onespark.lock", "model.safetensors.index.json")
+    assert digest(out, skip) == digest(finished, skip)
+    mtp(out, log=lambda m: None)
+    assert verify(out)[0] == []  # the refused runs deleted nothing of the first one's
+
+
+def test_download_refuses_a_destination_in_use(tmp_path):
+    from onespark.lock import locked
+    env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", NO_PROXY="127.0.0.1", HF_HUB_OFFLINE="0")
+    with locked(tmp_path / "m" / "fp8", "--dest"):  # this process holds it; the child must not write there
+        r = cli("download", "--dest", str(tmp_path / "m"), "--skip-int4", "--fp8-revision", "2" * 40, env=env)
+    last = one_line_error(r, "download")
+    assert f"--dest {tmp_path / 'm' / 'fp8'} is in use by pid {os.getpid()}" in last, last
