@@ -638,6 +638,23 @@ def guard_files(name: str) -> tuple[Path, Path]:
     return d / f"guard-{name}.log", d / f"guard-{name}.report"
 
 
+def wait_until_settled(meminfo: str = "/proc/meminfo", *, timeout: float = 30, step: float = 1.0,
+                       settled: int = 256 * MIB, clock=time.monotonic, sleep=time.sleep) -> None:
+    """Wait (at most `timeout`) until MemAvailable stops rising: a removed server's memory comes back while its
+    processes exit, and the plan must not count it as used."""
+    deadline = clock() + timeout
+    try:
+        last = read_meminfo(meminfo).get("MemAvailable", 0)
+        while clock() < deadline:
+            sleep(step)
+            now = read_meminfo(meminfo).get("MemAvailable", 0)
+            if now - last < settled:
+                return
+            last = now
+    except OSError:
+        return  # make_plan reports an unreadable meminfo with its path
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-reserve-gib", type=float, default=HOST_RESERVE_FLOOR_GIB,
                    help=f"refuse a plan that leaves the host less than this (default: {HOST_RESERVE_FLOOR_GIB:g}; "

@@ -377,11 +377,11 @@ def run(args: argparse.Namespace) -> int:
     guard_log, guard_report = memory.guard_files(args.name)
     guard_cmd = memory.guard_command(args.name, floor_gib=guard_floor_gib(args), report=guard_report, util=util,
                                      meminfo=args.meminfo, vmstat=args.vmstat)
-    memory_plan(args)
-    print("onespark serve: + " + shlex.join(cmd))
-    if not args.no_memory_guard:
-        print("onespark serve: + " + shlex.join(guard_cmd) + f" >> {guard_log}   (memory guard)")
     if args.dry_run:
+        memory_plan(args)
+        print("onespark serve: + " + shlex.join(cmd))
+        if not args.no_memory_guard:
+            print("onespark serve: + " + shlex.join(guard_cmd) + f" >> {guard_log}   (memory guard)")
         return 0
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"onespark serve: warning: --host {args.host} exposes the server beyond this machine without "
@@ -392,10 +392,17 @@ def run(args: argparse.Namespace) -> int:
         if not args.replace:
             raise UserError(f"a container named {args.name} exists: pass --replace, or --name another")
         _docker("rm", "-f", args.name)
+        # The plan below must see the memory the old server gave back (the driver frees it as it exits).
+        memory.wait_until_settled(args.meminfo)
+    if guard_report.is_file():  # what the guard of this name's last run saw, shown once, then not this run's
+        print("onespark serve: the previous run's memory guard stopped it:\n" + guard_report.read_text().rstrip())
+        guard_report.unlink()
+    # After removing a replaced container, so that its memory counts as free; before anything is started.
+    memory_plan(args)
+    print("onespark serve: + " + shlex.join(cmd))
     probe = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     if _port_open(probe, args.port):
         raise UserError(f"something already listens on {probe}:{args.port}: stop it or pass --port")
-    guard_report.unlink(missing_ok=True)  # a report of an earlier run of this name is not this run's
     try:
         subprocess.run(cmd, env={**os.environ, **env}, check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError as e:
@@ -403,6 +410,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_memory_guard:
         # Started right after the container, so it watches start-up profiling too; it ends when `docker wait`
         # returns, i.e. with the container (stopped, removed or replaced).
+        print("onespark serve: + " + shlex.join(guard_cmd) + f" >> {guard_log}")
         guard = memory.start_guard(guard_cmd, guard_log)
         print(f"onespark serve: memory guard pid {guard.pid}: stops {args.name} if MemAvailable stays below "
               f"{guard_floor_gib(args):g} GiB or the host keeps swapping (log: {guard_log})")

@@ -208,11 +208,12 @@ def _serve_args(model: Path, *extra) -> argparse.Namespace:
     return p.parse_args(["--model", str(model), *extra])
 
 
-def test_serve_refuses_before_docker_runs(tmp_path, monkeypatch, capsys):
-    """The plan runs before any docker call: a fake docker that fails the test if called proves it."""
+def test_serve_refuses_before_anything_is_started(tmp_path, monkeypatch, capsys):
+    """The plan runs before `docker run` and before the guard: the fake docker records every call."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "docker").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/docker.log; exit 1\n")
+    (fake / "docker").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/docker.log\n"
+                                 '[ "$1 $2" = "image inspect" ]\n')  # the image exists, no container does
     (fake / "docker").chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
     model = _index_only(tmp_path / "m", _real_122b_bytes())
@@ -222,7 +223,8 @@ def test_serve_refuses_before_docker_runs(tmp_path, monkeypatch, capsys):
     assert "onespark serve ... -- --gpu-memory-utilization 0.83" in str(e.value)
     out = capsys.readouterr().out
     assert re.search(r"vLLM's share +107\.7 GiB", out) and "KV pool" in out
-    assert not (tmp_path / "docker.log").exists()
+    calls = (tmp_path / "docker.log").read_text().splitlines()
+    assert [c.split()[0] for c in calls] == ["image", "inspect"], calls  # looked, ran nothing
 
 
 def test_serve_dry_run_shows_plan_oom_adjustment_and_guard(tmp_path, capsys):
@@ -606,3 +608,58 @@ def test_serve_shows_the_guards_report_when_it_stopped_the_container(tmp_path, m
     report.unlink()  # no report: the usual exit message and cause
     with pytest.raises(UserError, match="exited \\(code 143\\)"):
         serve.wait_healthy("onespark", "http://127.0.0.1:1", 60, tty=False, guard_report=report)
+
+
+def test_replace_plans_after_the_old_server_gave_its_memory_back(tmp_path, monkeypatch, capsys):
+    """install.sh --launch always passes --replace: the running server's memory must not count against the new
+    one. The fake docker's `rm -f` gives 95 GiB back (in the meminfo file); `run` fails, ending the flow there."""
+    state, fake = tmp_path / "state", tmp_path / "bin"
+    state.mkdir()
+    fake.mkdir()
+    mi = tmp_path / "meminfo"
+    _meminfo(mi, avail_gib=20.0)  # the old server holds ~95 GiB
+    (state / "exists").touch()
+    (fake / "docker").write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        echo "$@" >> {state}/calls
+        case "$1 $2" in
+          "image inspect") exit 0 ;;
+          "inspect onespark") [ -e {state}/exists ] ;;
+          "rm -f") rm -f {state}/exists; sed -i 's/^MemAvailable:.*/MemAvailable: {115 * 1024**2} kB/' {mi} ;;
+          "run -d") echo "no GPU here" >&2; exit 1 ;;
+        esac
+        """))
+    (fake / "docker").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setattr(memory, "wait_until_settled", lambda *a, **k: None)
+    _, report = memory.guard_files("onespark")
+    report.parent.mkdir(parents=True)
+    report.write_text("onespark memory guard stopped container onespark at 2026-12-01: MemAvailable 4.0 GiB ...\n")
+    model = _index_only(tmp_path / "m", _real_122b_bytes())
+    with pytest.raises(UserError, match="docker run failed: no GPU here"):
+        serve.run(_serve_args(model, "--replace", "--port", "1", "--meminfo", str(mi)))
+    out = capsys.readouterr().out
+    assert "the previous run's memory guard stopped it:\nonespark memory guard stopped container" in out
+    assert not report.exists() and re.search(r"headroom now +16\.8 GiB", out)
+    calls = (state / "calls").read_text().splitlines()
+    assert calls[calls.index("rm -f onespark") + 1].startswith("run -d")  # the plan passed in between
+
+
+def test_wait_until_settled_waits_while_memory_comes_back(tmp_path):
+    mi = tmp_path / "meminfo"
+    readings = iter([40, 70, 95, 110, 115.1, 115.2, 115.2])
+    mi.write_text(_mi(next(readings)))
+    t = [0.0]
+
+    def sleep(s):
+        t[0] += s
+        mi.write_text(_mi(next(readings)))
+
+    memory.wait_until_settled(str(mi), clock=lambda: t[0], sleep=sleep)
+    assert t[0] == 5.0  # 40 -> 70 -> 95 -> 110 -> 115.1 -> 115.2: the last step is < 256 MiB
+    t[0] = 0.0
+    readings = iter(range(10, 1000, 10))
+    mi.write_text(_mi(next(readings)))
+    memory.wait_until_settled(str(mi), clock=lambda: t[0], sleep=sleep, timeout=30)
+    assert t[0] == 30.0  # never settles: gives up at the timeout
