@@ -8,6 +8,7 @@ bit operations written here; the real-shape MTP counts are the public figures (7
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -205,3 +206,30 @@ def test_specs_are_consistent_data():
     assert specs.get("qwen3.5-35b-a3b").work_subdir == "qwen3.5-35b-a3b" and specs.get(None).work_subdir == ""
     r = cli("specs", "--model", "qwen3.5-35b-a3b", "--get", "fp8.revision")
     assert r.returncode == 0 and r.stdout.strip() == specs.get("qwen3.5-35b-a3b").fp8.revision
+
+
+def test_serve_spec_puts_its_serving_defaults_before_the_users_flags(tmp_path):
+    r = cli("serve", "--model", str(tmp_path), "--spec", "qwen3.5-35b-a3b", "--dry-run", "--no-memory-guard",
+            "--", "--max-model-len", "65536")
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("onespark serve: + docker run"))
+    argv = line.split()
+    spec = specs.get("qwen3.5-35b-a3b")
+    assert argv[argv.index("--served-model-name") + 1] == "qwen3.5-35b-a3b"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == str(spec.serving["gpu_memory_utilization"])
+    assert argv.count("--max-model-len") == 1 and argv[argv.index("--max-model-len") + 1] == "65536"  # the user's
+    assert "--speculative-config" in argv
+    r = cli("serve", "--model", str(tmp_path), "--spec", "nope", "--dry-run")
+    assert r.returncode == 1 and "--spec nope: unknown; the specs are:" in r.stderr
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_doctor_checks_disk_and_memory_for_the_chosen_spec(tmp_path, name):
+    spec = specs.get(name)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       67108864 kB\nMemAvailable:   60000000 kB\n")  # 64 GiB
+    r = cli("doctor", "--spec", name, "--work", str(tmp_path / "w"), "--skip-hf", "--meminfo", str(meminfo))
+    out = r.stdout
+    assert f"steps 0-2 need {math.ceil(spec.disk_gb)} GB more" in out, out
+    assert f"needs {spec.min_memory_gib} GiB" in out and f"{name} needs a 128 GB DGX Spark" in out, out
+    assert r.returncode == 1
