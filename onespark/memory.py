@@ -302,7 +302,8 @@ def _processes(proc: Path):
             continue
         try:
             status = (entry / "status").read_text(errors="replace")
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+            # one line whatever the arguments hold (a `python -c` script has newlines)
+            cmdline = " ".join((entry / "cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
         except OSError:
             continue  # gone, or not ours to read
         name = re.search(r"^Name:\s*(.*)$", status, re.M)

@@ -188,10 +188,11 @@ def test_other_consumers_are_named_with_the_command_that_frees_them(tmp_path):
     _fake_proc(proc, 103, "bash", 4 * 1024, "bash")
     _fake_proc(proc, 104, "ollama", 5 * 1024**2, "/usr/bin/ollama serve")
     _fake_proc(proc, 105, "cuda_app", 1024, "./cuda_app")
+    _fake_proc(proc, 106, "python3", 3 * 1024**2, "python3 -c import ray\nray.init()")
     (proc / "self").mkdir()
     mem = memory.read_meminfo(_meminfo(tmp_path / "mi", cached_gib=30, shmem_gib=2))
     found = memory.consumers(mem, proc=proc, gpu={105})
-    by = {c.what: c for c in found}
+    by = {c.what: c for c in reversed(found)}  # the largest of a kind (found is sorted by size)
     assert by["a vLLM server"].fix == "docker stop ab12cd34ef56" and "pid 102" in by["a vLLM server"].detail
     assert by["a desktop session"].fix.startswith("sudo systemctl isolate multi-user.target")
     assert by["a large process"].fix.startswith("kill 104") and "5.0 GiB resident" in by["a large process"].detail
@@ -199,6 +200,7 @@ def test_other_consumers_are_named_with_the_command_that_frees_them(tmp_path):
     assert "Shmem 2.0 GiB" in by["shared memory (tmpfs)"].detail
     assert by["page cache"].fix == memory.DROP_CACHES and "28.0 GiB" in by["page cache"].detail  # Cached - Shmem
     assert not any("pid 103" in c.detail for c in found)
+    assert "python3 -c import ray ray.init()" in next(c.detail for c in found if "pid 106" in c.detail)  # one line
     assert all("sudo" not in c.fix or c.what in ("a desktop session", "page cache") for c in found)
 
 
