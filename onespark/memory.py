@@ -79,6 +79,20 @@ GUARD_CONFIRM = 2
 # far below what ends ssh. A judgement, not a measurement.
 SWAP_RATE_MIB_S = 16.0
 SWAP_SUSTAIN_S = 5.0
+# The container's processes are the kernel's first choice when the host runs out: the OOM killer scores a
+# process by RSS + swap + page tables plus oom_score_adj x total pages / 1000 (Linux mm/oom_kill.c
+# oom_badness), and 1000 puts every container process above any process at 0. Without it the choice is
+# wrong on the GB10: the driver's GPU allocations do not show in RSS, so a server holding 100 GB scores as
+# a few GB and sshd or the desktop may go first.
+# No `docker run --memory`: a cgroup limit does not count what matters on unified memory. Reported on the
+# GB10: 12 GiB of CUDA allocations in a MemoryMax=8G scope raised memory.current by ~2 MB per GiB (page
+# tables) and were never killed, while malloc in the same scope was killed at 7-8 GiB
+# (Blackwellboy/model-serving-minefield#57); cudf under `docker --memory=4g` reached 8 GB
+# (graphistry/pygraphistry#1671). What a limit does count is the CPU side and the page cache of the
+# checkpoint the loader reads (kekzl/imp#2070), so a limit low enough to matter would squeeze the API
+# server and the loader while the ~100 GB of GPU allocations go uncounted. The guard reads the whole
+# host's MemAvailable instead, which does see them.
+OOM_SCORE_ADJ = 1000
 # docker stop's grace before SIGKILL: short, memory is running out.
 STOP_GRACE_S = 5
 HISTORY = 20  # samples the report shows

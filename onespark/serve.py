@@ -136,11 +136,9 @@ def docker_run_command(args: argparse.Namespace, image: str) -> tuple[list[str],
     env = {"ONESPARK_HEALTH_URL": f"http://{health_host}:{args.port}/health"}
     cmd = ["docker", "run", "-d", "--name", args.name, "--network", "host",
            "-v", f"{model}:/model:ro",
-           # When the host runs out of memory the kernel kills the container's processes first, not sshd or the
-           # desktop: on the GB10 GPU memory is not in a process's RSS, so without this the OOM killer's
-           # badness score points elsewhere. No --memory limit: a cgroup does not count the driver's GPU
-           # allocations on unified memory (README: unified memory), it would bound only the CPU side.
-           "--oom-score-adj", "1000"]
+           # Out of memory, the kernel kills the container first, not sshd; and why there is no --memory limit:
+           # memory.OOM_SCORE_ADJ's comment.
+           "--oom-score-adj", str(memory.OOM_SCORE_ADJ)]
     if args.demo:
         env.update(DEMO_ENV)
         env["ONESPARK_DROP_DEFAULTS"] = DEMO_DROP
