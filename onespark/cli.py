@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import re
+import shlex
 import sys
 
 from onespark import __version__
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog=f"onespark {name}", description=help_, allow_abbrev=False)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
+    if name != "bench":  # (the one command whose argv may hold a key; it locks nothing)
+        from onespark import lock  # who holds an output directory, for the message a second writer gets
+        lock.COMMAND = "onespark " + shlex.join(argv)
     try:
         return int(module.run(args) or 0)
     except UserError as e:

@@ -30,6 +30,7 @@ from pathlib import Path
 from onespark import qwen35, specs
 from onespark.checkpoint import DOWNLOAD_RECORD, INDEX_FILE, load_json, open_checkpoint
 from onespark.errors import UserError, at_path
+from onespark.lock import locked
 from onespark.safetensors_io import MAX_HEADER_BYTES, Range, parse_header, write_json_atomic, write_safetensors
 
 # The default spec's pinned commits (every spec's repos, pins and where each pin comes from: onespark.specs).
@@ -146,6 +147,12 @@ def _finished_record(dest: Path, repo: str, revision: str) -> dict | None:
 
 
 def fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
+    """Fetch config.json and the shared-expert FP8 weights + scales of `repo` into `dest`, holding its lock."""
+    with locked(Path(dest), "--dest"):
+        return _fetch_fp8(repo, revision, Path(dest), log)
+
+
+def _fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
     """Fetch config.json and the shared-expert FP8 weights + scales of `repo` into `dest` (a small checkpoint)."""
     dest = Path(dest)
     rec_path = dest / DOWNLOAD_RECORD
@@ -209,6 +216,11 @@ def fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
 
 
 def download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
+    with locked(Path(dest), "--dest"):  # one writer per directory (onespark.lock)
+        return _download_int4(repo, revision, Path(dest), log)
+
+
+def _download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
     from huggingface_hub import snapshot_download
     dest = Path(dest)
     rec_path = dest / DOWNLOAD_RECORD

@@ -47,6 +47,7 @@ from onespark import __version__, qwen35, specs
 from onespark.checkpoint import (DOWNLOAD_RECORD, INDEX_FILE, MANIFEST_FILE, Checkpoint, is_inside, load_json,
                                  open_checkpoint, sha256_file)
 from onespark.errors import UserError
+from onespark.lock import LOCK_FILE, locked
 from onespark.safetensors_io import (Range, copy_file_atomic, copy_file_tmp, encode_header, finalize, read_header,
                                      write_json_atomic, write_safetensors_tmp)
 
@@ -189,7 +190,15 @@ def _resolve_fp8(arg: str, out: Path, revision: str | None, spec: specs.Spec) ->
     return dest, {"path": None, "repo": rec["repo"], "revision": rec["revision"]}
 
 
-def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None = None,
+def hybrid(int4_dir: Path, fp8_arg: str, out: Path, **kw) -> dict:
+    """Step 1 into `out`, holding its lock (onespark.lock): a second run into the same --out is refused."""
+    out = Path(out)
+    _check_dirs(Path(int4_dir), Path(fp8_arg) if Path(fp8_arg).exists() else None, out)  # before out exists
+    with locked(out, "--out"):
+        return _hybrid(int4_dir, fp8_arg, out, **kw)
+
+
+def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None = None,
            hash_outputs: bool = True, spec: specs.Spec | None = None, log=print) -> dict:
     spec = spec or specs.get(None)
     int4_dir, out = Path(int4_dir), Path(out)
@@ -216,7 +225,7 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
         carried = {f: v for f, v in man.get("files", {}).items() if f not in bad}
         old_steps = man.get("steps", {})
     progress = load_json(out / PROGRESS_FILE, "progress") if (out / PROGRESS_FILE).is_file() else None
-    if out.exists() and progress is None and not carried and any(p for p in out.iterdir()):
+    if out.exists() and progress is None and not carried and any(p.name != LOCK_FILE for p in out.iterdir()):
         raise UserError(f"{out} exists, is not empty and was not written by `onespark hybrid`: choose a new --out "
                         f"(nothing was changed)")
     fp8_dir, fp8_source = _resolve_fp8(fp8_arg, out, fp8_revision, spec)
@@ -236,7 +245,7 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None 
     elif progress:
         log("inputs changed since the interrupted run: starting over")
         for p in out.iterdir():
-            if p.is_file():
+            if p.is_file() and p.name != LOCK_FILE:
                 p.unlink()
     out.mkdir(parents=True, exist_ok=True)
     for p in out.glob(".*.tmp-*"):  # temp files of a killed run: never renamed, so never trusted

@@ -20,6 +20,7 @@ from pathlib import Path
 from onespark import qwen35, specs
 from onespark.checkpoint import INDEX_FILE, MANIFEST_FILE, is_inside, load_json, open_checkpoint, sha256_file
 from onespark.errors import UserError
+from onespark.lock import locked
 from onespark.safetensors_io import copy_file_atomic, read_header, write_json_atomic
 
 EXTRA_FILE = "model_extra_tensors.safetensors"
@@ -62,7 +63,16 @@ def _restore_head(path: Path, source: Path, log) -> list[str]:
     return copied
 
 
-def mtp(path: Path, *, source: Path | None = None, spec: specs.Spec | None = None, log=print) -> dict:
+def mtp(path: Path, **kw) -> dict:
+    """Step 2 in `path`, holding its lock (onespark.lock): never while step 1 still writes there."""
+    path = Path(path)
+    if not path.is_dir():
+        return _mtp(path, **kw)  # open_checkpoint says what is wrong with it
+    with locked(path, "checkpoint directory"):
+        return _mtp(path, **kw)
+
+
+def _mtp(path: Path, *, source: Path | None = None, spec: specs.Spec | None = None, log=print) -> dict:
     path = Path(path)
     spec = spec or specs.get(None)
     if path.is_dir() and (path / "config.json").is_file():  # before anything is copied into it
