@@ -765,19 +765,22 @@ PREFILL_KV_CHUNK = 32768
 def prefill_attention_flash(q, cache, layout: tq.CacheLayout, block_table_row, seq_len: int, seed: int,
                             sm_scale: float, kv_chunk: int = PREFILL_KV_CHUNK, attend=flash_with_lse):
     """One request's ql query tokens q [ql, Hq, d] (the last of its seq_len tokens, all already in the cache),
-    causal -> [ql, Hq, d] in q's dtype. The keys before the chunk go through `attend` in pieces of at most
-    kv_chunk (every query sees all of them), the chunk's own keys in one causal call; the pieces are merged by
-    their log-sum-exp. All in the rotated basis (q . x_hat = scale * (R q) . c); the output is rotated back."""
+    causal -> [ql, Hq, d] in q's dtype. The last piece of keys (max(kv_chunk, ql) of them, the chunk's own
+    included) goes through `attend` with lower-right causal masking, the keys before it in pieces of at most
+    kv_chunk that every query sees whole; the pieces are merged by their log-sum-exp (one piece, one call: a
+    sequence of up to kv_chunk keys is exactly the BF16 flash call). All in the rotated basis
+    (q . x_hat = scale * (R q) . c); the output is rotated back in q's dtype (R's entries +-1/16 are exact)."""
     ql, Hq, d = q.shape
     if not 0 < ql <= seq_len:
         raise ValueError(f"query length {ql} must be in [1, seq_len={seq_len}]")
     t = _tables(layout.preset, seed, q.device, d)
-    qr = torch.matmul(q, t["rt"][q.dtype]).transpose(0, 1)[None]  # [1, Hq, ql, d]
-    ctx = seq_len - ql
-    bounds = [(c0, min(ctx, c0 + kv_chunk), False) for c0 in range(0, ctx, kv_chunk)] + [(ctx, seq_len, True)]
+    rt = t["rt"][q.dtype]
+    qr = torch.matmul(q, rt).transpose(0, 1)[None]  # [1, Hq, ql, d]
+    last = min(seq_len - ql, max(0, seq_len - kv_chunk))  # first key of the causal piece
+    pieces = [(c0, min(last, c0 + kv_chunk), False) for c0 in range(0, last, kv_chunk)] + [(last, seq_len, True)]
     acc = acc_lse = None
-    for c0, c1, causal in bounds:
+    for c0, c1, causal in pieces:
         k, v = dequantize_rotated(cache, layout, block_table_row, c0, c1, seed, q.dtype)
-        acc, acc_lse = merge_lse(acc, acc_lse, *attend(qr, k[None], v[None], sm_scale, causal))
-    o_rot = acc[0].transpose(0, 1)  # [ql, Hq, d] fp32
-    return torch.matmul(o_rot, t["r"]).to(q.dtype)
+        out, lse = attend(qr, k[None], v[None], sm_scale, causal)
+        acc, acc_lse = (out, lse) if len(pieces) == 1 else merge_lse(acc, acc_lse, out, lse)
+    return torch.matmul(acc[0].transpose(0, 1).to(q.dtype), rt.T)

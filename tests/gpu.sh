@@ -2,7 +2,9 @@
 # The GPU lane: every kernel test on CUDA in this process (the cases the CPU lane runs in Triton's
 # interpreter, plus the gpu-marked ones), then the kernel benchmarks. Sent to a GPU host as it is:
 #
-#   tests/gpu.sh [--tests-only | --bench-only] [--quick]
+#   tests/gpu.sh [--tests-only | --bench-only] [--bench NAME,...] [--quick]
+#
+# Benchmarks (NAME): turboquant (decode), turboquant_prefill, lm_head, lm_head_glue; all by default.
 #
 # Needs: python3 with torch (CUDA) + Triton + pytest-xdist; the vLLM stand-in the TurboQuant backend test
 # imports (`.venv/bin/python tests/gpu_lane_stub.py .gpustub` on a machine with the test venv; carried to the
@@ -13,10 +15,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
-tests=1 bench=1 quick=()
-for arg in "$@"; do
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+tests=1 bench=1 quick=() names=turboquant,turboquant_prefill,lm_head,lm_head_glue
+while (($#)); do
+  arg=$1; shift
   case $arg in
+    --bench) [[ $# -gt 0 ]] || { echo "tests/gpu.sh: --bench needs a value (e.g. --bench turboquant_prefill)" >&2; exit 2; }
+             names=$1; shift ;;
     --tests-only) bench=0 ;;
     --bench-only) tests=0 ;;
     --quick) quick=(--quick) ;;
@@ -48,7 +53,7 @@ if ((tests)); then
   set +e
   "$py" -P -m pytest --import-mode=append -p no:cacheprovider -q -n "${JOBS:-8}" --junitxml "$out/gpu_lane.xml" \
     tests/test_turboquant_triton.py tests/test_kernels_lm_head.py \
-    tests/test_turboquant_backend.py -k "not served_end_to_end" 2>&1 | tee "$out/gpu_lane.log"
+    tests/test_turboquant_backend.py::test_cuda_path_triton_kernels 2>&1 | tee "$out/gpu_lane.log"
   rc=${PIPESTATUS[0]}
   set -e
   "$py" - "$out/gpu_lane.xml" "$out/gpu_lane_$gpu.json" "$sha" "tests/gpu.sh $*" <<'EOF'
@@ -73,10 +78,15 @@ EOF
 fi
 
 if ((bench)); then
-  for cmd in "bench/kernels/turboquant.py --out $out/turboquant_$gpu.json ${quick[*]}" \
-             "bench/kernels/turboquant.py --prefill --out $out/turboquant_prefill_$gpu.json ${quick[*]}" \
-             "bench/kernels/lm_head.py --out $out/lm_head_$gpu.json" \
-             "bench/kernels/lm_head_glue.py --out $out/lm_head_glue_$gpu.json"; do
+  declare -A cmds=(
+    [turboquant]="bench/kernels/turboquant.py --out $out/turboquant_$gpu.json ${quick[*]}"
+    [turboquant_prefill]="bench/kernels/turboquant.py --prefill --out $out/turboquant_prefill_$gpu.json ${quick[*]}"
+    [lm_head]="bench/kernels/lm_head.py --out $out/lm_head_$gpu.json"
+    [lm_head_glue]="bench/kernels/lm_head_glue.py --out $out/lm_head_glue_$gpu.json")
+  IFS=, read -ra picked <<<"$names"
+  for name in "${picked[@]}"; do
+    cmd=${cmds[$name]:-}
+    [[ -n $cmd ]] || { echo "tests/gpu.sh: unknown benchmark '$name' (turboquant, turboquant_prefill, lm_head, lm_head_glue)" >&2; exit 2; }
     echo "== $cmd"
     # shellcheck disable=SC2086  # word splitting wanted: the command's arguments
     "$py" -P $cmd --git-sha "$sha" || rc=1

@@ -186,7 +186,8 @@ def test_empty_and_bad_inputs():
 def test_import_touches_no_gpu():
     # vLLM imports the plugin (and so these kernels) in processes that must not create a CUDA context.
     code = "import torch, onespark.kernels; assert not torch.cuda.is_initialized(), 'CUDA initialised at import'"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    # -P: the installed package, not a checkout's onespark/ folder in the working directory (the GPU lane)
+    r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
 
 
