@@ -495,6 +495,7 @@ class TwoNamespaces:
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm032
 @pytest.mark.skipif(NETNS_SKIP is not None, reason=NETNS_SKIP or "")
 @pytest.mark.timeout(240)
 def test_two_ray_nodes_in_two_namespaces(tmp_path):
@@ -576,6 +577,7 @@ def test_two_ray_nodes_in_two_namespaces(tmp_path):
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm032
 def test_vllm_cpu_has_no_ray_backend():
     """What keeps the two-node test from serving: vLLM's CPU platform names no Ray device. When a vLLM
     release gives it one, this fails: then serve the tiny model across the namespaces for real."""
