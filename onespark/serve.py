@@ -331,7 +331,7 @@ def memory_plan(args: argparse.Namespace) -> None:
                                 guard_floor_gib=guard_floor_gib(args))
     except memory.PlanError as e:
         if args.dry_run:
-            print(f"onespark serve: memory plan: not made ({e})")
+            print(f"onespark serve: memory plan: not made yet ({e}); serve makes it before launch")
             return
         raise UserError(str(e)) from None
     print("onespark serve: memory plan (unified memory: vLLM's share and the host's reserve are one pool):")

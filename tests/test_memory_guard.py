@@ -665,3 +665,21 @@ def test_wait_until_settled_waits_while_memory_comes_back(tmp_path):
     mi.write_text(_mi(next(readings)))
     memory.wait_until_settled(str(mi), clock=lambda: t[0], sleep=sleep, timeout=30)
     assert t[0] == 30.0  # never settles: gives up at the timeout
+
+
+def test_install_launch_runs_the_plan_and_the_guard_by_default(tmp_path):
+    """./install.sh --launch goes through `onespark serve`: its dry run shows the plan, the OOM adjustment and
+    the guard (the real launch is the same serve command without --dry-run)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "docker").write_text("#!/bin/sh\nexit 1\n")  # no images, no daemon: the dry run only prints
+    (fake / "docker").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ONESPARK_")}
+    env.update(PATH=f"{fake}:{os.path.dirname(sys.executable)}:/usr/bin:/bin", ONESPARK_VENV=str(tmp_path / "venv"),
+               XDG_STATE_HOME=str(tmp_path / "state"))
+    r = subprocess.run(["bash", "install.sh", "--dry-run", "--launch", "-y", "--work", str(tmp_path / "w")], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    launch = r.stdout[r.stdout.index("onespark serve --host"):]
+    assert "memory plan: not made yet" in launch  # no checkpoint in a dry run
+    assert "--oom-score-adj 1000" in launch and "-m onespark.memory guard --container onespark --floor-gib 5" in launch
