@@ -258,6 +258,12 @@ def wait_healthy(name: str, base_url: str, timeout: float, tty: bool, guard_repo
         if not running:
             if tty:
                 print(flush=True)
+            if guard_report is not None and code in (137, 143):
+                # docker stop's SIGTERM (143) or SIGKILL (137): the guard writes its report just after the stop
+                for _ in range(50):
+                    if guard_report.is_file():
+                        break
+                    time.sleep(0.2)
             if guard_report is not None and guard_report.is_file():
                 raise UserError(f"container {name} was stopped by the memory guard after {elapsed:.0f} s:\n"
                                 + guard_report.read_text(errors="replace").rstrip())
