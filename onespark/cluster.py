@@ -53,11 +53,11 @@ RAY_VERSION = "2.48.0"
 RAY_PINS = f"ray=={RAY_VERSION} msgpack==1.2.4"
 RAY_PORT = 6379
 SERVING_IMAGE = f"onespark/v2:{__version__}"
-CLUSTER_IMAGE = f"onespark/v2-cluster:{__version__}"
 RAY_CONTAINER = "onespark-ray"
 LABEL_VERSION = "dev.onespark.version"
 LABEL_VLLM = "dev.onespark.vllm.version"
 LABEL_RAY = "dev.onespark.ray.version"
+LABEL_FROM = "dev.onespark.cluster.from"  # the serving image's ID the cluster image was built from
 SSH_OPTS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
 ROOT = Path(__file__).resolve().parent.parent
 # Interfaces that are never the link between two Sparks.
@@ -282,18 +282,17 @@ def onespark_cmd(root: Path) -> str:
 
 
 def image_probe(image: str) -> str:
-    fmt = "{{.Id}} {{index .Config.Labels \"%s\"}} {{index .Config.Labels \"%s\"}} {{index .Config.Labels \"%s\"}}" % (
-        LABEL_VERSION, LABEL_VLLM, LABEL_RAY)
-    return f"docker image inspect --format {shlex.quote(fmt)} {shlex.quote(image)}"
+    labels = " ".join('{{index .Config.Labels "%s"}}' % k for k in (LABEL_VERSION, LABEL_VLLM, LABEL_RAY, LABEL_FROM))
+    return f"docker image inspect --format {shlex.quote('{{.Id}} ' + labels)} {shlex.quote(image)}"
 
 
 def parse_image(out: str) -> dict[str, str] | None:
+    """{'id', 'onespark', 'vllm', 'ray', 'from'} of image_probe's line; None when there is no such image."""
     w = out.split()
     if not w or not w[0].startswith("sha256:"):
         return None
-    w += [""] * 4
-    return {"id": w[0], "onespark": w[1].replace("<no value>", ""), "vllm": w[2].replace("<no value>", ""),
-            "ray": w[3].replace("<no value>", "")}
+    w = [x.replace("<no value>", "") for x in w] + [""] * 4
+    return dict(zip(("id", "onespark", "vllm", "ray", "from"), w))
 
 
 def track_of(vllm_version: str) -> str:
@@ -302,15 +301,26 @@ def track_of(vllm_version: str) -> str:
     return supported_release(vllm_version) or ""
 
 
+def cluster_image(serving: str) -> str:
+    """onespark/v2:0.1.0 -> onespark/v2:0.1.0-ray2.48.0 (each serving image, track and --tq its own)."""
+    return f"{serving}-ray{RAY_VERSION}"
+
+
 # ---- commands -----------------------------------------------------------------------------------------
 
 
-def build_cluster_image_cmd(serving: str, cluster: str) -> str:
-    """The serving image plus the pinned Ray, built once on the head (`docker build -` from stdin)."""
+def build_cluster_image_cmd(serving: str) -> str:
+    """The serving image plus the pinned Ray, built on the head (`docker build -` from stdin) unless the
+    cluster image exists and was built from the serving image's current ID (its label says)."""
+    cluster = shlex.quote(cluster_image(serving))
     dockerfile = (f"FROM {serving}\n"
                   f"RUN python -m pip install --no-cache-dir {RAY_PINS} && python -c 'import ray'\n"
                   f"LABEL {LABEL_RAY}={RAY_VERSION}\n")
-    return f"printf %s {shlex.quote(dockerfile)} | docker build --network host -t {shlex.quote(cluster)} -"
+    have = "{{index .Config.Labels \"%s\"}}" % LABEL_FROM
+    return (f"from=$(docker image inspect --format '{{{{.Id}}}}' {shlex.quote(serving)}) && "
+            f"{{ [ \"$(docker image inspect --format '{have}' {cluster} 2>/dev/null)\" = \"$from\" ] || "
+            f"printf %s {shlex.quote(dockerfile)} | docker build --network host --label {LABEL_FROM}=\"$from\" "
+            f"-t {cluster} -; }}")
 
 
 def ray_container_cmd(image: str, model: str, env: dict[str, str], ray_args: list[str]) -> str:
@@ -368,10 +378,9 @@ def plan_commands(args: argparse.Namespace, plan: Plan) -> list[tuple[str, Node,
     link_ip = {r: str(plan.link[r].ip.ip) if plan.link else f"{r.upper()}_LINK_IP" for r in ("head", "worker")}
     cmds: list[tuple[str, Node, str]] = []
     if args.sync:
-        cmds.append(("sync", head, f"docker image inspect {CLUSTER_IMAGE} >/dev/null 2>&1 || "
-                                   + build_cluster_image_cmd(args.image, CLUSTER_IMAGE)))
+        cmds.append(("sync", head, build_cluster_image_cmd(args.image)))
         ssh = shlex.join(["ssh", *SSH_OPTS, worker.name])
-        cmds.append(("sync", head, f"docker save {CLUSTER_IMAGE} | {ssh} docker load"))
+        cmds.append(("sync", head, f"docker save {cluster_image(args.image)} | {ssh} docker load"))
         cmds.append(("sync", worker, f"mkdir -p {shlex.quote(model)}"))
         cmds.append(("sync", head, shlex.join(["rsync", "-a", "--partial", "--info=progress2", "-e",
                                                shlex.join(["ssh", *SSH_OPTS]), model + "/",
@@ -383,7 +392,7 @@ def plan_commands(args: argparse.Namespace, plan: Plan) -> list[tuple[str, Node,
                            "--num-gpus", "1"]}
     for node in (head, worker):
         cmds.append(("ray", node, f"docker rm -f {RAY_CONTAINER} >/dev/null 2>&1; " + ray_container_cmd(
-            CLUSTER_IMAGE, model, plan.env.get(node.role, {}), ray_args[node.role])))
+            cluster_image(args.image), model, plan.env.get(node.role, {}), ray_args[node.role])))
     cmds.append(("check", head, shlex.join(["docker", "exec", RAY_CONTAINER, "python", "-c", PLUGIN_CHECK.strip()])))
     cmds.append(("vllm", head, vllm_exec_cmd(args)))
     return cmds
@@ -414,7 +423,7 @@ def read_commands(args: argparse.Namespace) -> dict[str, str]:
     return {
         "ssh": "true",
         "version": f"{osp} --version",
-        "image": image_probe(CLUSTER_IMAGE),
+        "image": image_probe(cluster_image(args.image)),
         "serving image": image_probe(args.image),
         "checkpoint": f"{osp} verify --fast {shlex.quote(str(Path(args.work, 'hybrid').absolute()))}",
         "doctor": f"{osp} doctor --work {shlex.quote(args.work)} --skip-hf",
@@ -445,24 +454,23 @@ def preflight(args: argparse.Namespace, head: Node, worker: Node, runner: Runner
     for node in (head, worker):
         rc, out = runner(node, rd["image"], 30)
         images[node.role] = parse_image(out) if rc == 0 else None
-    serving = None
-    if images["head"] is None:
-        rc, out = runner(head, rd["serving image"], 30)
-        serving = parse_image(out) if rc == 0 else None
-        if serving is None:
-            problems.append(f"node {head}: no image {args.image}: build it there first (./install.sh)")
-        elif not args.sync:
-            problems.append(f"node {head}: no cluster image {CLUSTER_IMAGE} ({args.image} + Ray {RAY_VERSION}): "
-                            f"pass --sync to build it and copy it to {worker.name}")
+    rc, out = runner(head, rd["serving image"], 30)
+    serving = parse_image(out) if rc == 0 else None
+    if serving is None:
+        problems.append(f"node {head}: no image {args.image}: build it there first (./install.sh)")
+    elif not args.sync and (images["head"] is None or images["head"]["from"] != serving["id"]):
+        what = "no cluster image" if images["head"] is None else "an outdated cluster image"
+        problems.append(f"node {head}: {what} {cluster_image(args.image)} ({args.image} + Ray {RAY_VERSION}): "
+                        f"pass --sync to build it and copy it to {worker.name}")
     if images["worker"] is None and not args.sync:
-        problems.append(f"node {worker}: no image {CLUSTER_IMAGE}: copy it with --sync "
+        problems.append(f"node {worker}: no image {cluster_image(args.image)}: copy it with --sync "
                         f"(docker save | ssh {worker.name} docker load)")
     if images["head"] and images["worker"] and images["head"]["id"] != images["worker"]["id"] and not args.sync:
-        problems.append(f"node {worker}: image {CLUSTER_IMAGE} is {images['worker']['id'][:19]} (onespark "
+        problems.append(f"node {worker}: image {cluster_image(args.image)} is {images['worker']['id'][:19]} (onespark "
                         f"{images['worker']['onespark'] or '?'}, vLLM {images['worker']['vllm'] or '?'}), but "
                         f"{images['head']['id'][:19]} (onespark {images['head']['onespark'] or '?'}, vLLM "
                         f"{images['head']['vllm'] or '?'}) on {head.name}: re-copy it with --sync")
-    ref = images["head"] or serving or {}
+    ref = serving or images["head"] or {}
     vllm_version = ref.get("vllm", "")
     track = track_of(vllm_version) if vllm_version else ""
     if ref and not track:
@@ -661,10 +669,10 @@ def run(args: argparse.Namespace, runner: Runner = shell_runner, nodes: tuple[No
         if stage in ("sync", "ray"):  # the check and vLLM follow once both Ray nodes are up
             _run(runner, node, cmd, 7200, f"the {stage} step")
     if args.sync:  # what was copied must now be the same image on both
-        ids = {n.role: parse_image(runner(n, image_probe(CLUSTER_IMAGE), 30)[1]) for n in (head, worker)}
+        ids = {n.role: parse_image(runner(n, image_probe(cluster_image(args.image)), 30)[1]) for n in (head, worker)}
         if not ids["head"] or not ids["worker"] or ids["head"]["id"] != ids["worker"]["id"]:
-            raise UserError(f"node {worker}: {CLUSTER_IMAGE} differs from {head.name}'s after the copy: "
-                            f"docker image rm {CLUSTER_IMAGE} on {worker.name}, then --sync again")
+            raise UserError(f"node {worker}: {cluster_image(args.image)} differs from {head.name}'s after the copy: "
+                            f"docker image rm {cluster_image(args.image)} on {worker.name}, then --sync again")
     wait_cluster(runner, head, worker, {str(plan.link["head"].ip.ip), str(plan.link["worker"].ip.ip)})
     print("onespark cluster: Ray cluster of 2 nodes, onespark plugin active in a Ray worker on each")
     if args.api_key:
@@ -692,6 +700,6 @@ def run(args: argparse.Namespace, runner: Runner = shell_runner, nodes: tuple[No
         subprocess.run([sys.executable, "-m", "onespark", "bench", "--base-url", base_url, "--suite", "published",
                         "--out", str(Path(args.work, "bench-cluster")), "--no-progress", "--no-png",
                         "--hardware", f"2x DGX Spark GB10 ({par}, Ray, {used or 'transport unknown'})",
-                        "--image", CLUSTER_IMAGE], env=env, check=True)
+                        "--image", cluster_image(args.image)], env=env, check=True)
     print(f"onespark cluster: serving on {base_url}/v1 (stop: onespark cluster --nodes {args.nodes} --down)")
     return 0

@@ -35,6 +35,7 @@ from onespark.errors import UserError
 ROOT = Path(__file__).resolve().parent.parent
 ID_A = "sha256:" + "a" * 64
 ID_B = "sha256:" + "b" * 64
+ID_SERVING = "sha256:" + "5" * 64  # the serving image both cluster images were built from
 
 
 # ---- fake nodes -----------------------------------------------------------------------------------------
@@ -94,8 +95,8 @@ class FakeNodes:
 
     def __init__(self, dirs: dict[str, Path], **overrides):
         good = {"ssh": (0, ""), "version": (0, __version__),
-                "image": (0, f"{ID_A} {__version__} 0.19.1 {cluster.RAY_VERSION}"),
-                "serving image": (0, f"{ID_A} {__version__} 0.19.1 "),
+                "image": (0, f"{ID_A} {__version__} 0.19.1 {cluster.RAY_VERSION} {ID_SERVING}"),
+                "serving image": (0, f"{ID_SERVING} {__version__} 0.19.1 <no value> <no value>"),
                 "checkpoint": (0, "ok: ... 785/785 mtp"), "doctor": (0, "onespark doctor: all 7 checks passed")}
         self.dirs = dirs
         self.answers = {name: dict(good) for name in dirs}
@@ -154,6 +155,21 @@ def test_good_nodes_give_the_roce_plan(nodes):
     assert plan.env["worker"]["VLLM_HOST_IP"] == "192.168.100.2"
 
 
+def test_every_planned_command_is_valid_bash(nodes):
+    fake = FakeNodes(nodes)
+    plan = preflight(fake, "--sync", "--api-key", "k")
+    cmds = cluster.plan_commands(fake.args, plan)
+    assert [stage for stage, _, _ in cmds] == ["sync"] * 5 + ["ray", "ray", "check", "vllm"]
+    for _, node, cmd in cmds:
+        p = subprocess.run(["bash", "-n", "-c", cmd], capture_output=True, text=True)
+        assert p.returncode == 0, (node, cmd, p.stderr)
+        assert " k " not in f" {cmd} "  # the key travels in the environment only
+    ray_worker = cmds[6][2]
+    assert "--address 192.168.100.1:6379 --node-ip-address 192.168.100.2" in ray_worker
+    assert "-e NCCL_IB_HCA=rocep1s0f1 -e NCCL_IB_GID_INDEX=3" in ray_worker
+    assert "docker exec -d -e VLLM_API_KEY onespark-ray" in cmds[8][2]
+
+
 def test_link_probe_reads_gid_index_from_sysfs(tmp_path):
     # The index comes from the RoCE v2 entry whose GID is the link address, wherever it sits in the table.
     a = roce_node(tmp_path / "a", "192.168.100.1", gid_index=5)
@@ -168,12 +184,14 @@ def test_link_probe_reads_gid_index_from_sysfs(tmp_path):
 BAD = {
     # name: (FakeNodes overrides or a node-dir change, expected words in the one line)
     "worker image missing": (dict(worker_image=(1, "Error: No such image")),
-                             ["spark2 (worker)", "no image onespark/v2-cluster", "--sync"]),
+                             ["spark2 (worker)", f"no image onespark/v2:{__version__}-ray2.48.0", "--sync"]),
+    "head cluster image outdated": (dict(head_image=(0, f"{ID_A} {__version__} 0.19.1 2.48.0 {ID_B}")),
+                                    ["spark1 (head)", "an outdated cluster image", "pass --sync to build it"]),
     "worker checkpoint missing": (dict(worker_checkpoint=(1, "/data/w/hybrid/config.json: missing")),
                                   ["spark2 (worker)", "does not verify", "config.json: missing", "--sync"]),
     "onespark versions differ": (dict(worker_version=(0, "0.0.9")),
                                  ["spark2 (worker)", "onespark 0.0.9", f"but {__version__}", "same commit"]),
-    "images differ": (dict(worker_image=(0, f"{ID_B} {__version__} 0.32.0 {cluster.RAY_VERSION}")),
+    "images differ": (dict(worker_image=(0, f"{ID_B} {__version__} 0.32.0 {cluster.RAY_VERSION} {ID_B}")),
                       ["spark2 (worker)", "vLLM 0.32.0", "vLLM 0.19.1", "re-copy it with --sync"]),
     "no onespark on the worker": (dict(worker_version=(127, "onespark: command not found")),
                                   ["spark2 (worker)", "no onespark CLI", "./install.sh"]),
@@ -255,8 +273,9 @@ def test_gid_index_differs(tmp_path, track, problem):
     # 0.19.1 copies the head's NCCL_* onto the worker; 0.32.0 keeps each node's (setdefault).
     nodes = {"spark1": roce_node(tmp_path / "a", "192.168.100.1", gid_index=3),
              "spark2": roce_node(tmp_path / "b", "192.168.100.2", gid_index=5)}
-    img = (0, f"{ID_A} {__version__} {track} {cluster.RAY_VERSION}")
-    plan = preflight(FakeNodes(nodes, head_image=img, worker_image=img))
+    img = (0, f"{ID_A} {__version__} {track} {cluster.RAY_VERSION} {ID_SERVING}")
+    plan = preflight(FakeNodes(nodes, head_image=img, worker_image=img,
+                               head_serving_image=(0, f"{ID_SERVING} {__version__} {track}")))
     assert plan.vllm_track == track
     if problem:
         assert len(plan.problems) == 1 and "GID index 5, but 3 on spark1" in plan.problems[0]
@@ -322,7 +341,7 @@ def test_dry_run_prints_both_machines_commands():
     # Read-only preflight on both.
     for what in ("ssh", "version", "image", "checkpoint", "doctor", "link"):
         assert any(ln.startswith(f"[worker spark2] (read {what})") for ln in lines), what
-    assert any("docker save onespark/v2-cluster" in ln and "| ssh -o BatchMode=yes -o ConnectTimeout=10 spark2 "
+    assert any(f"docker save onespark/v2:{__version__}-ray2.48.0" in ln and "| ssh -o BatchMode=yes -o ConnectTimeout=10 spark2 "
                "docker load" in ln for ln in head)
     assert any("rsync -a --partial" in ln and "/data/w/hybrid/ spark2:/data/w/hybrid/" in ln for ln in head)
     assert any(" verify /data/w/hybrid" in ln for ln in worker)
