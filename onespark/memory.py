@@ -216,7 +216,7 @@ class Plan:
         return self.mem_available - self.share
 
     def lines(self) -> list[str]:
-        share_how = (f"weights + overhead + --kv-cache-memory-bytes" if self.kv_bytes is not None
+        share_how = ("weights + overhead + --kv-cache-memory-bytes" if self.kv_bytes is not None
                      else f"{self.util:g} x MemTotal {gib(self.mem_total)} ({self.util_source})")
         return [
             f"weights        {gib(self.weights):>10}  {self.weights_source}",

@@ -407,6 +407,13 @@ def run(args: argparse.Namespace) -> int:
     probe = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     if _port_open(probe, args.port):
         raise UserError(f"something already listens on {probe}:{args.port}: stop it or pass --port")
+    if not args.no_memory_guard:
+        try:  # before anything starts: a guard that cannot write its log must not be found out later
+            guard_log.parent.mkdir(parents=True, exist_ok=True)
+            open(guard_log, "ab").close()
+        except OSError as e:
+            raise UserError(f"{guard_log}: cannot write the memory guard's log ({e.strerror or e}): set "
+                            "XDG_STATE_HOME to a writable directory, or pass --no-memory-guard") from None
     try:
         subprocess.run(cmd, env={**os.environ, **env}, check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError as e:
@@ -415,9 +422,13 @@ def run(args: argparse.Namespace) -> int:
         # Started right after the container, so it watches start-up profiling too; it ends when `docker wait`
         # returns, i.e. with the container (stopped, removed or replaced).
         print("onespark serve: + " + shlex.join(guard_cmd) + f" >> {guard_log}")
-        guard = memory.start_guard(guard_cmd, guard_log)
-        print(f"onespark serve: memory guard pid {guard.pid}: stops {args.name} if MemAvailable stays below "
-              f"{guard_floor_gib(args):g} GiB or the host keeps swapping (log: {guard_log})")
+        try:
+            guard = memory.start_guard(guard_cmd, guard_log)
+            print(f"onespark serve: memory guard pid {guard.pid}: stops {args.name} if MemAvailable stays below "
+                  f"{guard_floor_gib(args):g} GiB or the host keeps swapping (log: {guard_log})")
+        except OSError as e:  # the server is up: say so loudly, do not take it down
+            print(f"onespark serve: warning: the memory guard did not start ({e}); {args.name} runs unguarded "
+                  f"(stop it with docker rm -f {args.name})", file=sys.stderr)
     base_url = f"http://{probe}:{args.port}"
     timeout = args.timeout or (600 if args.demo else 1800)
     wait_healthy(args.name, base_url, timeout, tty=sys.stdout.isatty(),

@@ -687,3 +687,18 @@ def test_install_launch_runs_the_plan_and_the_guard_by_default(tmp_path):
     launch = r.stdout[r.stdout.index("onespark serve --host"):]
     assert "memory plan: not made yet" in launch  # no checkpoint in a dry run
     assert "--oom-score-adj 1000" in launch and "-m onespark.memory guard --container onespark --floor-gib 5" in launch
+
+
+def test_an_unwritable_guard_log_is_one_line_before_anything_starts(tmp_path, monkeypatch):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "docker").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/docker.log\n[ \"$1 $2\" = \"image inspect\" ]\n")
+    (fake / "docker").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "file"))  # a file where a directory must be
+    model = _index_only(tmp_path / "m", _real_122b_bytes())
+    with pytest.raises(UserError, match=r"cannot write the memory guard's log .*--no-memory-guard") as e:
+        serve.run(_serve_args(model, "--port", "1", "--meminfo", _meminfo(tmp_path / "mi")))
+    assert "\n" not in str(e.value)
+    assert not any(c.startswith("run") for c in (tmp_path / "docker.log").read_text().splitlines())
