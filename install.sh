@@ -31,12 +31,18 @@ NO_CACHE=0
 WORK_SET=0
 NODES=
 TRACK=$VLLM_DEFAULT
+MODEL=$MODEL_DEFAULT
+REVISION=
 
 usage() {
   cat <<USAGE
 usage: ./install.sh [options]
 
-Serves Qwen3.5-122B-A10B from one DGX Spark (GB10) through vLLM's OpenAI API.
+Serves Qwen3.5-122B-A10B (or another --model) from one DGX Spark (GB10) through vLLM's OpenAI API.
+
+  --model NAME      the model spec (onespark specs): qwen3.5-122b-a10b (default), qwen3.5-35b-a3b,
+                    qwen3.6-35b-a3b; its checkpoints go to WORK/NAME (the default model's to WORK itself)
+  --revision SHA    commit of the spec's INT4 repo, for a spec without a public pin (qwen3.5-35b-a3b)
 
   --vllm VERSION    the pinned vLLM: ${VLLM_TRACKS[*]} (default: $VLLM_DEFAULT, the published tables' version,
                     built from source, ~1 h once; 0.32.0: official wheels, no compile)
@@ -77,6 +83,8 @@ parse_args() {
       --api-key) need_value "$@"; export ONESPARK_API_KEY=$2; shift ;;
       --work) need_value "$@"; WORK=$2; WORK_SET=1; shift ;;
       --vllm) need_value "$@"; TRACK=$2; shift ;;
+      --model) need_value "$@"; MODEL=$2; shift ;;
+      --revision) need_value "$@"; REVISION=$2; shift ;;
       --nodes) need_value "$@"; NODES=$2; LAUNCH=1; shift ;;
       --no-cache) NO_CACHE=1 ;;
       --demo) DEMO=1; LAUNCH=1; BENCH=1 ;;
@@ -94,6 +102,19 @@ parse_args() {
     ((WORK_SET)) || WORK=$DEMO_WORK
   fi
   WORK=$(realpath -m "$WORK")
+  # The spec decides where the checkpoints go and which one is served (an unknown --model: the list of specs).
+  MODEL_WORK=$(model_work "$WORK" "$MODEL") || exit 2
+  SERVED_DIR=$(spec_get "$MODEL" served_dir) || exit 2
+}
+
+# A spec without a public INT4 pin needs --revision: said before anything runs (a note in a dry run).
+check_revision() {
+  ((DEMO)) && return 0
+  [[ -n $REVISION || -n $(spec_get "$MODEL" int4.revision) ]] && return 0
+  local why
+  why="$(spec_get "$MODEL" int4.repo) has no public pinned revision ($(spec_get "$MODEL" int4.pin_source))"
+  [[ $DRY_RUN == 1 ]] || die "--model $MODEL: $why: pass --revision SHA"
+  say "note: --model $MODEL: $why; a real run needs --revision SHA"
 }
 
 # Ask before a long step; -y, --dry-run and a non-interactive stdin proceed.
@@ -152,10 +173,12 @@ step_host_tools() {
 }
 
 step_doctor() {
-  local -a args=(doctor --work "$WORK")
+  local -a args=(doctor --work "$MODEL_WORK" --spec "$MODEL")
   ((DEMO)) && args+=(--demo)
   # The checkpoint is on disk already: Hugging Face is not needed any more.
-  [[ -f $WORK/hybrid/onespark-manifest.json ]] && args+=(--skip-hf)
+  local done_file=$MODEL_WORK/hybrid/onespark-manifest.json
+  [[ $SERVED_DIR == int4 ]] && done_file=$MODEL_WORK/int4/onespark-download.json
+  [[ -f $done_file ]] && args+=(--skip-hf)
   say "preflight:"
   if [[ $DRY_RUN == 1 ]]; then
     run "$VENV/bin/onespark" "${args[@]}"
@@ -170,10 +193,19 @@ step_doctor() {
 
 # Steps 0-2 on the real checkpoints (each script skips itself when its output is complete).
 step_checkpoints() {
-  confirm "steps 0-2 download ~77 GB and write a ~71 GB hybrid checkpoint to $WORK."
+  local size hybrid
+  size=$(spec_get "$MODEL" int4.size_gb) && hybrid=$(spec_get "$MODEL" hybrid_gb) || exit 2
+  if [[ $SERVED_DIR == hybrid ]]; then
+    confirm "steps 0-2 download ~$size GB and write a ~$hybrid GB hybrid checkpoint to $MODEL_WORK."
+  else
+    confirm "steps 0-2 download ~$size GB to $MODEL_WORK (served as downloaded: $MODEL has no splice)."
+  fi
+  local -a rev=()
+  [[ -n $REVISION ]] && rev=(--int4-revision "$REVISION")
+  step_script "step 0-download" steps/0-download.sh --work "$MODEL_WORK" --model "$MODEL" "${rev[@]}"
   local s
-  for s in 0-download 1-hybrid 2-mtp; do
-    step_script "step $s" "steps/$s.sh" --work "$WORK"
+  for s in 1-hybrid 2-mtp; do
+    step_script "step $s" "steps/$s.sh" --work "$MODEL_WORK" --model "$MODEL"
   done
 }
 
@@ -181,14 +213,14 @@ step_checkpoints() {
 # sizes) instead of downloading them; steps 1-2 are the real scripts. Then the tiny model that vLLM can
 # serve on CPU (the synthetic 122B layout is not servable on CPU).
 step_checkpoints_demo() {
-  if [[ -f $WORK/hybrid/onespark-manifest.json ]]; then
-    say "demo step 0: $WORK/hybrid exists, skipping"
+  if [[ -f $MODEL_WORK/hybrid/onespark-manifest.json ]]; then
+    say "demo step 0: $MODEL_WORK/hybrid exists, skipping"
   else
-    [[ -d $WORK/int4 ]] || ospk synth --format int4 --out "$WORK/int4"
-    [[ -d $WORK/fp8 ]] || ospk synth --format fp8 --out "$WORK/fp8"
+    [[ -d $MODEL_WORK/int4 ]] || ospk synth --model "$MODEL" --format int4 --out "$MODEL_WORK/int4"
+    [[ -d $MODEL_WORK/fp8 ]] || ospk synth --model "$MODEL" --format fp8 --out "$MODEL_WORK/fp8"
   fi
-  step_script "step 1-hybrid" steps/1-hybrid.sh --work "$WORK"
-  step_script "step 2-mtp" steps/2-mtp.sh --work "$WORK"
+  step_script "step 1-hybrid" steps/1-hybrid.sh --work "$MODEL_WORK" --model "$MODEL"
+  step_script "step 2-mtp" steps/2-mtp.sh --work "$MODEL_WORK" --model "$MODEL"
   [[ -d $WORK/tiny ]] || ospk tiny-model --out "$WORK/tiny"
 }
 
@@ -225,7 +257,7 @@ step_launch() {
   if ((DEMO)); then
     args+=(--demo --model "$WORK/tiny" --max-tokens 32 --prompt "What is the capital of France?")
   else
-    args+=(--model "$WORK/hybrid")
+    args+=(--model "$MODEL_WORK/$SERVED_DIR" --spec "$MODEL")
     ((TQ)) && args+=(--tq)
   fi
   if [[ $DRY_RUN == 1 ]]; then
@@ -241,13 +273,13 @@ step_launch() {
 step_bench() {
   local url="http://$HOST:$PORT"
   [[ $HOST == 0.0.0.0 ]] && url="http://127.0.0.1:$PORT"
-  local -a args=(bench --base-url "$url" --out "$WORK/bench" --no-progress --no-png)
+  local -a args=(bench --base-url "$url" --out "$MODEL_WORK/bench" --no-progress --no-png)
   if ((DEMO)); then
     # A short run: the tiny model on CPU says nothing about Spark speed; this proves the path works.
     args+=(--suite published --classes "Q&A" --runs 1 --warmup 0 --max-tokens 16
            --hardware "CPU demo ($(uname -m))" --image "$(v2_image)")
   else
-    args+=(--suite published --hardware "DGX Spark GB10" --image "$(v2_image)")
+    args+=(--suite published --hardware "DGX Spark GB10" --image "$(v2_image)" --spec "$MODEL")
   fi
   # The bench reads the key from the environment (never argv): the same key the server was started with.
   if [[ -n ${ONESPARK_API_KEY:-} ]]; then
@@ -285,9 +317,10 @@ main() {
   cd "$ONESPARK_ROOT" || die "cannot cd to $ONESPARK_ROOT"
   local mode="DGX Spark" cap
   ((DEMO)) && mode="demo (CPU, no GPU)"
-  say "onespark $VERSION installer: $mode, vLLM $TRACK; work directory $WORK"
+  say "onespark $VERSION installer: $mode, vLLM $TRACK, model $MODEL; work directory $MODEL_WORK"
   [[ $DRY_RUN == 1 ]] && say "dry run: every command is printed, none is executed"
   [[ -z $NODES ]] || check_nodes
+  check_revision
   if ((!DEMO)); then
     cap=$(gpu_compute_cap)
     if [[ $cap != 12.1 ]]; then
@@ -305,7 +338,7 @@ main() {
     step_launch
     ((BENCH)) && step_bench
   else
-    say "done. Start the server with: ./install.sh --launch   (or: $VENV/bin/onespark serve --model $WORK/hybrid)"
+    say "done. Start the server with: ./install.sh --model $MODEL --launch   (or: $VENV/bin/onespark serve --model $MODEL_WORK/$SERVED_DIR --spec $MODEL)"
   fi
   timing_summary
 }

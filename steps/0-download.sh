@@ -7,16 +7,19 @@ set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-WORK=$ONESPARK_ROOT/.work
+WORK=
+MODEL=$MODEL_DEFAULT
 EXTRA=()
 
 usage() {
   cat <<USAGE
-usage: steps/0-download.sh [--work DIR] [--int4-revision SHA] [--fp8-revision SHA] [--dry-run]
+usage: steps/0-download.sh [--model NAME] [--work DIR] [--int4-revision SHA] [--fp8-revision SHA] [--dry-run]
 
-  --work DIR            checkpoints go to DIR/int4 and DIR/fp8 (default: $WORK)
-  --int4-revision SHA   commit of the INT4 repo (default: the one pinned in onespark/download.py)
-  --fp8-revision SHA    commit of the FP8 repo (default: the one pinned in onespark/download.py)
+  --model NAME          model spec (onespark specs; default: $MODEL_DEFAULT)
+  --work DIR            checkpoints go to DIR/int4 and DIR/fp8 (default: $ONESPARK_ROOT/.work, and
+                        .work/NAME for a model other than the default)
+  --int4-revision SHA   commit of the INT4 repo (default: the spec's pin; required where it has none)
+  --fp8-revision SHA    commit of the FP8 repo (default: the spec's pin)
   --dry-run             print the command, run nothing
   -h, --help            this text
 
@@ -28,6 +31,7 @@ parse_args() {
   while (($#)); do
     case $1 in
       --work) need_value "$@"; WORK=$2; shift ;;
+      --model) need_value "$@"; MODEL=$2; shift ;;
       --int4-revision | --fp8-revision) need_value "$@"; EXTRA+=("$1" "$2"); shift ;;
       --dry-run) DRY_RUN=1 ;;
       -h | --help) usage; exit 0 ;;
@@ -35,12 +39,16 @@ parse_args() {
     esac
     shift
   done
+  if [[ -z $WORK ]]; then
+    WORK=$(model_work "$ONESPARK_ROOT/.work" "$MODEL") || exit 2
+  fi
+  SPLICE=$(spec_get "$MODEL" splice) || exit 2
 }
 
 # Complete when step 0 wrote its record in both directories (it does so last).
 done_already() {
   grep -q '"complete": true' "$WORK/int4/onespark-download.json" 2>/dev/null &&
-    grep -q '"complete": true' "$WORK/fp8/onespark-download.json" 2>/dev/null
+    { [[ $SPLICE != True ]] || grep -q '"complete": true' "$WORK/fp8/onespark-download.json" 2>/dev/null; }
 }
 
 main() {
@@ -49,7 +57,7 @@ main() {
     say "step 0 already done: $WORK/int4 and $WORK/fp8 are complete"
     return 0
   fi
-  onespark_step download --dest "$WORK" "${EXTRA[@]}"
+  onespark_step download --dest "$WORK" --model "$MODEL" "${EXTRA[@]}"
 }
 
 main "$@" || exit 1

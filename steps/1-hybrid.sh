@@ -7,13 +7,16 @@ set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-WORK=$ONESPARK_ROOT/.work
+WORK=
+MODEL=$MODEL_DEFAULT
 
 usage() {
   cat <<USAGE
-usage: steps/1-hybrid.sh [--work DIR] [--dry-run]
+usage: steps/1-hybrid.sh [--model NAME] [--work DIR] [--dry-run]
 
-  --work DIR   reads DIR/int4 and DIR/fp8 (step 0), writes DIR/hybrid (default: $WORK)
+  --model NAME model spec (onespark specs; default: $MODEL_DEFAULT); a spec without an FP8 source skips this step
+  --work DIR   reads DIR/int4 and DIR/fp8 (step 0), writes DIR/hybrid (default: $ONESPARK_ROOT/.work, and
+               .work/NAME for a model other than the default)
   --dry-run    print the command, run nothing
   -h, --help   this text
 
@@ -25,21 +28,31 @@ parse_args() {
   while (($#)); do
     case $1 in
       --work) need_value "$@"; WORK=$2; shift ;;
+      --model) need_value "$@"; MODEL=$2; shift ;;
       --dry-run) DRY_RUN=1 ;;
       -h | --help) usage; exit 0 ;;
       *) err "unknown option: $1"; usage >&2; exit 2 ;;
     esac
     shift
   done
+  if [[ -z $WORK ]]; then
+    WORK=$(model_work "$ONESPARK_ROOT/.work" "$MODEL") || exit 2
+  fi
 }
 
 main() {
   parse_args "$@"
+  local splice
+  splice=$(spec_get "$MODEL" splice) || exit 2
+  if [[ $splice != True ]]; then
+    say "step 1 skipped for $MODEL: $(spec_get "$MODEL" no_splice)"
+    return 0
+  fi
   if [[ -f $WORK/hybrid/onespark-manifest.json ]]; then
     say "step 1 already done: $WORK/hybrid has its manifest"
     return 0
   fi
-  onespark_step hybrid --int4 "$WORK/int4" --fp8 "$WORK/fp8" --out "$WORK/hybrid"
+  onespark_step hybrid --int4 "$WORK/int4" --fp8 "$WORK/fp8" --out "$WORK/hybrid" --model "$MODEL"
 }
 
 main "$@" || exit 1

@@ -7,14 +7,17 @@ set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-WORK=$ONESPARK_ROOT/.work
+WORK=
+MODEL=$MODEL_DEFAULT
 VERIFY=(--fast)
 
 usage() {
   cat <<USAGE
-usage: steps/2-mtp.sh [--work DIR] [--full-verify] [--dry-run]
+usage: steps/2-mtp.sh [--model NAME] [--work DIR] [--full-verify] [--dry-run]
 
-  --work DIR      fixes DIR/hybrid, using DIR/int4 as the source of the MTP head (default: $WORK)
+  --model NAME    model spec (onespark specs; default: $MODEL_DEFAULT); without a splice it fixes DIR/int4
+  --work DIR      fixes DIR/hybrid, using DIR/int4 as the source of the MTP head (default: $ONESPARK_ROOT/.work,
+                  and .work/NAME for a model other than the default)
   --full-verify   also check every file's sha256 against the manifest (default: sizes only, fast)
   --dry-run       print the commands, run nothing
   -h, --help      this text
@@ -25,6 +28,7 @@ parse_args() {
   while (($#)); do
     case $1 in
       --work) need_value "$@"; WORK=$2; shift ;;
+      --model) need_value "$@"; MODEL=$2; shift ;;
       --full-verify) VERIFY=() ;;
       --dry-run) DRY_RUN=1 ;;
       -h | --help) usage; exit 0 ;;
@@ -32,13 +36,23 @@ parse_args() {
     esac
     shift
   done
+  if [[ -z $WORK ]]; then
+    WORK=$(model_work "$ONESPARK_ROOT/.work" "$MODEL") || exit 2
+  fi
 }
 
 main() {
   parse_args "$@"
-  [[ $DRY_RUN == 1 || -d $WORK/hybrid ]] || die "$WORK/hybrid does not exist: run steps/1-hybrid.sh first"
-  onespark_step mtp "$WORK/hybrid" --source "$WORK/int4"
-  onespark_step verify "$WORK/hybrid" "${VERIFY[@]}"
+  local served
+  served=$(spec_get "$MODEL" served_dir) || exit 2
+  if [[ $served == int4 ]]; then  # no splice: the download itself is served, and it holds its own head
+    [[ $DRY_RUN == 1 || -d $WORK/int4 ]] || die "$WORK/int4 does not exist: run steps/0-download.sh first"
+    onespark_step mtp "$WORK/int4" --model "$MODEL"
+  else
+    [[ $DRY_RUN == 1 || -d $WORK/hybrid ]] || die "$WORK/hybrid does not exist: run steps/1-hybrid.sh first"
+    onespark_step mtp "$WORK/hybrid" --source "$WORK/int4" --model "$MODEL"
+  fi
+  onespark_step verify "$WORK/$served" "${VERIFY[@]}" --model "$MODEL"
 }
 
 main "$@" || exit 1

@@ -116,3 +116,23 @@ onespark_step() {
     onespark_cli "$@"
   fi
 }
+
+# ---- model specs (onespark/specs.py: repos, pins, sizes, MTP layout, serving defaults per model) ---------
+
+# shellcheck disable=SC2034  # read by install.sh and steps/0-2 (this file is sourced)
+MODEL_DEFAULT=qwen3.5-122b-a10b
+
+# spec_get MODEL FIELD: one field of a model spec. The system python3 reads onespark/specs.py (standard
+# library only), so this works before install.sh has built the host virtualenv, and in --dry-run. An unknown
+# MODEL prints the one-line list of specs; callers assign with `x=$(spec_get ...) || exit 2`.
+spec_get() {
+  PYTHONPATH=$ONESPARK_ROOT python3 -m onespark specs --model "$1" --get "$2"
+}
+
+# model_work BASE MODEL: where MODEL's checkpoints go under BASE: BASE itself for the default spec (the layout
+# earlier versions wrote, so an existing install resumes), BASE/MODEL for every other model.
+model_work() {
+  local sub
+  sub=$(spec_get "$2" work_subdir) || return 2
+  printf '%s' "$1${sub:+/$sub}"
+}

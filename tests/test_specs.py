@@ -233,3 +233,62 @@ def test_doctor_checks_disk_and_memory_for_the_chosen_spec(tmp_path, name):
     assert f"steps 0-2 need {math.ceil(spec.disk_gb)} GB more" in out, out
     assert f"needs {spec.min_memory_gib} GiB" in out and f"{name} needs a 128 GB DGX Spark" in out, out
     assert r.returncode == 1
+
+
+def _install(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ONESPARK_VENV": str(tmp_path / "venv")}
+    return subprocess.run(["bash", "install.sh", *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+def _in_order(out: str, pieces: list[str]) -> None:
+    pos = 0
+    for piece in pieces:
+        found = out.find(piece, pos)
+        assert found >= 0, f"{piece!r} missing (or out of order) in the plan:\n{out}"
+        pos = found
+
+
+def test_install_dry_run_prints_the_full_spark_plan_for_the_35b(tmp_path):
+    work = tmp_path / "w"
+    r = _install("--dry-run", "-y", "--model", "qwen3.5-35b-a3b", "--work", str(work), tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    w = f"{work}/qwen3.5-35b-a3b"  # beside the 122B's work/{int4,fp8,hybrid}, never inside them
+    _in_order(r.stdout, [
+        "model qwen3.5-35b-a3b; work directory " + w,
+        "a real run needs --revision SHA",  # no public pin for the 35B's INT4 repo
+        f"onespark doctor --work {w} --spec qwen3.5-35b-a3b",
+        f"+ onespark download --dest {w} --model qwen3.5-35b-a3b",
+        f"+ onespark hybrid --int4 {w}/int4 --fp8 {w}/fp8 --out {w}/hybrid --model qwen3.5-35b-a3b",
+        f"+ onespark mtp {w}/hybrid --source {w}/int4 --model qwen3.5-35b-a3b",
+        f"+ onespark verify {w}/hybrid --fast --model qwen3.5-35b-a3b",
+        "-f Dockerfile.base", "-f Dockerfile.v2",
+        f"serve --model {w}/hybrid --spec qwen3.5-35b-a3b",
+    ])
+    assert not work.exists() and not (tmp_path / "venv").exists()  # nothing ran
+    r = _install("--dry-run", "-y", "--model", "qwen3.5-35b-a3b", "--revision", "a" * 40, "--launch",
+                 "--work", str(work), tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "a real run needs --revision" not in r.stdout
+    _in_order(r.stdout, [f"--model qwen3.5-35b-a3b --int4-revision {'a' * 40}",
+                         f"-v {w}/hybrid:/model:ro", "--served-model-name qwen3.5-35b-a3b",
+                         "--gpu-memory-utilization 0.5"])
+
+
+def test_install_without_a_pin_stops_before_anything_and_qwen36_skips_the_splice(tmp_path):
+    r = _install("-y", "--model", "qwen3.5-35b-a3b", "--work", str(tmp_path / "w"), tmp_path=tmp_path)
+    assert r.returncode == 1 and "pass --revision SHA" in r.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "w").exists() and not (tmp_path / "venv").exists()
+    r = _install("--dry-run", "-y", "--model", "qwen3.6-35b-a3b", "--launch", "--work", str(tmp_path / "w"),
+                 tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    w = f"{tmp_path}/w/qwen3.6-35b-a3b"
+    _in_order(r.stdout, ["step 1 skipped for qwen3.6-35b-a3b: its shared experts are already 8-bit",
+                         f"+ onespark mtp {w}/int4 --model qwen3.6-35b-a3b",
+                         f"+ onespark verify {w}/int4 --fast --model qwen3.6-35b-a3b",
+                         "onespark serve", f"--model {w}/int4 --spec qwen3.6-35b-a3b",
+                         f"-v {w}/int4:/model:ro", "--served-model-name qwen3.6-35b-a3b"])
+    assert "onespark hybrid" not in r.stdout
+    r = _install("--dry-run", "--model", "qwen9", tmp_path=tmp_path)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "onespark specs: error: --model qwen9: unknown; the specs are: " + ", ".join(specs.names())]
