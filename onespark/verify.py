@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import os
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -29,6 +30,61 @@ from onespark.checkpoint import MANIFEST_FILE, load_json, open_checkpoint, sha25
 from onespark.errors import UserError
 
 MAX_LISTED = 10  # per kind of problem; the rest are counted
+
+
+TORCH_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def model_dtype(config: dict) -> str:
+    """The dtype of the 16-bit tensors, as config.json states it (`dtype`, or `torch_dtype` before transformers
+    4.56; text_config first). Both Qwen3.5 releases say bfloat16, so that is the default."""
+    for c in (qwen35.text_config(config), config):
+        for key in ("dtype", "torch_dtype"):
+            if c.get(key) in TORCH_DTYPES:
+                return TORCH_DTYPES[c[key]]
+    return "BF16"
+
+
+def exact_dtypes(name: str, exp: qwen35.Expect, config: dict) -> frozenset:
+    """The one dtype a tensor must have, where the config implies one (qwen35.expected_tensors allows the
+    family; a BF16 weight relabelled F16 is the same bytes read as another number, so only this catches it):
+    - 16-bit weights and dense tensors: the model dtype, except `A_log`, which the releases keep in float32
+      (as `onespark synth` writes it);
+    - INT4 `scales` of the auto_gptq packing: F16 (auto-round's QuantLinear registers them float16; see qwen35);
+    - a hybrid's `weight_scale_inv`: the scale_dtype step 1 recorded from its FP8 source."""
+    qc = config.get("quantization_config") or {}
+    if exp.dtypes == qwen35.FLOAT_DTYPES:
+        return frozenset({"F32" if name.endswith(".A_log") else model_dtype(config)})
+    if name.endswith(".scales") and "auto_gptq" in str(qc.get("packing_format", "")):
+        return frozenset({"F16"})
+    hybrid = qc.get(qwen35.HYBRID_KEY) or {}
+    if name.endswith(".weight_scale_inv") and isinstance(hybrid.get("scale_dtype"), str) \
+            and name[: -len(".weight_scale_inv")] in set(hybrid.get("layers", [])):
+        return frozenset({hybrid["scale_dtype"]})
+    return exp.dtypes
+
+
+def layer_problems(ck) -> list[str]:
+    """num_hidden_layers against layer_types and against the decoder layers the tensors hold: the layout is
+    derived from layer_types, so without this a config whose two disagree passes with either count."""
+    tc = qwen35.text_config(ck.config)
+    n = tc.get("num_hidden_layers")
+    out = []
+    if tc.get("layer_types") is not None and len(tc["layer_types"]) != n:
+        out.append(f"config.json: num_hidden_layers is {n} but layer_types lists {len(tc['layer_types'])} layers: "
+                   f"the config is inconsistent (edited by hand, or another model's); restore the downloaded one")
+    present = {int(m.group(1)) for name in ck.where if (m := re.match(re.escape(qwen35.LAYERS) + r"(\d+)\.", name))}
+    if isinstance(n, int) and present and present != set(range(n)):
+        extra, lost = sorted(present - set(range(n))), sorted(set(range(n)) - present)
+        what = "; ".join(s for s in (f"layers {_span(extra)} beyond it" if extra else "",
+                                     f"no tensor of layers {_span(lost)}" if lost else "") if s)
+        out.append(f"config.json says num_hidden_layers {n}, the tensors hold decoder layers {_span(sorted(present))} "
+                   f"({what}): config and weights are of different models")
+    return out
+
+
+def _span(xs: list[int]) -> str:
+    return f"{xs[0]}-{xs[-1]}" if len(xs) > 1 and xs == list(range(xs[0], xs[-1] + 1)) else ", ".join(map(str, xs))
 
 
 def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) -> tuple[list[str], dict]:
@@ -65,6 +121,8 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
         if not n.startswith("mtp."):
             problem("orphan", f"{n} is in {ck.where[n]} but not in the index")
 
+    for p in layer_problems(ck):
+        problems.append(p)
     expected = qwen35.expected_tensors(ck.config)
     for name, fname in sorted(ck.where.items()):
         t = ck.headers[fname].tensors[name]
@@ -73,9 +131,11 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
             if name.startswith("model.visual.") and t.dtype in qwen35.FLOAT_DTYPES:
                 continue  # vision tower: passed through untouched, shapes not derived here
             problem("unexpected", f"{name} ({fname}) is a tensor the config implies no such thing as")
-        elif t.dtype not in exp.dtypes or t.shape != exp.shape:
+            continue
+        dtypes = exact_dtypes(name, exp, ck.config)
+        if t.dtype not in dtypes or t.shape != exp.shape:
             problem("shape", f"{name} ({fname}) is {t.dtype}{list(t.shape)}, the config implies "
-                             f"{'/'.join(sorted(exp.dtypes))}{list(exp.shape)}")
+                             f"{'/'.join(sorted(dtypes))}{list(exp.shape)}")
         if t.dtype == "F8_E4M3" and name.endswith(".weight"):
             scale = name[: -len("weight")] + "weight_scale_inv"
             if scale not in ck.where:

@@ -364,3 +364,58 @@ def test_download_refuses_a_destination_in_use(tmp_path):
         r = cli("download", "--dest", str(tmp_path / "m"), "--skip-int4", "--fp8-revision", "2" * 40, env=env)
     last = one_line_error(r, "download")
     assert f"--dest {tmp_path / 'm' / 'fp8'} is in use by pid {os.getpid()}" in last, last
+
+
+# ---- item 7: verify --fast checks the exact dtype and the layer count -------------------------------------
+
+def _relabel(ck_dir: Path, name: str, dtype: str, widen: bool = False) -> None:
+    """Rewrite the shard holding `name` with its dtype changed: the same bytes under another label, or
+    (widen) the values as F32 (twice the bytes)."""
+    import numpy as np
+    from onespark.safetensors_io import Range, read_header, write_safetensors
+    idx = json.loads((ck_dir / "model.safetensors.index.json").read_text())
+    fname = idx["weight_map"][name]
+    h = read_header(ck_dir / fname)
+    items = []
+    for t in h.tensors.values():
+        if t.name != name:
+            items.append((t.name, t.dtype, t.shape, Range(h.path, t.begin, t.nbytes)))
+        elif widen:
+            raw = np.frombuffer((ck_dir / fname).read_bytes()[t.begin:t.end], dtype=np.uint16)
+            items.append((t.name, "F32", t.shape, (raw.astype(np.uint32) << 16).tobytes()))  # BF16 -> F32 exactly
+        else:
+            items.append((t.name, dtype, t.shape, Range(h.path, t.begin, t.nbytes)))
+    write_safetensors(ck_dir / (fname + ".new"), items, h.metadata)
+    os.replace(ck_dir / (fname + ".new"), ck_dir / fname)
+
+
+@pytest.mark.parametrize("how", ["bf16-as-f16", "bf16-as-f32"])
+def test_verify_fast_checks_the_exact_dtype(finished, tmp_path, how):
+    out = _clone(finished, tmp_path / "hy")
+    name = "model.language_model.layers.1.mlp.shared_expert_gate.weight"  # a BF16 router gate, not spliced
+    _relabel(out, name, "F16", widen=how == "bf16-as-f32")
+    last = one_line_error(cli("verify", "--fast", str(out)), "verify")
+    want = "F16" if how == "bf16-as-f16" else "F32"
+    assert f"{name} (" in last and f") is {want}[" in last and "the config implies BF16[" in last, last
+
+
+def test_verify_checks_num_hidden_layers(finished, tmp_path):
+    out = _clone(finished, tmp_path / "hy")
+    cfg = json.loads((out / "config.json").read_text())
+    tc = cfg["text_config"]
+    tc["layer_types"] = tc.get("layer_types") or ["linear_attention", "linear_attention", "linear_attention",
+                                                  "full_attention"]
+    n = len(tc["layer_types"])
+    tc["num_hidden_layers"] = n + 1  # layer_types and the tensors say n
+    (out / "config.json").write_text(json.dumps(cfg))
+    r = cli("verify", "--fast", "--model", "custom", str(out))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"num_hidden_layers is {n + 1} but layer_types lists {n} layers" in r.stderr, r.stderr
+    assert f"the tensors hold decoder layers 0-{n - 1} (no tensor of layers {n}" in r.stderr, r.stderr
+    del tc["layer_types"]
+    tc["num_hidden_layers"] = n - 1  # the tensors hold one layer more than the config has
+    (out / "config.json").write_text(json.dumps(cfg))
+    r = cli("verify", "--fast", "--model", "custom", str(out))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"num_hidden_layers {n - 1}, the tensors hold decoder layers 0-{n - 1} (layers {n - 1} beyond it)" \
+        in r.stderr, r.stderr
