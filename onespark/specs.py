@@ -201,7 +201,9 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
         hybrid_gb=0.0,
         min_memory_gib=72,
         serving={"gpu_memory_utilization": 0.50, "max_model_len": 262144, "speculative_config": MTP2},
-        notes="MTP tensor count not published: verify derives it from the config",
+        # mtp_in_index: assumed as the 35B's (not published for this release); step 2 lists the head either way.
+        notes="MTP tensor count and whether the index lists the head are not published: verify derives the "
+              "count from the config, step 2 lists the head either way",
     ),
 )}
 
