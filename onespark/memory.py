@@ -235,11 +235,15 @@ class Plan:
         out = []
         util_fix = max_util(self.mem_total, self.floor)
         if self.kv_pool <= 0:
+            # the smallest util (two decimals) whose share holds weights + overhead + 1 GiB of KV cache
+            need = math.ceil((self.weights + self.overhead + GIB) / self.mem_total * 100) / 100
+            fix = (f"onespark serve ... -- --gpu-memory-utilization {need:.2f} (up to {util_fix:.2f} keeps the host's "
+                   f"floor)" if need <= util_fix else
+                   f"that takes --gpu-memory-utilization {need:.2f} or more, which leaves the host less than its "
+                   f"{gib(self.floor)} floor on this machine: use a smaller checkpoint")
             out.append(
                 f"the weights ({gib(self.weights)}) and vLLM's overhead ({gib(self.overhead)}) do not fit in its "
-                f"share ({gib(self.share)}): the KV pool would be {gib(self.kv_pool)}. This checkpoint needs "
-                f"--gpu-memory-utilization above {(self.weights + self.overhead) / self.mem_total:.2f}, which "
-                f"leaves the host less than its floor ({gib(self.floor)}) on this machine: use a smaller checkpoint")
+                f"share ({gib(self.share)}): the KV pool would be {gib(self.kv_pool)}: {fix}")
         if self.host_reserve < self.floor:
             fix = (f"-- --kv-cache-memory-bytes {max(0, self.mem_total - self.floor - self.weights - self.overhead) // MIB}M"
                    if self.kv_bytes is not None else f"-- --gpu-memory-utilization {util_fix:.2f}")
@@ -251,8 +255,7 @@ class Plan:
                 f"--host-reserve-gib {max(0, math.floor(self.host_reserve / GIB))}")
         if self.headroom_now < self.guard_floor:
             used = self.mem_total - self.mem_available
-            keep = self.guard_floor + (self.mem_total - self.mem_available)
-            u = max_util(self.mem_total, keep)
+            u = max_util(self.mem_total, self.guard_floor + used)
             vllm_refuses = (" (vLLM itself would refuse: its share is more than MemAvailable)"
                             if self.headroom_now < 0 else "")
             out.append(

@@ -124,7 +124,13 @@ def test_kv_cache_memory_bytes_sizes_the_share_and_weights_that_do_not_fit(tmp_p
     assert plan.kv_pool == 36 * GIB and plan.share == (10 + 4 + 36) * GIB  # weights + overhead + KV
     small = _meminfo(tmp_path / "small", total_kb=16 * 1024**2, avail_gib=15)
     big = memory.make_plan(_index_only(tmp_path / "big", 72 * GIB), [], meminfo=small)
-    assert big.kv_pool < 0 and "do not fit" in big.problems()[0]
+    assert big.kv_pool < 0 and "do not fit" in big.problems()[0] and "use a smaller checkpoint" in big.problems()[0]
+    # at 0.5 (share 59.85 GiB) 60 GiB of weights do not fit; (60 + 4 + 1) / 119.70 = 0.543 -> 0.55 would, and up
+    # to 0.83 keeps the floor
+    low = memory.make_plan(_index_only(tmp_path / "mid", 60 * GIB), ["--gpu-memory-utilization", "0.5"],
+                           meminfo=_meminfo(tmp_path / "mi3"))
+    assert low.kv_pool < 0, low
+    assert "-- --gpu-memory-utilization 0.55 (up to 0.83 keeps the host's floor)" in low.problems()[0]
 
 
 def test_weights_come_from_the_checkpoints_own_index_or_its_shards(tmp_path):
