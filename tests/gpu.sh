@@ -16,6 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+argv="$*"
 tests=1 bench=1 quick=() names=turboquant,turboquant_prefill,lm_head,lm_head_glue
 while (($#)); do
   arg=$1; shift
@@ -56,7 +57,7 @@ if ((tests)); then
     tests/test_turboquant_backend.py::test_cuda_path_triton_kernels 2>&1 | tee "$out/gpu_lane.log"
   rc=${PIPESTATUS[0]}
   set -e
-  "$py" - "$out/gpu_lane.xml" "$out/gpu_lane_$gpu.json" "$sha" "tests/gpu.sh $*" <<'EOF'
+  "$py" - "$out/gpu_lane.xml" "$out/gpu_lane_$gpu.json" "$sha" "tests/gpu.sh $argv" <<'EOF'
 import json, os, sys, time
 import xml.etree.ElementTree as ET
 
