@@ -401,6 +401,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model == specs.CUSTOM:
+        raise UserError("synth needs a named --model (a custom checkpoint's layout is whatever its config says): "
+                        f"one of {', '.join(specs.SPECS)}")
     spec = specs.get(args.model)
     dims = dict(spec.text if args.preset == "real" else spec.tiny)
     for key in ("hidden_size", "num_hidden_layers", "num_experts", "moe_intermediate_size",

@@ -161,6 +161,8 @@ def test_unknown_model_is_one_line_listing_the_specs(tmp_path):
         assert r.returncode == 1 and len(lines) == 1, (cmd, r.stderr)
         assert "--model qwen9-1t: unknown; the specs are: " + ", ".join(specs.names()) in lines[0]
     assert not (tmp_path / "x").exists() and not (tmp_path / "d").exists()
+    r = cli("synth", "--model", "custom", "--format", "int4", "--out", str(tmp_path / "x"))
+    assert r.returncode == 1 and "synth needs a named --model" in r.stderr and not (tmp_path / "x").exists()
 
 
 def test_download_needs_a_revision_where_no_pin_is_public_and_skips_a_missing_fp8_source(tmp_path):
