@@ -45,7 +45,8 @@ fi
 
 site=$(mktemp -d)
 trap 'rm -rf "$site"' EXIT
-"$py" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" "${ONESPARK_WHEEL:-.}"
+PKG_PATH=${ONESPARK_WHEEL:-$PWD}  # a wheel built elsewhere (the host's setuptools may be older), or this checkout
+"$py" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" "$PKG_PATH"
 export PYTHONPATH="$site:$PWD/$stub" PYTHONUNBUFFERED=1
 gpu=$("$py" -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
 rc=0
