@@ -366,7 +366,7 @@ def test_u8_centred_is_exact():
 @pytest.mark.parametrize("t0,t1", [(0, 90), (37, 61), (61, 61)])
 def test_dequantize_rotated_matches_read_rotated(name, t0, t1):
     """The Triton decode into BF16 equals turboquant.read_rotated (fp32 levels) to BF16 rounding, for a
-    token range that starts and ends inside pages; a canvas poisoned with NaN beyond the range stays so."""
+    token range that starts and ends inside pages, and an empty range."""
     lay, cache, bt, seq_lens, _, _ = _prefill_case(name, 4, 2, [(1, 90)], 16, seed=3)
     levels = tuple(tq.codebook(b).levels.to(torch.float32) for b in (lay.preset.k_bits, lay.preset.v_bits))
     kr, vr = tq.read_rotated(cache, lay, bt[0], 90, levels, torch.float32)
