@@ -324,6 +324,85 @@ def test_transport_from_nccl_log(log, expect):
     assert cluster.transport(log) == expect
 
 
+class FakeCluster(FakeNodes):
+    """FakeNodes that also take the changing commands: the copy makes the worker's image appear, the Ray
+    containers make the cluster count 2 nodes, the plugin check answers from both link addresses, the
+    vLLM log carries NCCL's RoCE lines. vLLM itself is a small HTTP server on this machine."""
+
+    def __init__(self, dirs, **overrides):
+        super().__init__(dirs, **overrides)
+        self.ray_up = set()
+
+    def __call__(self, node, cmd, timeout):
+        try:
+            return super().__call__(node, cmd, timeout)
+        except AssertionError:  # not a read-only command (FakeNodes recorded it)
+            pass
+        if "docker save" in cmd:
+            self.answers["spark2"]["image"] = self.answers["spark1"]["image"]
+        elif "--entrypoint ray" in cmd:
+            self.ray_up.add(node.name)
+        elif "ray.nodes()" in cmd and "load_general_plugins" in cmd:
+            return 0, json.dumps([["192.168.100.1", ["int8-lm-head"]], ["192.168.100.2", ["int8-lm-head"]]])
+        elif "ray.nodes()" in cmd:
+            return 0, str(len(self.ray_up))
+        elif "tail -n 400" in cmd:
+            return 0, "NCCL INFO NET/IB : Using [0]rocep1s0f1:1/RoCE [RO]; OOB enp1s0f1np1:192.168.100.1<0>"
+        return 0, ""
+
+
+@pytest.fixture
+def fake_vllm():
+    """/health, /v1/models and one chat completion, as vLLM's OpenAI server answers them."""
+    import http.server
+    import threading
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def _send(self, body):
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            self._send({} if self.path == "/health" else {"data": [{"id": "qwen3.5-122b-a10b"}]})
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self._send({"choices": [{"message": {"content": "A small desktop AI computer."}}],
+                        "usage": {"completion_tokens": 7}})
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv.server_address[1]
+    srv.shutdown()
+
+
+def test_run_end_to_end_against_fake_nodes(nodes, fake_vllm, capsys):
+    fake = FakeCluster(nodes, worker_image=(1, "Error: No such image"), worker_checkpoint=(1, "missing"))
+    fake.args = cluster_args("--sync", "--port", str(fake_vllm))
+    assert cluster.run(fake.args, runner=fake, nodes=(HEAD, WORKER)) == 0
+    out = capsys.readouterr().out
+    changing = [(n, c) for n, c in fake.calls if c not in cluster.read_commands(fake.args).values()]
+    order = [next(k for k in ("docker build", "docker save", "mkdir", "rsync", " verify ", "--entrypoint ray",
+                              "load_general_plugins", "ray.nodes()", "docker exec -d", "kill -0", "tail -n")
+                  if k in c) for _, c in changing]
+    # The copy before Ray, Ray on both before the check, the check before vLLM.
+    first = {k: order.index(k) for k in dict.fromkeys(order)}
+    assert first["docker build"] < first["docker save"] < first["rsync"] < first[" verify "] < first["--entrypoint ray"]
+    assert first["--entrypoint ray"] < first["ray.nodes()"] < first["load_general_plugins"] < first["docker exec -d"]
+    assert [n for n, c in changing if "--entrypoint ray" in c] == ["spark1", "spark2"]
+    assert [n for n, c in changing if " verify " in c] == ["spark2"]
+    assert "onespark cluster: Ray cluster of 2 nodes, onespark plugin active in a Ray worker on each" in out
+    assert "onespark cluster: NCCL transport: RoCE" in out
+    assert "7 tokens in" in out and "TP=2 across spark1 and spark2" in out
+
+
 # ---- the plan --------------------------------------------------------------------------------------------
 
 
