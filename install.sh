@@ -221,7 +221,15 @@ step_checkpoints_demo() {
   fi
   step_script "step 1-hybrid" steps/1-hybrid.sh --work "$MODEL_WORK" --model "$MODEL"
   step_script "step 2-mtp" steps/2-mtp.sh --work "$MODEL_WORK" --model "$MODEL"
-  [[ -d $WORK/tiny ]] || ospk tiny-model --out "$WORK/tiny"
+  local -a arch=()
+  [[ $TRACK == "$VLLM_DEFAULT" ]] || arch=(--arch qwen3.5-moe)
+  [[ -d $(demo_model) ]] || ospk tiny-model --out "$(demo_model)" "${arch[@]}"
+}
+
+# The tiny model the demo serves: 0.19.1's CPU build runs a Qwen2-MoE stand-in; 0.32.0's runs the real
+# Qwen3.5-MoE architecture (Gated DeltaNet + gated attention + MoE + the MTP layer).
+demo_model() {
+  if [[ $TRACK == "$VLLM_DEFAULT" ]]; then printf '%s/tiny' "$WORK"; else printf '%s/tiny-qwen3.5-moe' "$WORK"; fi
 }
 
 # The v2 image install.sh built for this run (steps/4-images.sh's default tag for the track).
@@ -255,7 +263,14 @@ step_launch() {
   # The default track's images are serve's defaults; another track's carry the vLLM version in the tag.
   [[ $TRACK == "$VLLM_DEFAULT" ]] || args+=(--image "$(v2_image)")
   if ((DEMO)); then
-    args+=(--demo --model "$WORK/tiny" --max-tokens 32 --prompt "What is the capital of France?")
+    args+=(--demo --model "$(demo_model)" --max-tokens 32 --prompt "What is the capital of France?")
+    if [[ $TRACK == 0.32.0 ]]; then
+      # vLLM 0.32.0 on CPU with the real architecture, as measured for issue 13: --language-model-only (else it
+      # looks for an image processor), no prefix caching (with MTP on, a Triton mamba-cache kernel with no CPU
+      # backend kills the engine on the first request), MTP-2 from the model's own MTP layer.
+      args+=(-- --language-model-only --no-enable-prefix-caching
+             --speculative-config '{"method":"mtp","num_speculative_tokens":2}')
+    fi
   else
     args+=(--model "$MODEL_WORK/$SERVED_DIR" --spec "$MODEL")
     ((TQ)) && args+=(--tq)
@@ -263,7 +278,8 @@ step_launch() {
   if [[ $DRY_RUN == 1 ]]; then
     # serve needs only the standard library: show its docker command even before the venv exists.
     run "$VENV/bin/onespark" "${args[@]}"
-    PYTHONPATH=$ONESPARK_ROOT python3 -m onespark "${args[@]}" --dry-run | sed 's/^/    /' \
+    # --dry-run right after `serve`: anything after a `--` in args is vLLM's.
+    PYTHONPATH=$ONESPARK_ROOT python3 -m onespark serve --dry-run "${args[@]:1}" | sed 's/^/    /' \
       || die "onespark serve --dry-run failed"
     return 0
   fi
