@@ -42,7 +42,8 @@ def _check_target(c, arch: int) -> None:
 
 def _turboquant_launches(preset: str, arch: int, monkeypatch) -> list:
     """The launches one layer's step makes with the Qwen3.5 shape: encode (decode step and prefill chunk),
-    decode (T = 1 and an MTP-2 verify step), merge, prefill; tiles as chosen for this GPU."""
+    decode (T = 1 and an MTP-2 verify step), merge, prefill (fused, and the flash path's decode into BF16);
+    tiles as chosen for this GPU."""
     monkeypatch.setattr(tt, "_capability", lambda device: CAPABILITY[arch])
     lay = tq.CacheLayout(tq.PRESETS[preset], num_kv_heads=2, page=16)
     cache = lay.empty(64)
@@ -55,6 +56,7 @@ def _turboquant_launches(preset: str, arch: int, monkeypatch) -> list:
             tt.decode_attention(torch.randn(1, 32, T, 256, dtype=torch.bfloat16), cache, lay, bt, sl, 7, 1 / 16, 1000)
         tt.prefill_attention(torch.randn(40, 32, 256, dtype=torch.bfloat16), cache, lay, bt, sl,
                              torch.tensor([0, 40], dtype=torch.int32), 7, 1 / 16, 40)
+        tt.dequantize_rotated(cache, lay, bt[0], 0, 1000, 7, torch.bfloat16)  # the default prefill path's decode
     return launches
 
 
@@ -64,13 +66,14 @@ def test_turboquant_kernels_build_for_the_spark_and_the_h200(preset, arch, monke
     launches = _turboquant_launches(preset, arch, monkeypatch)
     names = [launch.kernel.fn.__name__ for launch in launches]
     assert names.count("_tq_decode_kernel") == 2 and names.count("_tq_prefill_kernel") == 1, names
+    assert names.count("_tq_dequant_kernel") == 1, names
     for launch in launches:
         # the host ran on CPU tensors; on a GPU the 4-bit codes are decoded by the PRMT path
         prmt = {"PRMT": True} if "PRMT" in launch.kwargs else {}
         c = compile_for(launch, arch, **prmt)
         print(f"sm_{arch} {preset} {c.name}: {c.registers} registers, {c.spill_stack} B spilled, {c.shared} B shared")
         _check_target(c, arch)
-        if arch == SPARK and c.name in ("_tq_decode_kernel", "_tq_prefill_kernel"):
+        if arch == SPARK and c.name in ("_tq_decode_kernel", "_tq_prefill_kernel", "_tq_dequant_kernel"):
             assert c.spill_stack == 0, f"{c.name} spills {c.spill_stack} B per thread on sm_121 at its chosen tile"
 
 
