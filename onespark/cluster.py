@@ -196,7 +196,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
 
-def nccl_env(head: NodeLink, worker: NodeLink, track: str, allow_sockets: bool) -> dict[str, dict[str, str]]:
+def nccl_env(head: NodeLink, worker: NodeLink, allow_sockets: bool) -> dict[str, dict[str, str]]:
     """Per-node NCCL/Gloo/vLLM environment for the Ray containers.
 
     vLLM 0.19.1's Ray executor copies the driver's (head's) NCCL_* and VLLM_* variables onto every worker,
@@ -269,7 +269,7 @@ def link_preflight(head: Node, worker: Node, runner: Runner, *, iface: str | Non
             f"node {worker}: RoCE v2 GID index {wl.gid_index}, but {hl.gid_index} on {head.name}: vLLM 0.19.1 "
             f"copies the head's NCCL_IB_GID_INDEX to every worker; give both links the same address layout "
             f"(one IPv4 address per port) or use the 0.32.0 image, which keeps each node's value")
-    plan.env = nccl_env(hl, wl, track, allow_sockets)
+    plan.env = nccl_env(hl, wl, allow_sockets)
     return plan
 
 
@@ -657,6 +657,9 @@ def run(args: argparse.Namespace, runner: Runner = shell_runner, nodes: tuple[No
         print(f"[head {head.name}] wait for /health on http://{args.host}:{args.port}, one chat request"
               + (", then onespark bench --suite published" if args.bench else ""))
         return 0
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"onespark cluster: warning: --host {args.host} exposes the server beyond this machine without an "
+              "API key; pass --api-key", file=sys.stderr)
     plan = preflight(args, head, worker, runner)
     if plan.problems:
         for p in plan.problems:
