@@ -254,6 +254,10 @@ def run(args) -> int:
                 raise UserError(f"{path} has {r['failed_requests']} failed requests: its figures are incomplete; "
                                 "re-run that benchmark")
         rows = report.compare(a, b)
+        differ = report.settings_diff(a, b)
+        if differ:  # said first, so nobody reads a delta of --max-tokens 64 vs 256 as the server's
+            print(f"note: A and B ran with different settings ({'; '.join(differ)}): a delta may come from "
+                  "them rather than from the servers\n")
         quality = _recorded_quality(a, b, args.a, args.b)
         if not rows and quality is None:
             raise UserError(f"{args.a} and {args.b} share no suite and group to compare")
@@ -279,6 +283,8 @@ def run(args) -> int:
     if args.top_k < 1:
         raise UserError("--top-k must be at least 1 (above 20, start vLLM with --max-logprobs N)")
     report.check_writable(args.out)  # before the run: what it measures must have somewhere to go
+    if not args.no_png:
+        report.require_png()
     created = dt.datetime.now(dt.timezone.utc)
     body = asyncio.run(_bench(args, names, settings))
     rows = [r for s in body["suites"].values() for r in s["rows"]]

@@ -64,7 +64,15 @@ async def detect_model(client: httpx.AsyncClient, ep: Endpoint) -> dict:
         raise UserError(f"{ep.base_url}/v1/models answered {r.status_code}: pass the server's key with --api-key")
     if r.status_code != 200:
         raise UserError(f"{ep.base_url}/v1/models answered {r.status_code}: {r.text[:200]}")
-    cards = r.json().get("data") or []
+    try:
+        doc = r.json()
+    except ValueError:
+        raise UserError(f"{ep.base_url}/v1/models answered something that is not JSON ({r.text[:80]!r}): is "
+                        f"--base-url an OpenAI-compatible server (vLLM), not a web page or proxy?") from None
+    cards = doc.get("data") if isinstance(doc, dict) else None
+    if cards is None or not isinstance(cards, list) or not all(isinstance(c, dict) for c in cards):
+        raise UserError(f"{ep.base_url}/v1/models answered {type(doc).__name__} JSON without a list of model "
+                        f"objects under 'data' ({r.text[:80]!r}): is --base-url an OpenAI-compatible server?")
     if not cards:
         raise UserError(f"{ep.base_url}/v1/models lists no model: is the server still loading?")
     if ep.model is None:
@@ -108,7 +116,11 @@ async def count_prompt_tokens(client: httpx.AsyncClient, ep: Endpoint, prompt: s
         return None
     if r.status_code != 200:
         return None
-    return r.json().get("count")
+    try:
+        count = r.json().get("count")
+    except (ValueError, AttributeError):  # not JSON, or not an object: as if /tokenize were absent
+        return None
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def request_body(ep: Endpoint, prompt: str, max_tokens: int, stream: bool = True,
@@ -128,6 +140,37 @@ def request_body(ep: Endpoint, prompt: str, max_tokens: int, stream: bool = True
     if extra:
         body.update(extra)
     return path, body
+
+
+class Malformed(ValueError):
+    """A server answer of the wrong shape; the request is recorded as failed with this reason."""
+
+
+def _count(usage: dict, key: str) -> int | None:
+    v = usage.get(key)
+    if v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+        return v
+    raise Malformed(f"usage.{key} is {v!r} ({type(v).__name__}), not a token count")
+
+
+def _usage(obj: dict) -> dict | None:
+    usage = obj.get("usage")
+    if usage is not None and not isinstance(usage, dict):
+        raise Malformed(f"usage is a JSON {type(usage).__name__}, not an object")
+    return usage
+
+
+def _object(data: str | dict | list, what: str) -> dict:
+    doc = json.loads(data) if isinstance(data, str) else data
+    if not isinstance(doc, dict):
+        raise Malformed(f"{what} is a JSON {type(doc).__name__} where an object belongs: {json.dumps(doc)[:120]}")
+    choices = doc.get("choices")
+    if choices is not None and not (isinstance(choices, list) and all(isinstance(c, dict) for c in choices)):
+        raise Malformed(f"{what}: 'choices' is {json.dumps(choices)[:80]}, not a list of objects")
+    for c in choices or []:
+        if c.get("delta") is not None and not isinstance(c["delta"], dict):
+            raise Malformed(f"{what}: a choice's 'delta' is {json.dumps(c['delta'])[:80]}, not an object")
+    return doc
 
 
 def _chunk_has_text(chunk: dict) -> bool:
@@ -163,21 +206,25 @@ async def stream_request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, m
                     if data == "[DONE]":
                         break
                     now = time.perf_counter()
-                    chunk = json.loads(data)
+                    chunk = _object(data, "a stream chunk")
                     if "error" in chunk:
                         t.error = f"server error in stream: {json.dumps(chunk['error'])[:300]}"
                         break
-                    usage = chunk.get("usage")
+                    usage = _usage(chunk)
                     if _chunk_has_text(chunk):
                         if on_first_token and not t.chunk_times:
                             on_first_token()
                         t.chunk_times.append(now)
-                        if usage and usage.get("completion_tokens") is not None:
+                        if usage and _count(usage, "completion_tokens") is not None:
                             t.chunk_tokens.append(usage["completion_tokens"])
                     if usage:
-                        t.prompt_tokens = usage.get("prompt_tokens")
-                        t.completion_tokens = usage.get("completion_tokens")
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+                        t.prompt_tokens = _count(usage, "prompt_tokens")
+                        t.completion_tokens = _count(usage, "completion_tokens")
+    except Malformed as e:  # one request of the wrong shape fails alone; the run and its other figures go on
+        t.error = f"malformed answer: {e}"
+    except json.JSONDecodeError as e:
+        t.error = f"malformed answer: a stream chunk is not JSON ({e})"
+    except httpx.HTTPError as e:
         t.error = f"{type(e).__name__}: {e}"
     t.t_end = time.perf_counter()
     if t.error is None and t.completion_tokens is None:
@@ -196,9 +243,13 @@ async def plain_request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, ma
         if r.status_code != 200:
             t.error = f"HTTP {r.status_code}: {r.text[:300]}"
         else:
-            usage = r.json().get("usage") or {}
-            t.prompt_tokens, t.completion_tokens = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+            usage = _usage(_object(r.text, "the answer")) or {}
+            t.prompt_tokens, t.completion_tokens = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
+    except Malformed as e:
+        t.error = f"malformed answer: {e}"
+    except json.JSONDecodeError as e:
+        t.error = f"malformed answer: not JSON ({e})"
+    except httpx.HTTPError as e:
         t.t_end = time.perf_counter()
         t.error = f"{type(e).__name__}: {e}"
     return t
@@ -214,4 +265,7 @@ async def complete(client: httpx.AsyncClient, ep: Endpoint, prompt: str, max_tok
         raise _http_error(ep, path, e) from e
     if r.status_code != 200:
         raise UserError(f"{ep.base_url}{path} answered {r.status_code}: {r.text[:300]}")
-    return r.json()
+    try:
+        return _object(r.text, f"{ep.base_url}{path}'s answer")
+    except (Malformed, json.JSONDecodeError) as e:
+        raise UserError(f"{ep.base_url}{path}: malformed answer ({e}): is it an OpenAI-compatible server?") from None

@@ -199,6 +199,15 @@ def markdown(result: dict) -> str:
 
 
 # ------------------------------------------------------------------ plots
+def require_png() -> None:
+    """Raise UserError now, before a run, when the PNG cannot be drawn (not after an hour of measuring)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as e:
+        raise UserError("PNG output needs matplotlib, which is not installed: pip install 'onespark[bench]', "
+                        "or pass --no-png (checked before the run)") from e
+
+
 def plot(result: dict, path: str | Path) -> bool:
     """One PNG with a panel per suite that has something to draw. False when there is nothing to draw."""
     try:
@@ -279,6 +288,20 @@ def plot(result: dict, path: str | Path) -> bool:
 
 
 # ------------------------------------------------------------------ compare
+SETTINGS_NOT_COMPARED = ("suites", "server_log")  # which suites ran is matched per row; a log path says nothing
+
+
+def settings_diff(a: dict, b: dict) -> list[str]:
+    """The recorded settings (and served model) in which two results differ, e.g. ["runs 3 vs 5"]."""
+    sa, sb = a.get("settings") or {}, b.get("settings") or {}
+    out = [f"{k} {sa.get(k)!r} vs {sb.get(k)!r}" for k in sorted(set(sa) | set(sb))
+           if k not in SETTINGS_NOT_COMPARED and sa.get(k) != sb.get(k)]
+    for k in ("model", "max_model_len"):
+        if a.get(k) != b.get(k):
+            out.append(f"{k} {a.get(k)!r} vs {b.get(k)!r}")
+    return out
+
+
 def compare(a: dict, b: dict) -> list[dict]:
     """B vs A for every (suite, group, metric) both results have. Deltas with their noise (Welch SE)."""
     out = []

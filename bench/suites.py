@@ -111,7 +111,10 @@ class Runner:
 
     async def metrics(self) -> dict | None:
         text = await get_text(self.client, "/metrics")
-        return prom.snapshot(text) if text else None
+        try:
+            return prom.snapshot(text) if text else None
+        except ValueError:  # not Prometheus text (a proxy's page): no server-side check, as without /metrics
+            return None
 
     async def warmup_done(self) -> None:
         self._measured_from = await self.metrics()

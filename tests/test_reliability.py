@@ -419,3 +419,67 @@ def test_verify_checks_num_hidden_layers(finished, tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert f"num_hidden_layers {n - 1}, the tensors hold decoder layers 0-{n - 1} (layers {n - 1} beyond it)" \
         in r.stderr, r.stderr
+
+
+# ---- item 8: the bench keeps what it measured ----------------------------------------------------------------
+
+def test_wrong_shaped_answers_fail_alone_and_the_rest_is_kept(tmp_path):
+    from tests._openai_standin import StandIn
+    kinds = ["ok", "list", "strnum", "choices", "garbage", "ok"]
+    with StandIn(answers=kinds) as srv:
+        r = cli(*_bench_args(srv, tmp_path, "--runs", str(len(kinds))))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "4 of 6 requests failed" in r.stderr.strip().splitlines()[-1], r.stderr
+    rec = json.loads((tmp_path / "r.json").read_text())
+    rows = rec["suites"]["published"]["rows"]
+    assert [row["ok"] for row in rows] == [k == "ok" for k in kinds]
+    errors = [row["error"] for row in rows if not row["ok"]]
+    assert "a stream chunk is a JSON list where an object belongs" in errors[0], errors
+    assert "usage.prompt_tokens is '5' (str), not a token count" in errors[1], errors
+    assert "'choices' is \"hi\", not a list of objects" in errors[2], errors
+    assert "a stream chunk is not JSON" in errors[3], errors
+    assert all(e.startswith("malformed answer: ") for e in errors), errors
+    ok = [row for row in rows if row["ok"]]
+    assert [row["completion_tokens"] for row in ok] == [3, 3]  # the server's usage, as sent
+    assert rec["suites"]["published"]["groups"][0]["summary"]["e2e_tok_s"]["n"] == 2
+    assert (tmp_path / "r.md").is_file()
+
+
+@pytest.mark.parametrize("models,why", [
+    ("<html>502 Bad Gateway</html>", "answered something that is not JSON"),
+    ('[{"id": "standin"}]', "answered list JSON without a list of model objects under 'data'"),
+    ('{"data": "standin"}', "answered dict JSON without a list of model objects under 'data'"),
+], ids=["html", "list", "data-string"])
+def test_models_of_the_wrong_shape_is_one_line(tmp_path, models, why):
+    from tests._openai_standin import StandIn
+    with StandIn(models=models) as srv:
+        last = one_line_error(cli(*_bench_args(srv, tmp_path)), "bench")
+        assert f"{srv.base_url}/v1/models {why}" in last, last
+        assert "/v1/chat/completions" not in srv.requests
+
+
+def test_png_dependency_is_checked_before_the_run(tmp_path):
+    from tests._openai_standin import StandIn
+    blocker = tmp_path / "no-matplotlib" / "matplotlib"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('matplotlib hidden by the test')\n")
+    env = dict(os.environ, PYTHONPATH=str(blocker.parent))
+    with StandIn() as srv:
+        args = [a for a in _bench_args(srv, tmp_path / "out") if a != "--no-png"]
+        last = one_line_error(cli(*args, env=env), "bench")
+        assert srv.requests == []  # not one request was sent
+    assert "PNG output needs matplotlib" in last and "--no-png" in last, last
+
+
+def test_compare_says_when_settings_differ(tmp_path):
+    from tests._openai_standin import StandIn
+    with StandIn() as srv:
+        for name, runs in (("a", "1"), ("b", "2")):
+            r = cli(*_bench_args(srv, tmp_path / name, "--runs", runs))
+            assert r.returncode == 0, r.stderr
+        r = cli(*_bench_args(srv, tmp_path / "c", "--runs", "1"))
+    same = cli("bench", "compare", str(tmp_path / "a" / "r.json"), str(tmp_path / "c" / "r.json"))
+    assert same.returncode == 0 and "different settings" not in same.stdout, same.stdout + same.stderr
+    diff = cli("bench", "compare", str(tmp_path / "a" / "r.json"), str(tmp_path / "b" / "r.json"))
+    assert diff.returncode == 0, diff.stderr
+    assert diff.stdout.startswith("note: A and B ran with different settings (runs 1 vs 2)"), diff.stdout
