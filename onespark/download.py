@@ -22,6 +22,7 @@ Endpoint: HF_ENDPOINT (as huggingface_hub reads it); token: HF_TOKEN or `hf auth
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import struct
@@ -74,19 +75,48 @@ class Fetcher:
         if r.status_code == 404:
             raise UserError(f"{self.repo}@{self.revision}: {what} not found (404): check --fp8-repo/--fp8-revision")
         if r.status_code >= 400:
-            raise UserError(f"{self.repo}: HTTP {r.status_code} for {what}: try again later")
+            raise UserError(f"{self.repo}: HTTP {r.status_code} for {what} from {_endpoint() or 'the Hub'}: try "
+                            f"again later (byte ranges already fetched are kept)")
         if ranged and r.status_code != 206:
             raise UserError(f"{self.repo}: the server ignored the byte range for {what} (HTTP {r.status_code}): "
                             f"refusing to download whole shards; is HF_ENDPOINT a plain mirror?")
+
+    @contextlib.contextmanager
+    def _network(self, filename: str):
+        """A transport failure (refused, reset, timeout, a broken answer) as one line, like the INT4 side's.
+        Our own errors and local OSErrors (a full disk, named by path) pass through."""
+        try:
+            yield
+        except (UserError, OSError):
+            raise
+        except Exception as e:  # huggingface_hub's HTTP client (httpx2 in 2.4) raises its own classes
+            raise UserError(f"{self.repo}: fetching {filename} from {_endpoint() or 'the Hub'} failed "
+                            f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}): check the network "
+                            f"or HF_ENDPOINT, then run the same command again (byte ranges already fetched are "
+                            f"kept)") from None
+
+    def json(self, filename: str) -> dict:
+        raw = self.get(filename)
+        try:
+            doc = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UserError(f"{self.repo}: {filename} is not JSON ({e}; it starts {raw[:40]!r}): "
+                            f"{_endpoint() or 'the Hub'} sent something else (a login page, a proxy's error?): "
+                            f"check HF_ENDPOINT, then run the same command again") from None
+        if not isinstance(doc, dict):
+            raise UserError(f"{self.repo}: {filename} is a JSON {type(doc).__name__}, not an object: "
+                            f"check HF_ENDPOINT and --fp8-repo")
+        return doc
 
     def get(self, filename: str, start: int | None = None, end: int | None = None) -> bytes:
         """The file, or bytes [start, end)."""
         ranged = start is not None
         headers = _headers({"Range": f"bytes={start}-{end - 1}"} if ranged else {"Accept-Encoding": "identity"})
-        r = self.session.get(_url(self.repo, filename, self.revision), headers=headers, follow_redirects=True)
-        self.requests += 1
-        self._check(r, filename, ranged)
-        self.bytes += len(r.content)
+        with self._network(filename):
+            r = self.session.get(_url(self.repo, filename, self.revision), headers=headers, follow_redirects=True)
+            self.requests += 1
+            self._check(r, filename, ranged)
+            self.bytes += len(r.content)
         if ranged and len(r.content) != end - start:
             raise UserError(f"{self.repo}: {filename} bytes {start}-{end}: got {len(r.content)} bytes: "
                             f"the file is shorter than its header says; try again later")
@@ -96,8 +126,8 @@ class Fetcher:
         """Stream bytes [start, end) into `path` (temp name + rename: a part exists only when complete)."""
         tmp = path.with_name(path.name + ".tmp")
         headers = _headers({"Range": f"bytes={start}-{end - 1}"})
-        with self.session.stream("GET", _url(self.repo, filename, self.revision), headers=headers,
-                                 follow_redirects=True) as r:
+        with self._network(filename), self.session.stream("GET", _url(self.repo, filename, self.revision),
+                                                          headers=headers, follow_redirects=True) as r:
             self.requests += 1
             self._check(r, filename, True)
             with at_path(path, tmp), open(tmp, "wb") as f:
@@ -117,7 +147,9 @@ class Fetcher:
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES:
             raise UserError(f"{self.repo}: {filename} claims a {n}-byte header: not a safetensors file")
-        tensors, _, _ = parse_header(self.get(filename, 8, 8 + n), 8 + n, f"{self.repo}/{filename}")
+        tensors, _, _ = parse_header(self.get(filename, 8, 8 + n), 8 + n, f"{self.repo}/{filename}",
+                                     f"{_endpoint() or 'the Hub'} sent something else than the file: check "
+                                     f"HF_ENDPOINT, or try another --fp8-revision")
         return tensors
 
 
@@ -164,9 +196,11 @@ def _fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
     parts = dest / ".parts"
     parts.mkdir(exist_ok=True)
     f = Fetcher(repo, revision)
-    config = json.loads(f.get("config.json"))
-    index = json.loads(f.get(INDEX_FILE))
+    config = f.json("config.json")
+    index = f.json(INDEX_FILE)
     wm = index.get("weight_map") or {}
+    if not isinstance(wm, dict):
+        raise UserError(f"{repo}: {INDEX_FILE} has no weight_map object: check HF_ENDPOINT and --fp8-repo")
     if (config.get("quantization_config") or {}).get("quant_method") != "fp8":
         raise UserError(f"{repo}: config.json does not describe an FP8 checkpoint: wrong --fp8-repo?")
     names = []

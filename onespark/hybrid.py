@@ -1,4 +1,4 @@
-"""Step 1, `onespark hybrid [--model NAME] --int4 DIR --fp8 DIR_OR_REPO --out DIR`: FP8 shared experts in the INT4
+"""Step 1, `onespark hybrid [--model NAME] --int4 DIR --fp8 DIR|hf:REPO --out DIR`: FP8 shared experts in the INT4
 checkpoint. --model (default qwen3.5-122b-a10b, see onespark.specs) refuses another model's files, naming the spec
 they look like; a spec without an FP8 source (qwen3.6-35b-a3b) skips the step and says why.
 
@@ -173,20 +173,31 @@ class Plan:
         return h.hexdigest()
 
 
+HUB_PREFIX = "hf:"  # --fp8 hf:OWNER/NAME: fetch from the Hub; anything else is a local path
+
+
 def _resolve_fp8(arg: str, out: Path, revision: str | None, spec: specs.Spec) -> tuple[Path, dict]:
-    """--fp8 is a local directory, or a Hub repo id whose needed tensors are fetched by byte range."""
-    p = Path(arg)
-    if p.exists():
+    """--fp8 is a local directory, or hf:OWNER/NAME, a Hub repo whose needed tensors are fetched by byte range.
+    Only the explicit prefix reaches the network: a mistyped directory that happens to look like OWNER/NAME
+    (fp8/qwen) must say it is missing, not start a download."""
+    if not arg.startswith(HUB_PREFIX):
+        p = Path(arg)
+        if not p.is_dir():
+            looks_like_repo = arg.count("/") == 1 and not arg.startswith((".", "/", "~")) and not p.exists()
+            raise UserError(f"--fp8 {arg}: " + ("is a file, not a directory" if p.exists() else "no such directory")
+                            + (f"; to fetch a Hub repo, give its id as --fp8 {HUB_PREFIX}{arg}" if looks_like_repo
+                               else ": give step 0's fp8/ directory (or --fp8 hf:OWNER/NAME)"))
         rec = load_json(p / DOWNLOAD_RECORD, "download record") if (p / DOWNLOAD_RECORD).is_file() else {}
         return p, {"path": str(p.resolve()), "repo": rec.get("repo"), "revision": rec.get("revision")}
-    if arg.count("/") != 1 or arg.startswith((".", "/")):
-        raise UserError(f"--fp8 {arg}: no such directory (and not a Hub repo id like Qwen/Qwen3.5-122B-A10B-FP8)")
+    repo = arg[len(HUB_PREFIX):]
+    if repo.count("/") != 1 or not all(repo.split("/")):
+        raise UserError(f"--fp8 {arg}: expected {HUB_PREFIX}OWNER/NAME, e.g. {HUB_PREFIX}Qwen/Qwen3.5-122B-A10B-FP8")
     from onespark import download  # imports huggingface_hub only when needed
     dest = out.parent / f".{out.name}.fp8-fetch"
-    revision = revision or (spec.fp8.revision if spec.fp8 and spec.fp8.repo == arg else None)
+    revision = revision or (spec.fp8.revision if spec.fp8 and spec.fp8.repo == repo else None)
     if not revision:
         raise UserError(f"--fp8 {arg}: no pinned revision for this repo in {spec.name}: pass --fp8-revision SHA")
-    rec = download.fetch_fp8(arg, revision, dest)
+    rec = download.fetch_fp8(repo, revision, dest)
     return dest, {"path": None, "repo": rec["repo"], "revision": rec["revision"]}
 
 
@@ -410,9 +421,10 @@ def _hybrid_config(config: dict, plan: Plan) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     specs.add_model_argument(p)
     p.add_argument("--int4", required=True, type=Path, help="the Intel AutoRound INT4 checkpoint directory")
-    p.add_argument("--fp8", help="the Qwen FP8 checkpoint: a directory (full, or what step 0 fetched) or a Hub "
-                                 "repo id (required unless the spec has no FP8 source)")
-    p.add_argument("--fp8-revision", help="with a repo id: the commit to fetch (default: the pinned one)")
+    p.add_argument("--fp8", help="the Qwen FP8 checkpoint: a directory (full, or what step 0 fetched), or "
+                                 "hf:OWNER/NAME to fetch its shared experts from the Hub by byte range "
+                                 "(required unless the spec has no FP8 source)")
+    p.add_argument("--fp8-revision", help="with hf:OWNER/NAME: the commit to fetch (default: the pinned one)")
     p.add_argument("--out", required=True, type=Path, help="new directory for the hybrid checkpoint")
     p.add_argument("--hash", action=argparse.BooleanOptionalAction, default=True,
                    help="record each output file's sha256 in the manifest (default: yes)")

@@ -171,7 +171,7 @@ def test_hybrid_fetches_fp8_by_repo_id(hub, tmp_path):
     env = _env(endpoint, tmp_path)
     out = tmp_path / "hybrid"
     r = subprocess.run([sys.executable, "-m", "onespark", "hybrid", "--model", "custom", "--int4", str(d / "src-int4"),
-                        "--fp8", FP8,
+                        "--fp8", f"hf:{FP8}",
                         "--fp8-revision", FP8_SHA, "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

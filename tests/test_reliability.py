@@ -483,3 +483,91 @@ def test_compare_says_when_settings_differ(tmp_path):
     diff = cli("bench", "compare", str(tmp_path / "a" / "r.json"), str(tmp_path / "b" / "r.json"))
     assert diff.returncode == 0, diff.stderr
     assert diff.stdout.startswith("note: A and B ran with different settings (runs 1 vs 2)"), diff.stdout
+
+
+# ---- item 9: no surprise network; FP8 fetch errors are one line ------------------------------------------
+
+class _Hub:
+    """Answers every GET as `mode` says, recording the paths: 503 | html | list | badheader (a valid config and
+    index from `src`, then safetensors byte ranges that are not a safetensors header)."""
+
+    def __init__(self, mode: str, src: Path | None = None):
+        import struct
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        self.paths: list[str] = []
+        hub = self
+        fake = struct.pack("<Q", 16) + b"{not json at all"
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                hub.paths.append(self.path)
+                name = self.path.rsplit("/", 1)[-1]
+                status, body = 200, b""
+                if mode == "503":
+                    status, body = 503, b"Service Unavailable"
+                elif name == "config.json":
+                    body = {"html": b"<html>Sign in</html>", "list": b"[1, 2]"}.get(
+                        mode, (src / "config.json").read_bytes() if src else b"{}")
+                elif name.endswith(".json"):
+                    body = (src / name).read_bytes()
+                else:
+                    a, b = (int(x) for x in self.headers["Range"].split("=")[1].split("-"))
+                    status, body = 206, (fake + b"\0" * (b + 1))[a: b + 1]
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _hub_env(url: str, tmp_path: Path) -> dict:
+    env = dict(os.environ, HF_ENDPOINT=url, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1",
+               HF_HUB_OFFLINE="0", NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
+    env.pop("HF_TOKEN", None)
+    return env
+
+
+def test_fp8_path_shaped_like_a_repo_is_not_fetched(pair, tmp_path):
+    hub = _Hub("503")
+    try:
+        r = cli("hybrid", "--int4", str(pair / "int4"), "--fp8", "Qwen/Qwen3.5-122B-A10B-FP8", "--out",
+                str(tmp_path / "hy"), env=_hub_env(hub.url, tmp_path))
+    finally:
+        hub.close()
+    last = one_line_error(r, "hybrid")
+    assert "--fp8 Qwen/Qwen3.5-122B-A10B-FP8: no such directory; to fetch a Hub repo, give its id as " \
+           "--fp8 hf:Qwen/Qwen3.5-122B-A10B-FP8" in last, last
+    assert hub.paths == []  # not one request
+    assert not (tmp_path / "hy").exists()
+
+
+@pytest.mark.parametrize("mode,why", [
+    ("refused", "fetching config.json from http://127.0.0.1:9 failed (ConnectError: "),
+    ("503", "HTTP 503 for config.json from "),
+    ("html", "config.json is not JSON ("),
+    ("list", "config.json is a JSON list, not an object"),
+    ("badheader", "safetensors header is not valid JSON"),
+])
+def test_fp8_fetch_errors_are_one_line(pair, tmp_path, mode, why):
+    hub = None if mode == "refused" else _Hub(mode, pair / "fp8")
+    url = "http://127.0.0.1:9" if hub is None else hub.url  # port 9 (discard): nothing listens there
+    try:
+        r = cli("download", "--dest", str(tmp_path / "m"), "--skip-int4", "--fp8-revision", "2" * 40,
+                env=_hub_env(url, tmp_path))
+    finally:
+        if hub is not None:
+            hub.close()
+    last = one_line_error(r, "download")
+    assert why in last, last
+    assert "run the same command again" in last or "HF_ENDPOINT" in last or "try again later" in last, last
