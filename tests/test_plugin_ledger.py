@@ -1,15 +1,28 @@
-"""patches/README.md (the ledger) names every patch, and every entry names a patch that exists."""
+"""patches/README.md (the ledger) names every patch, every entry names a patch that exists, has a field for
+each supported vLLM version (0.19.1 and 0.32.0), and names a version seam that patches/_compat.py defines."""
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 from pathlib import Path
 
+import pytest
+
 from onespark.patches import TECHNIQUES
+from onespark.patches._compat import SUPPORTED_VLLM
+
+pytestmark = pytest.mark.vllm032  # pure text checks: run on both tracks
 
 ROOT = Path(__file__).resolve().parents[1]
-FIELDS = ["Patch", "vLLM symbol", "Hook", "Switch", "Why", "How", "Upstream", "Remove when"]
+FIELDS = ["Patch", *(f"vLLM {v}" for v in SUPPORTED_VLLM), "Seam", "Hook", "Switch", "Why", "How", "Upstream",
+          "Remove when"]
+
+
+def compat_functions(root: Path) -> set[str]:
+    tree = ast.parse((root / "patches" / "_compat.py").read_text())
+    return {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
 
 
 def hook_module(target: str) -> str:
@@ -35,6 +48,7 @@ def ledger_problems(root: Path) -> list[str]:
     if not entries:
         return ["patches/README.md has no '## Ledger' section with '### ' entries"]
     problems, named = [], {}
+    seams = compat_functions(root)
     for name, fields in entries.items():
         if list(fields) != FIELDS or not all(v.strip() for v in fields.values()):
             problems.append(f"entry {name!r}: fields {list(fields)} must be {FIELDS}, all non-empty, in order")
@@ -43,6 +57,11 @@ def ledger_problems(root: Path) -> list[str]:
         if not m:
             problems.append(f"entry {name!r}: Patch must be one backquoted path, got {fields['Patch']!r}")
             continue
+        for seam in re.findall(r"`_compat\.(\w+)`", fields["Seam"]):
+            if seam not in seams:
+                problems.append(f"entry {name!r}: Seam `_compat.{seam}` is not a function of patches/_compat.py")
+        if not re.findall(r"`_compat\.(\w+)`", fields["Seam"]) and not fields["Seam"].startswith("none"):
+            problems.append(f"entry {name!r}: Seam must name a `_compat.<function>` or start with 'none'")
         path = m.group(1)
         if not (root / path).is_file():
             problems.append(f"entry {name!r} names {path}, which does not exist")
@@ -87,3 +106,14 @@ def test_an_entry_without_patch_or_field_is_caught(tmp_path):
     head, sep, tail = text.rpartition("- **Remove when:**")
     readme.write_text(head + "- **Removal:**" + tail)
     assert any("must be" in p for p in ledger_problems(root))
+
+
+def test_a_missing_version_field_or_seam_is_caught(tmp_path):
+    root = _copy(tmp_path)
+    readme = root / "patches" / "README.md"
+    text = readme.read_text()
+    head, ledger = text.split("\n## Ledger\n", 1)
+    readme.write_text(head + "\n## Ledger\n" + ledger.replace("- **vLLM 0.32.0:**", "- **vLLM 0.31.0:**", 1))
+    assert any("must be" in p for p in ledger_problems(root))
+    readme.write_text(text.replace("`_compat.register_lm_head`", "`_compat.no_such_seam`", 1))
+    assert any("`_compat.no_such_seam` is not a function" in p for p in ledger_problems(root))

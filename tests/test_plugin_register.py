@@ -17,17 +17,36 @@ from pathlib import Path
 import pytest
 
 from onespark.patches import SUPPORTED_VLLM, switch, version_supported
+from onespark.patches._compat import track
+
+pytestmark = pytest.mark.vllm032  # both tracks: each venv checks the plugin against its own vLLM
 
 HERE = Path(__file__).resolve()
+
+
+def _track() -> str:
+    """"0.19.1" in .venv, "0.32.0" in .venv-032 (imported lazily: this file also runs as a script)."""
+    from tests.conftest import vllm_track
+
+    return vllm_track()
 ALL = ["hybrid-fp8", "int8-lm-head", "turboquant-backend"]
 
 
 @pytest.mark.parametrize("version,ok", [
     ("0.19.1", True), ("0.19.1+cu130", True), ("0.19.1.dev0+g1234abc", True), ("0.19.1+cpu", True),
+    ("0.32.0", True), ("0.32.0+cpu", True), ("0.32.0+cu130", True), ("0.32.0.dev0+gabc", True),
     ("0.19.10", False), ("0.19.2", False), ("0.19.0", False), ("0.19", False), ("1.0.19.1", False), ("", False),
+    ("0.32.1", False), ("0.32", False), ("0.31.0", False), ("0.32.00", False), ("0.23.0", False),
 ])
 def test_version_match(version, ok):
     assert version_supported(version) is ok
+
+
+def test_track_names_the_release_and_refuses_a_third():
+    assert SUPPORTED_VLLM == ("0.19.1", "0.32.0")
+    assert track("0.32.0+cpu") == "0.32.0" and track("0.19.1+cu130") == "0.19.1"
+    with pytest.raises(ValueError, match=r"vLLM 0\.23\.0 is none of the supported 0\.19\.1, 0\.32\.0"):
+        track("0.23.0")
 
 
 def test_switch_values(monkeypatch):
@@ -88,7 +107,7 @@ def test_default_activates_both_through_the_entry_point(scenarios):
     assert r["hybrid_registered"] and r["quantization"] == "onespark_hybrid"
     assert r["register_again"] == ALL  # idempotent: vLLM calls it per process
     assert r["custom_backend"] == "onespark.patches.turboquant_backend.TurboQuantBackend"
-    assert "onespark plugin active on vLLM 0.19.1: hybrid-fp8, int8-lm-head, turboquant-backend" in r["log"]
+    assert f"onespark plugin active on vLLM {_track()}: hybrid-fp8, int8-lm-head, turboquant-backend" in r["log"]
 
 
 @pytest.mark.vllm
@@ -122,13 +141,14 @@ def test_each_technique_switches_off_alone(scenarios, name, off, gone):
 def test_wrong_vllm_version_is_refused_by_name_unless_overridden(scenarios):
     r = scenarios["wrong-version"]
     assert r["error"] is not None, "a vLLM 0.20.0 was accepted"
-    assert "installed vLLM is 0.20.0" in r["error"] and f"tested for vLLM {SUPPORTED_VLLM}" in r["error"]
+    assert "installed vLLM is 0.20.0" in r["error"] and "tested for vLLM 0.19.1 or 0.32.0" in r["error"]
+    assert "vllm==0.19.1 (the default track) or vllm==0.32.0" in r["error"]
     assert "ONESPARK_ALLOW_ANY_VLLM=1" in r["error"]
     assert r["lm_head_oot"] is None and not r["hybrid_registered"] and r["custom_backend"] is None, \
         "refused, yet something was registered"
     r = scenarios["wrong-version-allowed"]
     assert r["error"] is None and r["lm_head_oot"] is not None
-    assert "vLLM 0.20.0 is NOT the tested 0.19.1" in r["log"]
+    assert "vLLM 0.20.0 is NOT one of the tested 0.19.1 or 0.32.0" in r["log"]
 
 
 def _scenario_main(ckpt: str, fake_version: str) -> None:
@@ -136,6 +156,12 @@ def _scenario_main(ckpt: str, fake_version: str) -> None:
 
     if fake_version:
         vllm.__version__ = fake_version  # what register() reads; the rest of vLLM is untouched
+    import vllm.logger
+
+    if hasattr(vllm.logger, "configure_logging"):  # 0.32.0 configures its loggers when a CLI/engine starts
+        from vllm.config.logging import LoggingConfig
+
+        vllm.logger.configure_logging(LoggingConfig())  # what `vllm serve` does first; 0.19.1: at import
     from vllm.model_executor.custom_op import op_registry_oot
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
     from vllm.plugins import load_general_plugins

