@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "hybrid": ("onespark.hybrid", "step 1: splice FP8 shared-expert weights into the INT4 checkpoint"),
     "mtp": ("onespark.mtp", "step 2: make every mtp.* tensor loadable"),
     "verify": ("onespark.verify", "check a checkpoint against its index, config and manifest"),
+    "draft-vocab": ("onespark.draft_vocab", "the MTP draft's vocabulary subset: the K most frequent token ids"),
     "tiny-model": ("onespark.tinymodel", "write a tiny servable model (weights + tokenizer) that vLLM runs on CPU"),
     "serve": ("onespark.serve", "launch the v2 / v2-tq container on 127.0.0.1 and wait until it answers"),
     "cluster": ("onespark.cluster", "two Sparks: preflight both, Ray head + worker, vLLM TP=2 (or PP=2) across them"),

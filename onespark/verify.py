@@ -11,7 +11,9 @@ Checks, each reported with the file and tensor it concerns:
   all mtp.* tensors included (the spec's published count for real shapes: 785 for the 122B, 2329 for the
   35B's INT4 release);
 - every F8_E4M3 weight has its weight_scale_inv;
-- the manifest's sizes and sha256 match the files (--fast checks sizes only).
+- the manifest's sizes and sha256 match the files (--fast checks sizes only);
+- the draft vocabulary (onespark-draft-vocab.json), when present: ids in the vocabulary, unique, the special
+  tokens in it, built for this tokenizer.json (onespark.draft_vocab.check_file).
 Exit status 0 when all hold; otherwise 1, with every problem on stderr and the first in the last line.
 """
 
@@ -25,7 +27,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from onespark import qwen35, specs
+from onespark import draft_vocab, qwen35, specs
 from onespark.checkpoint import MANIFEST_FILE, load_json, open_checkpoint, sha256_file
 from onespark.errors import UserError
 
@@ -183,6 +185,8 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
     elif (ck.config.get("onespark") or {}).get("manifest"):
         problems.append(f"{MANIFEST_FILE} is missing although config.json says step 1 wrote one: "
                         f"the run did not finish; run step 1 again")
+    for p in draft_vocab.check_file(path):
+        problems.append(p)
     summary = {
         "tensors": len(ck.where), "files": len(ck.headers),
         "bytes": sum(h.file_size for h in ck.headers.values()),

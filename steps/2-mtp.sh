@@ -52,6 +52,7 @@ main() {
     [[ $DRY_RUN == 1 || -d $WORK/hybrid ]] || die "$WORK/hybrid does not exist: run steps/1-hybrid.sh first"
     onespark_step mtp "$WORK/hybrid" --source "$WORK/int4" --model "$MODEL"
   fi
+  onespark_step draft-vocab "$WORK/$served" --skip-without-tokenizer  # the MTP draft's 32K-token subset
   onespark_step verify "$WORK/$served" "${VERIFY[@]}" --model "$MODEL"
 }
 
