@@ -358,7 +358,7 @@ def vllm_exec_cmd(args: argparse.Namespace) -> str:
 PLUGIN_CHECK = r"""
 import json, ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-ray.init(address="auto", logging_level="ERROR")
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)  # stdout: the JSON line only
 @ray.remote(num_cpus=0)
 def probe():
     from vllm.plugins import load_general_plugins
@@ -575,7 +575,10 @@ def wait_cluster(runner: Runner, head: Node, worker: Node, expect_ips: set[str],
         time.sleep(3)
     out = _run(runner, head, shlex.join(["docker", "exec", RAY_CONTAINER, "python", "-c", PLUGIN_CHECK.strip()]),
                300, "the plugin check in Ray workers")
-    seen = json.loads(out.strip().splitlines()[-1])
+    lines = [ln for ln in out.splitlines() if ln.startswith("[")]
+    if not lines:
+        raise UserError(f"node {head}: the plugin check printed no result: {out[-300:]}")
+    seen = json.loads(lines[-1])
     for ip, active in seen:
         if not active:
             raise UserError(f"node at {ip}: the onespark plugin is not active in its Ray worker: the image's "

@@ -639,6 +639,14 @@ def test_two_ray_nodes_in_two_namespaces(tmp_path):
             logs["driver"] = p.stdout + p.stderr
             assert p.returncode == 0, p.stderr[-4000:]
             got = json.loads(p.stdout.strip().splitlines()[-1])
+            # onespark cluster's own plugin check (run in the head's container on a Spark), on this cluster.
+            p = subprocess.run(nets.argv("head", sys.executable, "-c", cluster.PLUGIN_CHECK),
+                               env={**base, **plan.env["head"], "RAY_ADDRESS": f"{nets.ip['head']}:6379"},
+                               capture_output=True, text=True, timeout=120)
+            logs["plugin check"] = p.stdout + p.stderr
+            assert p.returncode == 0, p.stderr[-4000:]
+            assert p.stdout.strip(), p.stderr[-4000:]
+            checked = json.loads(p.stdout.strip().splitlines()[-1])  # log_to_driver=False: one JSON line
     finally:
         shutil.rmtree(temp, ignore_errors=True)
 
@@ -649,6 +657,8 @@ def test_two_ray_nodes_in_two_namespaces(tmp_path):
     for p in got["plugin"]:
         assert "int8-lm-head" in p["active"], p
         assert p["lm_head"] == "onespark.patches.lm_head.OnesparkParallelLMHead", p
+    assert sorted(ip for ip, _ in checked) == ["10.77.0.1", "10.77.0.2"]
+    assert all("int8-lm-head" in active for _, active in checked), checked
     # TP=2 across the nodes: each rank holds half the padded vocabulary in INT8, no BF16 bytes left,
     # and vLLM's gather gives both ranks the full logits.
     for r in got["tp"]:
