@@ -19,6 +19,7 @@ import httpx
 
 from onespark.bench.client import Endpoint, complete
 from onespark.bench.stats import summarize
+from onespark.errors import UserError
 
 EPS = 1e-12
 
@@ -93,7 +94,12 @@ async def record(ep: Endpoint, client: httpx.AsyncClient, prompts: list[tuple[st
     extra = {**lp, "return_tokens_as_token_ids": True}
     rows = []
     for name, prompt in prompts:
-        tokens, tops = parse_logprobs(await complete(client, ep, prompt, max_tokens, dict(extra)))
+        answer = await complete(client, ep, prompt, max_tokens, dict(extra))
+        try:
+            tokens, tops = parse_logprobs(answer)
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:  # an answer of another shape
+            raise UserError(f"{ep.base_url}: the answer to prompt {name!r} carries no usable logprobs ({e}): "
+                            f"quality needs a server that returns top_logprobs (vLLM does)") from None
         rows.append({"group": name, "prompt": prompt, "tokens": tokens, "top_logprobs": tops})
         if progress is not None:
             progress.step()

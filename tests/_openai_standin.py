@@ -4,7 +4,8 @@ vLLM never gives: a JSON list where an object belongs, strings for numbers, a no
     with StandIn(models=..., answers=["ok", "list", "ok"]) as srv:   # one answer kind per chat request, in turn
         srv.base_url, srv.requests (path of every request), srv.auth (every Authorization header)
 
-Answer kinds for POST /v1/chat/completions (streamed with usage, as vLLM streams):
+Answer kinds for POST /v1/chat/completions (streamed with usage, as vLLM streams; a request with stream false
+gets one JSON answer without logprobs, of the same kind: ok, list, strnum or garbage):
   ok       3 text chunks, then a usage chunk {"prompt_tokens": 5, "completion_tokens": 3}, then [DONE]
   list     a chunk that is a JSON list
   strnum   the usage chunk carries strings: {"completion_tokens": "3"}
@@ -55,7 +56,7 @@ class StandIn:
 
             def do_POST(self):
                 srv._seen(self)
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
                 if self.path == "/tokenize":
                     self._send(200, json.dumps({"count": 5}))
                     return
@@ -65,6 +66,14 @@ class StandIn:
                 with srv._lock:
                     kind = srv.answers[srv._chat % len(srv.answers)]
                     srv._chat += 1
+                if not body.get("stream"):  # one JSON answer, no logprobs (as a server started without them)
+                    answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi hi hi"}}],
+                              "usage": {"prompt_tokens": 5, "completion_tokens": 3}}
+                    text = {"list": json.dumps([answer]), "garbage": "<html>bad gateway</html>",
+                            "strnum": json.dumps({**answer, "usage": {"prompt_tokens": 5, "completion_tokens": "3"}}),
+                            }.get(kind, json.dumps(answer))
+                    self._send(200, text)
+                    return
                 chunk = {"choices": [{"index": 0, "delta": {"content": "hi "}}],
                          "usage": {"prompt_tokens": 5, "completion_tokens": 1}}
                 events = [json.dumps(chunk)] * 3

@@ -136,6 +136,9 @@ def test_mtp_source_restores_extra_file_deleted_after_step_2(pair, finished, tmp
 
 NO_DAC = (["setpriv", "--inh-caps=-dac_override,-dac_read_search",
            "--bounding-set=-dac_override,-dac_read_search"] if os.geteuid() == 0 else [])
+needs_permission_bits = pytest.mark.skipif(
+    bool(NO_DAC) and shutil.which("setpriv") is None,
+    reason="as root, permission bits need setpriv (util-linux) to drop the capabilities that override them")
 
 
 def ucli(*args: str) -> subprocess.CompletedProcess:
@@ -175,6 +178,7 @@ def _unreadable_copy(src: Path, dst: Path, name: str) -> Path:
     return d
 
 
+@needs_permission_bits
 def test_permission_denied_not_a_directory_and_file_in_the_way(pair, tmp_path):
     ro = tmp_path / "ro"
     ro.mkdir()
@@ -196,6 +200,7 @@ def test_permission_denied_not_a_directory_and_file_in_the_way(pair, tmp_path):
     assert "Traceback" not in r.stderr and "is a file, not a directory" in r.stdout, r.stdout + r.stderr
 
 
+@needs_permission_bits
 def test_unreadable_inputs_fail_before_the_copy(pair, tmp_path):
     # an input the step never parses (copied as is, last): refused before the first output byte
     int4 = _unreadable_copy(pair / "int4", tmp_path / "int4", "generation_config.json")
@@ -211,6 +216,7 @@ def test_unreadable_inputs_fail_before_the_copy(pair, tmp_path):
     assert f"{bad / SHARD}: permission denied" in last, last
 
 
+@needs_permission_bits
 def test_mtp_into_a_directory_it_may_not_write(pair, tmp_path):
     out = tmp_path / "hy"
     hybrid(pair / "int4", str(pair / "fp8"), out, log=lambda m: None)
@@ -443,6 +449,28 @@ def test_wrong_shaped_answers_fail_alone_and_the_rest_is_kept(tmp_path):
     assert [row["completion_tokens"] for row in ok] == [3, 3]  # the server's usage, as sent
     assert rec["suites"]["published"]["groups"][0]["summary"]["e2e_tok_s"]["n"] == 2
     assert (tmp_path / "r.md").is_file()
+
+
+def test_wrong_shaped_unstreamed_answers_fail_alone(tmp_path):
+    from tests._openai_standin import StandIn
+    kinds = ["ok", "list", "strnum", "garbage", "ok"]
+    with StandIn(answers=kinds) as srv:
+        r = cli(*_bench_args(srv, tmp_path, "--runs", str(len(kinds)), "--no-stream"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    rows = json.loads((tmp_path / "r.json").read_text())["suites"]["published"]["rows"]
+    assert [row["ok"] for row in rows] == [k == "ok" for k in kinds]
+    errors = [row["error"] for row in rows if not row["ok"]]
+    assert "the answer is a JSON list where an object belongs" in errors[0], errors
+    assert "usage.completion_tokens is '3' (str), not a token count" in errors[1], errors
+    assert "not JSON" in errors[2], errors
+
+
+def test_quality_against_a_server_without_logprobs_is_one_line(tmp_path):
+    from tests._openai_standin import StandIn
+    with StandIn() as srv:
+        last = one_line_error(cli("bench", "--base-url", srv.base_url, "--suite", "quality", "--classes", "Q&A",
+                                  "--max-tokens", "3", "--no-png", "--no-progress", "--out", str(tmp_path)), "bench")
+    assert "the answer to prompt 'Q&A' carries no usable logprobs" in last, last
 
 
 @pytest.mark.parametrize("models,why", [
