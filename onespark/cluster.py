@@ -380,7 +380,11 @@ def plan_commands(args: argparse.Namespace, plan: Plan) -> list[tuple[str, Node,
     if args.sync:
         cmds.append(("sync", head, build_cluster_image_cmd(args.image)))
         ssh = shlex.join(["ssh", *SSH_OPTS, worker.name])
-        cmds.append(("sync", head, f"docker save {cluster_image(args.image)} | {ssh} docker load"))
+        img = shlex.quote(cluster_image(args.image))
+        same = (f"[ \"$({ssh} docker image inspect --format '{{{{.Id}}}}' {img} 2>/dev/null)\" = "
+                f"\"$(docker image inspect --format '{{{{.Id}}}}' {img})\" ]")
+        # ~25 GB over the link: only when the worker lacks this very image ID.
+        cmds.append(("sync", head, f"{same} || docker save {img} | {ssh} docker load"))
         cmds.append(("sync", worker, f"mkdir -p {shlex.quote(model)}"))
         cmds.append(("sync", head, shlex.join(["rsync", "-a", "--partial", "--info=progress2", "-e",
                                                shlex.join(["ssh", *SSH_OPTS]), model + "/",
