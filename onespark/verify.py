@@ -32,6 +32,9 @@ from onespark.checkpoint import MANIFEST_FILE, load_json, open_checkpoint, sha25
 from onespark.errors import UserError
 
 MAX_LISTED = 10  # per kind of problem; the rest are counted
+# Step 1 compares its output with the manifest (sizes, headers) and rewrites what differs; a file of the right
+# size whose bytes changed it cannot see without hashing 77 GB, hence "delete it" for a sha256 mismatch.
+REWRITE = "run step 1 again with the same --out (it rewrites missing or damaged files)"
 
 
 TORCH_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
@@ -167,9 +170,10 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
         for fname, entry in sorted(listed.items()):
             f = path / fname
             if not f.is_file():
-                problem("manifest", f"{fname} is in the manifest but missing")
+                problem("manifest", f"{fname} is in the manifest but missing: {REWRITE}")
             elif f.stat().st_size != entry.get("size"):
-                problem("manifest", f"{fname} is {f.stat().st_size} bytes, the manifest says {entry.get('size')}")
+                problem("manifest", f"{fname} is {f.stat().st_size} bytes, the manifest says {entry.get('size')}: "
+                                    f"{REWRITE}")
             elif not fast and entry.get("sha256"):
                 to_hash.append(fname)
         # sha256 is CPU-bound (~1 GB/s a core): hash up to 4 files at once
@@ -177,7 +181,8 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
             digests = dict(zip(to_hash, pool.map(lambda f: sha256_file(path / f), to_hash)))
         for fname in to_hash:
             if digests[fname] != listed[fname]["sha256"]:
-                problem("manifest", f"{fname}: sha256 differs from the manifest (the file changed or is corrupt)")
+                problem("manifest", f"{fname}: sha256 differs from the manifest (the file changed or is corrupt): "
+                                    f"delete it, then {REWRITE}")
         hashed = len(to_hash)
         for fname in sorted(ck.headers):
             if fname not in listed:

@@ -116,6 +116,22 @@ def test_damaged_index_is_rewritten_and_step_2_is_asked_for(pair, finished, tmp_
     assert verify(out)[0] == []
 
 
+def test_verify_says_what_to_do_about_each_damaged_file_and_step_1_does_it(pair, finished, tmp_path):
+    out = _clone(finished, tmp_path / "hy")
+    (out / "generation_config.json").unlink()  # a file step 1 copies as is
+    data = bytearray((out / SHARD).read_bytes())
+    data[-1] ^= 0xFF  # same size, one byte of tensor data changed: only the sha256 sees it
+    (out / SHARD).write_bytes(bytes(data))
+    problems, _ = verify(out)
+    assert "generation_config.json is in the manifest but missing: run step 1 again with the same --out (it " \
+           "rewrites missing or damaged files)" in problems, problems
+    assert f"{SHARD}: sha256 differs from the manifest (the file changed or is corrupt): delete it, then run " \
+           "step 1 again with the same --out (it rewrites missing or damaged files)" in problems, problems
+    (out / SHARD).unlink()  # as the message says
+    hybrid(pair / "int4", str(pair / "fp8"), out, log=lambda m: None)
+    assert digest(out) == digest(finished) and verify(out)[0] == []
+
+
 # ---- item 3: `mtp --source` restores the head's file deleted after step 2 ------------------------------------
 
 def test_mtp_source_restores_extra_file_deleted_after_step_2(pair, finished, tmp_path):
