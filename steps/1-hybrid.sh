@@ -48,10 +48,8 @@ main() {
     say "step 1 skipped for $MODEL: $(spec_get "$MODEL" no_splice)"
     return 0
   fi
-  if [[ -f $WORK/hybrid/onespark-manifest.json ]]; then
-    say "step 1 already done: $WORK/hybrid has its manifest"
-    return 0
-  fi
+  # No manifest shortcut here: `onespark hybrid` decides "already done" itself, from every file the manifest
+  # lists (sizes, headers), and rewrites only what is damaged.
   onespark_step hybrid --int4 "$WORK/int4" --fp8 "$WORK/fp8" --out "$WORK/hybrid" --model "$MODEL"
 }
 

@@ -58,6 +58,18 @@ def test_steps_1_2_run_then_say_already_done(tmp_path):
     assert "step 2 already done" in r2.stdout and r2.returncode == 0
 
 
+def test_step_1_repairs_a_damaged_output_instead_of_saying_done(tmp_path):
+    synth(tmp_path / "int4", "int4", seed=6)
+    synth(tmp_path / "fp8", "fp8", seed=6)
+    assert sh("steps/1-hybrid.sh", "--work", str(tmp_path)).returncode == 0
+    shard = sorted((tmp_path / "hybrid").glob("model-*.safetensors"))[0]
+    good = shard.read_bytes()
+    shard.write_bytes(good[: len(good) // 2])  # truncated, as by a full disk or a killed copy
+    r = sh("steps/1-hybrid.sh", "--work", str(tmp_path))
+    assert r.returncode == 0 and "step 1 already done" not in r.stdout and "damaged" in r.stdout, r.stdout + r.stderr
+    assert shard.read_bytes() == good
+
+
 def test_step_2_fails_loudly_without_step_1(tmp_path):
     r = sh("steps/2-mtp.sh", "--work", str(tmp_path))
     assert r.returncode == 1 and "run steps/1-hybrid.sh first" in r.stderr
