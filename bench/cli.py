@@ -125,14 +125,9 @@ KEY_ENV = ("OPENAI_API_KEY", "ONESPARK_API_KEY")
 
 
 def _read_key(path: str, flag: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            key = f.readline().strip()
-    except OSError as e:
-        raise UserError(f"cannot read {flag} {path}: {e.strerror}") from e
-    if not key:
-        raise UserError(f"{flag} {path} is empty: put the key on its first line")
-    return key
+    from onespark.errors import read_secret
+
+    return read_secret(path, flag)
 
 
 def resolve_keys(args) -> None:

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog=f"onespark {name}", description=help_, allow_abbrev=False)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
-    if name != "bench":  # (the one command whose argv may hold a key; it locks nothing)
+    if name in ("download", "hybrid", "mtp"):  # the commands that lock a directory; none takes a key
         from onespark import lock  # who holds an output directory, for the message a second writer gets
         lock.COMMAND = "onespark " + shlex.join(argv)
     try:

@@ -6,6 +6,18 @@ import os
 from collections.abc import Iterator
 
 
+def read_secret(path: str, flag: str) -> str:
+    """The first line of a key file (--api-key-file): keys on a command line show in `ps`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.readline().strip()
+    except OSError as e:
+        raise UserError(f"cannot read {flag} {path}: {e.strerror}") from e
+    if not key:
+        raise UserError(f"{flag} {path} is empty: put the key on its first line")
+    return key
+
+
 class UserError(Exception):
     """A problem the user can fix. The CLI prints it as one line on stderr and exits 1.
 

@@ -112,7 +112,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address vLLM binds (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("ONESPARK_API_KEY"),
-                   help="require this key on /v1 (default: $ONESPARK_API_KEY; none)")
+                   help="require this key on /v1 (default: $ONESPARK_API_KEY; none); visible in `ps`: prefer "
+                        "--api-key-file or the variable")
+    p.add_argument("--api-key-file", help="read the key from this file (first line)")
     p.add_argument("--timeout", type=float, help="seconds to wait for /health (default: 1800; --demo: 600)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra container environment, repeatable (e.g. ONESPARK_INT8_LM_HEAD=0 for an A/B run)")
@@ -142,6 +144,9 @@ def docker_run_command(args: argparse.Namespace, image: str) -> tuple[list[str],
     if args.demo:
         env.update(DEMO_ENV)
         env["ONESPARK_DROP_DEFAULTS"] = DEMO_DROP
+        # vLLM 0.32.0 on CPU asks 160 MiB of /dev/shm at engine start (tiny Qwen3.5-MoE + MTP-2, measured
+        # 2026-12-01); Docker gives a container 64 MiB.
+        cmd += ["--shm-size", "1g"]
     else:
         # Unified memory: --ipc host for PyTorch's shared memory; unlimited locked memory for NCCL/UCX.
         cmd += ["--gpus", "all", "--ipc", "host", "--ulimit", "memlock=-1", "--ulimit", "stack=67108864"]
@@ -370,6 +375,10 @@ def _with_spec(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "api_key_file", None):
+        from onespark.errors import read_secret
+
+        args.api_key = read_secret(args.api_key_file, "--api-key-file")
     _with_spec(args)
     image = args.image or (DEMO_IMAGE if args.demo else V2_TQ_IMAGE if args.tq else V2_IMAGE)
     if not args.dry_run and not os.path.isfile(os.path.join(args.model, "config.json")):
