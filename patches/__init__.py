@@ -25,6 +25,11 @@ Switches (environment variables, read once per process by register(); 1/0, true/
   ONESPARK_TQ_PREFILL=triton  (read by the backend, not a 1/0 switch) "torch": the backend's prefill path is
                              plain torch (dequantize, then SDPA) instead of the Triton prefill kernel, which
                              has not run on a GPU yet; e.g. `onespark serve --tq --env ONESPARK_TQ_PREFILL=torch`.
+  ONESPARK_DRAFT_VOCAB=1     MTP draft head over a vocabulary subset: where the checkpoint directory holds
+                             onespark-draft-vocab.json (`onespark draft-vocab DIR`, written by step 2), the
+                             draft's logits come from a contiguous INT8 copy of those rows only (-inf
+                             elsewhere); the target's verify pass keeps the full head. No file: the draft
+                             shares the target's head, as without the plugin. 0: always the full head.
   ONESPARK_ALLOW_ANY_VLLM=0  1 = run on an untested vLLM version anyway (logged as a warning).
 
 VLLM_PLUGINS="" (vLLM's own switch) disables the whole plugin. What each patch touches, why, and when to
@@ -42,12 +47,14 @@ ENV_ALLOW_ANY_VLLM = "ONESPARK_ALLOW_ANY_VLLM"
 ENV_HYBRID_FP8 = "ONESPARK_HYBRID_FP8"
 ENV_INT8_LM_HEAD = "ONESPARK_INT8_LM_HEAD"
 ENV_TURBOQUANT_BACKEND = "ONESPARK_TURBOQUANT_BACKEND"
+ENV_DRAFT_VOCAB = "ONESPARK_DRAFT_VOCAB"
 
 # technique name -> (switch, default, "module:function" that installs it)
 TECHNIQUES: dict[str, tuple[str, bool, str]] = {
     "hybrid-fp8": (ENV_HYBRID_FP8, True, "onespark.patches.hybrid_fp8:install"),
     "int8-lm-head": (ENV_INT8_LM_HEAD, True, "onespark.patches.lm_head:install"),
     "turboquant-backend": (ENV_TURBOQUANT_BACKEND, True, "onespark.patches.turboquant_backend:install"),
+    "draft-vocab": (ENV_DRAFT_VOCAB, True, "onespark.patches.draft_head:install"),
 }
 
 # A child of vLLM's logger, so our lines use vLLM's handler and format in every process.

@@ -4,7 +4,7 @@
 #
 #   tests/gpu.sh [--tests-only | --bench-only] [--bench NAME,...] [--quick]
 #
-# Benchmarks (NAME): turboquant (decode), turboquant_prefill, lm_head, lm_head_glue; all by default.
+# Benchmarks (NAME): turboquant (decode), turboquant_prefill, lm_head, lm_head_glue, draft_head; all by default.
 #
 # Needs: python3 with torch (CUDA) + Triton + pytest-xdist; the vLLM stand-in the TurboQuant backend test
 # imports (`.venv/bin/python tests/gpu_lane_stub.py .gpustub` on a machine with the test venv; carried to the
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 
 usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
 argv="$*"
-tests=1 bench=1 quick=() names=turboquant,turboquant_prefill,lm_head,lm_head_glue
+tests=1 bench=1 quick=() names=turboquant,turboquant_prefill,lm_head,lm_head_glue,draft_head
 while (($#)); do
   arg=$1; shift
   case $arg in
@@ -55,6 +55,10 @@ if ((tests)); then
   set +e
   "$py" -P -m pytest --import-mode=append -p no:cacheprovider -q -n "${JOBS:-8}" --junitxml "$out/gpu_lane.xml" \
     tests/test_turboquant_triton.py tests/test_kernels_lm_head.py \
+    tests/test_draft_head.py::test_draft_logits_match_masked_full_head tests/test_draft_head.py::test_draft_logits_int4_match_reference \
+    tests/test_draft_head.py::test_argmax_maps_back_with_a_clear_winner_and_with_ties \
+    tests/test_draft_head.py::test_a_better_token_outside_the_subset_is_never_drafted \
+    tests/test_draft_head.py::test_real_shape_cuda_graph_replay_equals_eager \
     tests/test_turboquant_backend.py::test_cuda_path_triton_kernels 2>&1 | tee "$out/gpu_lane.log"
   rc=${PIPESTATUS[0]}
   set -e
@@ -84,11 +88,12 @@ if ((bench)); then
     [turboquant]="bench/kernels/turboquant.py --out $out/turboquant_$gpu.json ${quick[*]}"
     [turboquant_prefill]="bench/kernels/turboquant.py --prefill --out $out/turboquant_prefill_$gpu.json ${quick[*]}"
     [lm_head]="bench/kernels/lm_head.py --out $out/lm_head_$gpu.json"
-    [lm_head_glue]="bench/kernels/lm_head_glue.py --out $out/lm_head_glue_$gpu.json")
+    [lm_head_glue]="bench/kernels/lm_head_glue.py --out $out/lm_head_glue_$gpu.json"
+    [draft_head]="bench/kernels/draft_head.py --out $out/draft_head_$gpu.json")
   IFS=, read -ra picked <<<"$names"
   for name in "${picked[@]}"; do
     cmd=${cmds[$name]:-}
-    [[ -n $cmd ]] || { echo "tests/gpu.sh: unknown benchmark '$name' (turboquant, turboquant_prefill, lm_head, lm_head_glue)" >&2; exit 2; }
+    [[ -n $cmd ]] || { echo "tests/gpu.sh: unknown benchmark '$name' (turboquant, turboquant_prefill, lm_head, lm_head_glue, draft_head)" >&2; exit 2; }
     echo "== $cmd"
     # shellcheck disable=SC2086  # word splitting wanted: the command's arguments
     "$py" -P $cmd --git-sha "$sha" || rc=1

@@ -29,7 +29,7 @@ def _track() -> str:
     from tests.conftest import vllm_track
 
     return vllm_track()
-ALL = ["hybrid-fp8", "int8-lm-head", "turboquant-backend"]
+ALL = ["hybrid-fp8", "int8-lm-head", "turboquant-backend", "draft-vocab"]
 
 
 @pytest.mark.parametrize("version,ok", [
@@ -107,7 +107,9 @@ def test_default_activates_both_through_the_entry_point(scenarios):
     assert r["hybrid_registered"] and r["quantization"] == "onespark_hybrid"
     assert r["register_again"] == ALL  # idempotent: vLLM calls it per process
     assert r["custom_backend"] == "onespark.patches.turboquant_backend.TurboQuantBackend"
-    assert f"onespark plugin active on vLLM {_track()}: hybrid-fp8, int8-lm-head, turboquant-backend" in r["log"]
+    assert r["draft_head_wrapped"] is True
+    assert f"onespark plugin active on vLLM {_track()}: hybrid-fp8, int8-lm-head, turboquant-backend, draft-vocab" \
+        in r["log"]
 
 
 @pytest.mark.vllm
@@ -116,6 +118,7 @@ def test_vllm_plugins_empty_means_nothing_of_ours(scenarios, hybrid_ckpt):
     r = scenarios["plugins-empty"]
     assert r["error"] is None, r["log"][-3000:]
     assert r["lm_head_oot"] is None and not r["hybrid_registered"] and r["custom_backend"] is None
+    assert r["draft_head_wrapped"] is False
     assert r["quantization"] == "inc", "without the plugin the hybrid checkpoint must load as stock INC"
     assert "onespark" not in r["log"].replace(str(hybrid_ckpt), "")
 
@@ -166,6 +169,7 @@ def _scenario_main(ckpt: str, fake_version: str) -> None:
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
     from vllm.plugins import load_general_plugins
     from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum
+    from vllm.v1.spec_decode.eagle import EagleProposer
 
     error = None
     try:
@@ -178,6 +182,7 @@ def _scenario_main(ckpt: str, fake_version: str) -> None:
         "lm_head_oot": f"{oot.__module__}.{oot.__qualname__}" if oot else None,
         "hybrid_registered": "onespark_hybrid" in QUANTIZATION_METHODS,
         "custom_backend": _ATTN_OVERRIDES.get(AttentionBackendEnum.CUSTOM),
+        "draft_head_wrapped": getattr(EagleProposer._maybe_share_lm_head, "_onespark_draft_head", False),
         "quantization": None,
         "register_again": None,
     }
