@@ -702,6 +702,25 @@ def test_wheels_lock_is_what_pypi_resolves(tmp_path):
     assert _lock_pins((tmp_path / "lock.txt").read_text()) == _lock_pins(LOCK.read_text())
 
 
+@pytest.mark.parametrize("platform, python", [("aarch64-manylinux_2_39", "3.12"), ("x86_64-manylinux_2_36", "3.11")],
+                         ids=["spark-ubuntu24.04-py3.12", "ci-bookworm-py3.11"])
+def test_wheels_lock_has_wheels_for_both_images(tmp_path, platform, python):
+    """The lock's exact pins resolve from wheels alone (no sdist build) on each image's platform: the Spark's
+    (aarch64, Ubuntu 24.04's glibc 2.39, Python 3.12; CI cannot build it) and CI's stand-in (x86_64, bookworm's
+    glibc 2.36, Python 3.11). A pin whose wheel is missing there fails here, not in a Spark build."""
+    r = subprocess.run([sys.executable, "-m", "uv", "pip", "compile", str(LOCK), "--python-platform", platform,
+                        "--python-version", python, "--only-binary", ":all:", "--exclude-newer", "2026-12-01T00:00:00Z",
+                        "--no-header", "-o", str(tmp_path / "out.txt")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode != 0 and re.search(r"(?i)connect|dns|network|timed out", r.stderr):
+        pytest.skip(f"PyPI not reachable: {r.stderr.strip().splitlines()[-1]}")
+    assert r.returncode == 0, r.stderr
+    got, lock = _lock_pins((tmp_path / "out.txt").read_text()), _lock_pins(LOCK.read_text())
+    assert {"vllm", "torch", "triton", "flashinfer-python"} <= got.keys()
+    strays = {k: v for k, v in got.items() if not {x.split(" ;")[0] for x in v} <= {x.split(" ;")[0] for x in lock.get(k, [])}}
+    assert not strays, strays
+
+
 def _fake_dist(site: Path, name: str, files: list[str], version: str = "1.0") -> None:
     d = site / f"{name}-{version}.dist-info"
     d.mkdir(parents=True)
