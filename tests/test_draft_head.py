@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -266,6 +267,99 @@ def test_plugin_switch_file_and_mismatch(probe):
     assert "ONESPARK_DRAFT_VOCAB=0" in got["mismatch"]["error"]
     assert got["own_head"]["attached"] is False and got["own_head"]["draft_head_kept"]  # EAGLE with its own head
     assert got["wrapped_once"]
+
+
+# ------------------------------------------------------------------ a real vLLM 0.32.0 server with MTP-2 (CPU)
+# One server: the real Qwen3.5-MoE architecture (tiny-model --arch qwen3.5-moe, MTP layer agreeing with the
+# target) with a draft vocabulary of about half its tokens. vLLM 0.19.1's CPU build has no speculative decoding
+# ("spec decode is not supported", v1/worker/cpu_model_runner.py), so this runs on the 0.32.0 track only.
+# The "option off" reference is the target itself, teacher-forced on the same server: the prompt plus the
+# greedy continuation, re-read in one prefill with prompt_logprobs, must have the continuation as its top-1
+# at every position. That is what greedy decoding without the option returns (tests/test_v032_server.py: MTP-2
+# greedy == no speculative decoding, 288/288 tokens), without a second server.
+
+SUBSET = 340  # of the tiny tokenizer's 677: the greedy continuations hold tokens on both sides
+
+
+@pytest.fixture(scope="module")
+def subset_server(tmp_path_factory):
+    from onespark import draft_vocab
+    from onespark.tinymodel import write_tiny_model
+    from tests.test_v032_server import CPU_FLAGS, MTP
+    from tests.vllm_server import VLLMServer
+
+    model = write_tiny_model(tmp_path_factory.mktemp("draft-server") / "qwen35", seed=0, arch="qwen3.5-moe")
+    draft_vocab.write(model, draft_vocab.build(model, size=SUBSET))
+    with VLLMServer(model, args=[*CPU_FLAGS, *MTP], startup_timeout_s=900) as srv:
+        yield srv, model, set(draft_vocab.load(model)["ids"])
+
+
+@pytest.fixture(scope="module")
+def subset_run(subset_server):
+    from tokenizers import Tokenizer
+
+    from tests.test_plugin_server import GEN_TOKENS, PROMPTS
+    from tests.test_v032_server import spec_counters
+
+    srv, model, ids = subset_server
+    tok = Tokenizer.from_file(str(model / "tokenizer.json"))
+    prompts = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
+    before = spec_counters(srv)
+    outs = []
+    for p in prompts:  # one at a time, greedy
+        r = srv.post_json("/v1/completions", {
+            "model": srv.model, "prompt": p, "max_tokens": GEN_TOKENS, "temperature": 0, "ignore_eos": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True})
+        outs.append([int(t.removeprefix("token_id:")) for t in r["choices"][0]["logprobs"]["tokens"]])
+    after = spec_counters(srv)
+    return srv, ids, prompts, outs, {k: after[k] - before[k] for k in after}
+
+
+@parent_only
+@pytest.mark.vllm
+@pytest.mark.vllm032_only
+@pytest.mark.timeout(1500)
+def test_server_logs_the_subset_draft_head(subset_server):
+    srv, _, ids = subset_server
+    log = srv.log_text()
+    assert "draft-vocab" in re.search(r"onespark plugin active on vLLM 0\.32\.0: ([^;\n]*)", log).group(1)
+    assert re.search(rf"MTP draft head over a vocabulary subset in use: {len(ids)} of \d+ rows", log), log[-3000:]
+    assert "Sharing target model lm_head weights with the draft model" in log
+
+
+@parent_only
+@pytest.mark.vllm
+@pytest.mark.vllm032_only
+@pytest.mark.timeout(1500)
+def test_server_greedy_output_is_the_targets_and_drafts_stay_in_the_subset(subset_run, record_property):
+    srv, ids, prompts, outs, c = subset_run
+    emitted = [t for o in outs for t in o]
+    inside = sum(t in ids for t in emitted)
+    summary = (f"draft vocabulary {len(ids)} ids: {c['num_drafts']:.0f} drafts, {c['num_draft_tokens']:.0f} draft "
+               f"tokens, {c['num_accepted_tokens']:.0f} accepted; {len(emitted)} tokens emitted, {inside} in the "
+               f"subset")
+    record_property("draft_subset", summary)
+    print(summary)
+    # /metrics: vLLM drafted (2 a step) and accepted some drafts
+    assert c["num_draft_tokens"] == 2 * c["num_drafts"] > 0 and c["num_accepted_tokens"] > 0, summary
+    # Every accepted draft is an emitted token (up to 2 a request drafted past max_tokens, counted but not
+    # returned), and a draft can only be a subset token: accepted <= emitted tokens in the subset (+ 2/request).
+    # With the full head this MTP layer drafts what the target emits (>= 90% accepted, test_v032_server.py),
+    # so the bound fails if the draft is not restricted (emitted tokens outside the subset are 1/3+ of them).
+    assert len(emitted) - inside >= len(emitted) // 3, summary
+    assert c["num_accepted_tokens"] <= inside + 2 * len(outs), summary
+    # Output = the target's greedy chain, tokens outside the subset included: teacher-forced top-1.
+    same = total = 0
+    for p, o in zip(prompts, outs):
+        r = srv.post_json("/v1/completions", {
+            "model": srv.model, "prompt": p + o, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
+        pos = r["choices"][0]["prompt_logprobs"][len(p):]
+        top1 = [int(next(t for t, v in d.items() if v["rank"] == 1)) for d in pos]
+        same += sum(a == b for a, b in zip(top1, o))
+        total += len(o)
+    record_property("draft_subset_teacher_forced", f"{same}/{total}")
+    # One prefill vs the decode steps' batch shapes: numerics only (test_v032_server.py uses 0.99 for MTP vs none).
+    assert same >= 0.99 * total, f"{same}/{total} greedy tokens are the target's top-1"
 
 
 # ------------------------------------------------------------------ the CPU lane's launcher
