@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm032, pytest.mark.timeout(600)]  # both tracks
 
 
 @pytest.fixture(scope="module")
