@@ -1,4 +1,4 @@
-"""Which quant method vLLM 0.19.1 gives each layer of a generated hybrid checkpoint, with the plugin active.
+"""Which quant method vLLM (0.19.1 and 0.32.0) gives each layer of a generated hybrid checkpoint, plugin active.
 
 Generated with the real tools (`onespark synth` int4 + fp8, `onespark hybrid`), built by vLLM's own code
 (EngineArgs -> VllmConfig -> initialize_model, the MTP draft too, as the EAGLE/MTP proposer builds it) in a
@@ -10,6 +10,10 @@ No forward pass through the model: vLLM 0.19.1 has no CPU path for INC INT4 laye
 adjustments make *construction* possible on CPU, and are confined to the probe process: INCConfig's
 platform check is told "not CPU" (its CPU branch refuses every INT4 layer), and the Marlin MoE workspace
 (a CUDA buffer sized by SM count) is an empty tensor. Everything our plugin decides runs unmodified.
+On vLLM 0.32.0 (the probe's own seam picks the modules) the platform check sits in INC's WNA16 scheme (its
+CPU branch makes every INT4 MoE layer unquantized), and vLLM picks GEMM kernels while it constructs a layer:
+none exists on this CPU for block FP8 (they need AMX tiles) or INT4 MoE, so the probe gives those layers no
+kernel; the method each layer gets, what this test checks, is still vLLM's and the plugin's choice.
 
 The probe then checks the MTP draft's logits: target head and draft head are loaded with the same weight
 and processed in vLLM's order, vLLM's real EagleProposer._maybe_share_lm_head shares them, and the draft's
@@ -27,11 +31,20 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm032, pytest.mark.timeout(1200)]  # both tracks
 
 HERE = Path(__file__).resolve()
-INT4_FAMILY = {"GPTQMarlinLinearMethod", "GPTQMarlinMoEMethod"}
+# vLLM's INT4 (AutoRound/GPTQ) methods per track: 0.19.1 GPTQ-Marlin; 0.32.0 INC's own linear method (its
+# WNA16 scheme) and AutoGPTQ's MoE method (Marlin underneath).
+INT4_METHODS = {"0.19.1": {"GPTQMarlinLinearMethod", "GPTQMarlinMoEMethod"},
+                "0.32.0": {"INCLinearMethod", "AutoGPTQMoEMethod"}}
 UNQUANTIZED = {"UnquantizedLinearMethod", "UnquantizedFusedMoEMethod"}
+
+
+def int4_family() -> set[str]:
+    from tests.conftest import vllm_track  # lazily: this file also runs as the probe script
+
+    return INT4_METHODS[vllm_track()]
 
 
 def _cli(*args: str) -> None:
@@ -99,7 +112,6 @@ def hf_names(prefix: str, packed: dict[str, list[str]]) -> list[str]:
     return [f"{head}.{s}" for s in packed[last]] if last in packed else [hf]
 
 
-EXPECTED = {"fp8": {"Fp8LinearMethod"}, "int4": INT4_FAMILY, "16bit": UNQUANTIZED}
 
 
 @pytest.mark.parametrize("mtp", ["bf16", "int4"])
@@ -110,6 +122,7 @@ def test_each_layer_gets_the_method_its_stored_format_needs(probe, hybrid_checkp
     dtypes = tensor_dtypes(hybrid_checkpoints[mtp])
     packed = run["packed_modules_mapping"]
     checked = {"fp8": 0, "int4": 0, "16bit": 0}
+    expected = {"fp8": {"Fp8LinearMethod"}, "int4": int4_family(), "16bit": UNQUANTIZED}
     wrong = []
     for part in ("target", "draft"):
         for prefix, method in run[part].items():
@@ -117,7 +130,7 @@ def test_each_layer_gets_the_method_its_stored_format_needs(probe, hybrid_checkp
             if fmt is None:
                 continue  # a layer with no tensors in this checkpoint (vision tower of a text-only synth)
             checked[fmt] += 1
-            if method not in EXPECTED[fmt]:
+            if method not in expected[fmt]:
                 wrong.append(f"{part} {prefix}: stored {fmt}, vLLM got {method}")
     assert not wrong, "\n".join(wrong)
     layers = json.loads((hybrid_checkpoints[mtp] / "config.json").read_text())["text_config"]["num_hidden_layers"]
@@ -125,7 +138,7 @@ def test_each_layer_gets_the_method_its_stored_format_needs(probe, hybrid_checkp
     assert checked["int4"] > 0 and checked["16bit"] > 0
     mtp_methods = {m for p, m in run["draft"].items() if p.startswith("mtp.layers.")}
     if mtp == "int4":  # the checkpoint marks the MTP layer INT4 (its routers and gates stay 16-bit)
-        assert mtp_methods & INT4_FAMILY, mtp_methods
+        assert mtp_methods & int4_family(), mtp_methods
     else:  # the 122B release: the whole MTP head is 16-bit, whatever INC's defaults would say
         assert mtp_methods <= UNQUANTIZED, mtp_methods
     assert any(p.startswith("mtp.") for p in run["draft"]), "the MTP draft was not built"
@@ -157,11 +170,21 @@ def _probe_main(out_path: str, ckpts: dict[str, str]) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.layers.fused_moe import FusedMoE
     from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.quantization import gptq_marlin
-    from vllm.model_executor.layers.quantization import inc as inc_module
     from vllm.model_executor.model_loader.utils import initialize_model
+
+    from onespark.patches._compat import track
+
+    # The probe's own version seam (test-only; the plugin's are in patches/_compat.py): the MoE layer class,
+    # the module whose platform check refuses INT4 on CPU, and the Marlin workspace maker.
+    if track() == "0.19.1":
+        from vllm.model_executor.layers.fused_moe import FusedMoE as MoELayer
+        from vllm.model_executor.layers.quantization import gptq_marlin as marlin_home
+        from vllm.model_executor.layers.quantization import inc as inc_module
+    else:  # 0.32.0: INC is a package; its INT4 scheme decides CPU vs GPU (CPU: unquantized MoE only)
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts as MoELayer
+        from vllm.model_executor.layers.quantization.inc.schemes import inc_wna16_scheme as inc_module
+        from vllm.model_executor.layers.quantization.utils import marlin_utils as marlin_home
     from vllm.plugins import load_general_plugins
     from vllm.utils.torch_utils import set_default_torch_dtype
     from vllm.v1.spec_decode.eagle import EagleProposer
@@ -184,7 +207,17 @@ def _probe_main(out_path: str, ckpts: dict[str, str]) -> None:
             return getattr(self._platform, name)
 
     inc_module.current_platform = NotCpu(inc_module.current_platform)
-    gptq_marlin.marlin_make_workspace_new = lambda device, max_blocks_per_sm=1: torch.zeros(0, dtype=torch.int)
+    marlin_home.marlin_make_workspace_new = lambda device, max_blocks_per_sm=1: torch.zeros(0, dtype=torch.int)
+    if track() == "0.32.0":
+        # 0.32.0 picks the FP8 GEMM kernel while constructing the layer, and on a CPU without AMX tiles it has
+        # none ("CPUFp8BlockScaledMMKernel requires AMX tile support"): construction only, so no kernel.
+        from vllm.model_executor.layers.quantization import fp8 as fp8_module
+
+        fp8_module.init_fp8_linear_kernel = lambda **kwargs: None
+        # ... and the INT4 MoE kernel too ("No WNA16 MoE backend supports the deployment configuration")
+        from vllm.model_executor.layers.quantization import auto_gptq
+
+        auto_gptq.select_wna16_moe_backend = lambda *args, **kwargs: (None, None)
 
     def methods(model):
         table, heads = {}, {}
@@ -192,7 +225,7 @@ def _probe_main(out_path: str, ckpts: dict[str, str]) -> None:
             qm = getattr(m, "quant_method", None)
             if isinstance(m, LinearBase):
                 table[m.prefix] = type(qm).__name__
-            elif isinstance(m, FusedMoE):
+            elif isinstance(m, MoELayer):
                 table[m.layer_name] = type(getattr(m, "base_quant_method", qm)).__name__
         return table
 
@@ -234,7 +267,7 @@ def _probe_main(out_path: str, ckpts: dict[str, str]) -> None:
             for h in (head, draft.lm_head):
                 h.weight.data.copy_(w)
                 h.quant_method.process_weights_after_loading(h)
-            proposer = types.SimpleNamespace(model=draft, use_local_argmax_reduction=False)
+            proposer = types.SimpleNamespace(model=draft, use_local_argmax_reduction=False, vllm_config=vc)
             EagleProposer._maybe_share_lm_head(proposer, lm)
             x = torch.randn(7, hidden).to(torch.bfloat16)
             with set_current_vllm_config(vc):
