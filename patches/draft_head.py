@@ -140,6 +140,8 @@ def attach(proposer, target_language_model) -> bool:
     draft = proposer.model
     if target_head is None or getattr(draft, "lm_head", None) is not target_head:
         return False  # the draft keeps a head of its own (EAGLE with distinct weights): nothing shared
+    if not hasattr(target_head, "shard_indices"):
+        return False  # PPMissingLayer: a pipeline stage without the head computes no logits
     explicit = os.environ.get(ENV_DRAFT_VOCAB) is not None
     if not switch(ENV_DRAFT_VOCAB, True):
         logger.info("onespark: %s=0: the MTP draft shares the target's full LM head", ENV_DRAFT_VOCAB)

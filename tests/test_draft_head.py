@@ -266,6 +266,7 @@ def test_plugin_switch_file_and_mismatch(probe):
     assert "was built for another tokenizer.json" in got["mismatch"]["error"]
     assert "ONESPARK_DRAFT_VOCAB=0" in got["mismatch"]["error"]
     assert got["own_head"]["attached"] is False and got["own_head"]["draft_head_kept"]  # EAGLE with its own head
+    assert got["pp_missing"]["attached"] is False
     assert got["wrapped_once"]
 
 
@@ -420,8 +421,8 @@ def _probe_main(out_path: str, model: str, bad: str, none: str) -> None:
         lp = LogitsProcessor(vocab)
         x = torch.randn(5, hidden).to(torch.bfloat16)
 
-        def case(model_dir: str, env: dict | None = None, own_head: bool = False) -> dict:
-            target = types.SimpleNamespace(lm_head=head())
+        def case(model_dir: str, env: dict | None = None, own_head: bool = False, pp_missing: bool = False) -> dict:
+            target = types.SimpleNamespace(lm_head=torch.nn.Identity() if pp_missing else head())
             layer = torch.nn.Module()
             layer.shared_head = torch.nn.Module()
             layer.shared_head.head = target.lm_head
@@ -476,6 +477,8 @@ def _probe_main(out_path: str, model: str, bad: str, none: str) -> None:
         result["mismatch"] = case(bad)
         oh = case(model, own_head=True)
         result["own_head"] = {"attached": oh["attached"], "draft_head_kept": oh["draft"].lm_head is oh["own"]}
+        pp = case(model, pp_missing=True)  # a pipeline stage without the head (vLLM's PPMissingLayer)
+        result["pp_missing"] = {"attached": pp["attached"]}
     Path(out_path).write_text(json.dumps(result))
 
 
