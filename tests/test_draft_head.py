@@ -225,9 +225,10 @@ def probe(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ONESPARK_", "VLLM_PLUGINS"))}
     env.update({"HF_HUB_OFFLINE": "1", "TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
     out = root / "probe.json"
-    r = subprocess.run([sys.executable, "-m", "tests.test_draft_head", str(out), str(model), str(bad), str(none)], env=env,
-                       cwd=HERE.parents[1], capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0 and out.is_file(), f"probe failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
+    r = subprocess.run([sys.executable, "-m", "tests.test_draft_head", str(out), str(model), str(bad), str(none)],
+                       env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0 and out.is_file(), \
+        f"probe failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return json.loads(out.read_text()), r.stderr + r.stdout, json.loads((model / draft_vocab.FILE).read_text())
 
 
@@ -450,7 +451,8 @@ def _probe_main(out_path: str, model: str, bad: str, none: str) -> None:
         full = lp(target.lm_head, x).float()
         keep = torch.zeros(vocab, dtype=torch.bool)
         keep[ids] = True
-        ref = (x.double() @ (target.lm_head.onespark_w_int8.double() * target.lm_head.onespark_w_scale.double()[:, None]).T)
+        t = target.lm_head
+        ref = x.double() @ (t.onespark_w_int8.double() * t.onespark_w_scale.double()[:, None]).T
         ref = ref[:, :vocab].masked_fill(~keep, float("-inf"))
         fin = torch.isfinite(ref)
         result["on"] = {
@@ -470,9 +472,11 @@ def _probe_main(out_path: str, model: str, bad: str, none: str) -> None:
             "target_equals_before": torch.equal(full, before),
         }
         off = case(model, {"ONESPARK_DRAFT_VOCAB": "0"})
-        result["off"] = {"attached": off["attached"], "draft_head_is_target_head": off["draft"].lm_head is off["target"].lm_head}
+        result["off"] = {"attached": off["attached"],
+                         "draft_head_is_target_head": off["draft"].lm_head is off["target"].lm_head}
         nf = case(none)
-        result["no_file"] = {"attached": nf["attached"], "draft_head_is_target_head": nf["draft"].lm_head is nf["target"].lm_head}
+        result["no_file"] = {"attached": nf["attached"],
+                             "draft_head_is_target_head": nf["draft"].lm_head is nf["target"].lm_head}
         result["no_file_explicit"] = case(none, {"ONESPARK_DRAFT_VOCAB": "1"})
         result["mismatch"] = case(bad)
         oh = case(model, own_head=True)
