@@ -204,6 +204,36 @@ def test_plugin_cpu_path_matches_reference(m):
     assert empty.shape == (m, N) and bool(torch.isneginf(empty).all())
 
 
+@parent_only
+def test_plugin_tp2_shards_concatenate_to_the_masked_full_head():
+    """TP = 2 without a process group: each rank's head holds [start, end) of the vocabulary (plus padding rows,
+    as vLLM's VocabParallelEmbedding lays them out); subset_for_shard maps the global ids to this shard, and the
+    two ranks' logits, cut to their real rows and concatenated (what vLLM's gather + padding slice does), are
+    the full head's logits masked to the subset."""
+    import types
+
+    from onespark.patches.draft_head import draft_head_logits, subset_for_shard
+
+    x, q, s, ids = (t.cpu() for t in _case(3, 333, torch.bfloat16, seed=21))
+    half, pad = (N + 1) // 2, 3  # 1027 real rows a shard (the second: 1026), 3 padding rows each
+    parts = []
+    for rank in range(2):
+        start, end = rank * half, min(N, (rank + 1) * half)
+        q_shard = torch.zeros(half + pad, K, dtype=torch.int8)
+        s_shard = torch.ones(half + pad)
+        q_shard[: end - start], s_shard[: end - start] = q[start:end], s[start:end]
+        head = types.SimpleNamespace(
+            shard_indices=types.SimpleNamespace(org_vocab_start_index=start, org_vocab_end_index=end),
+            num_embeddings_per_partition=half + pad, onespark_w_int8=q_shard, onespark_w_scale=s_shard,
+            weight=torch.empty(0))
+        w_sub, s_sub, local, n_local = subset_for_shard(head, ids.tolist())
+        want = ids[(ids >= start) & (ids < end)] - start
+        assert torch.equal(local, want) and n_local == half + pad
+        assert torch.equal(w_sub, q_shard[want]) and w_sub.is_contiguous()
+        parts.append(draft_head_logits(x, w_sub, s_sub, local, n_local)[:, : end - start])
+    _check(torch.cat(parts, dim=1), x, q, s, ids, "TP=2 shards, concatenated")
+
+
 # ------------------------------------------------------------------ the plugin with vLLM's classes (fresh process)
 
 
