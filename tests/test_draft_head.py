@@ -202,6 +202,8 @@ def test_plugin_cpu_path_matches_reference(m):
     assert torch.isinf(with_bias).sum() == torch.isinf(out).sum()
     empty = draft_head_logits(x, w_sub[:0], s_sub[:0], ids[:0], N)  # a TP rank whose shard holds no subset id
     assert empty.shape == (m, N) and bool(torch.isneginf(empty).all())
+    w4, s4 = subset_int4_rows(q, s, ids)
+    _check(draft_head_logits(x, w4, s4, ids, N), x, q, s, ids, f"plugin CPU INT4 M={m}", w4=(w4, s4))
 
 
 @parent_only
@@ -232,6 +234,23 @@ def test_plugin_tp2_shards_concatenate_to_the_masked_full_head():
         assert torch.equal(w_sub, q_shard[want]) and w_sub.is_contiguous()
         parts.append(draft_head_logits(x, w_sub, s_sub, local, n_local)[:, : end - start])
     _check(torch.cat(parts, dim=1), x, q, s, ids, "TP=2 shards, concatenated")
+
+
+@parent_only
+@pytest.mark.parametrize("int4", [False, True], ids=["int8", "int4"])
+def test_plugin_shard_without_subset_ids_is_all_neg_inf(int4):
+    import types
+
+    from onespark.patches.draft_head import draft_head_logits, subset_for_shard
+
+    q, s = quantize_int8_rows(torch.randn(64, K) * 0.02)
+    head = types.SimpleNamespace(
+        shard_indices=types.SimpleNamespace(org_vocab_start_index=1000, org_vocab_end_index=1064),
+        num_embeddings_per_partition=64, onespark_w_int8=q, onespark_w_scale=s, weight=torch.empty(0))
+    w_sub, s_sub, local, n_local = subset_for_shard(head, [1, 2, 999, 1064], int4=int4)  # none in [1000, 1064)
+    assert local.numel() == 0 and w_sub.shape[0] == 0 and w_sub.dtype == (torch.uint8 if int4 else torch.int8)
+    out = draft_head_logits(torch.randn(2, K).to(torch.bfloat16), w_sub, s_sub, local, n_local)
+    assert out.shape == (2, 64) and bool(torch.isneginf(out).all())
 
 
 # ------------------------------------------------------------------ the plugin with vLLM's classes (fresh process)
@@ -280,6 +299,10 @@ def test_plugin_gives_the_draft_a_subset_head_and_keeps_the_targets(probe):
     # the target's logits are the full head's, unchanged by the draft's head
     assert r["target_finite_columns"] == r["vocab"] and r["target_equals_before"]
     assert "MTP draft head over a vocabulary subset in use: 300 of" in log
+    r4 = got["int4"]  # ONESPARK_DRAFT_INT4=1: the same subset in INT4 groups of 128
+    assert r4["attached"] and r4["dtype"] == "torch.uint8" and r4["same_columns"] and r4["argmax_in_subset"]
+    assert r4["max_rel_err_vs_ref"] <= 2**-8
+    assert "INT4 groups of 128 (ONESPARK_DRAFT_INT4=1)" in log
 
 
 @parent_only
@@ -464,7 +487,7 @@ def _probe_main(out_path: str, model: str, bad: str, none: str) -> None:
             proposer = types.SimpleNamespace(
                 model=draft, vllm_config=types.SimpleNamespace(model_config=types.SimpleNamespace(model=model_dir)))
             own = draft.lm_head
-            for k in ("ONESPARK_DRAFT_VOCAB",):
+            for k in ("ONESPARK_DRAFT_VOCAB", "ONESPARK_DRAFT_INT4"):
                 os.environ.pop(k, None)
             os.environ.update(env or {})
             try:
@@ -490,8 +513,8 @@ def _probe_main(out_path: str, model: str, bad: str, none: str) -> None:
             "mtp_shared_head_is_draft_head": draft.model.layers["0"].shared_head.head is draft.lm_head,
             "target_head_method": type(target.lm_head.quant_method).__name__,
             "target_head_untouched": target.lm_head.onespark_w_int8.shape[0] >= vocab,
-            "sub_rows": int(draft.lm_head.onespark_draft_w_int8.shape[0]),
-            "sub_is_contiguous": draft.lm_head.onespark_draft_w_int8.is_contiguous(),
+            "sub_rows": int(draft.lm_head.onespark_draft_w.shape[0]),
+            "sub_is_contiguous": draft.lm_head.onespark_draft_w.is_contiguous(),
             "vocab": vocab, "logits_shape": list(logits.shape),
             "finite_columns": torch.isfinite(logits).all(0).nonzero().flatten().tolist(),
             "max_rel_err_vs_ref": float(((logits[fin] - ref[fin]).abs() / ref[fin].abs().clamp_min(1e-2)).max()),
@@ -511,6 +534,19 @@ def _probe_main(out_path: str, model: str, bad: str, none: str) -> None:
         result["mismatch"] = case(bad)
         oh = case(model, own_head=True)
         result["own_head"] = {"attached": oh["attached"], "draft_head_kept": oh["draft"].lm_head is oh["own"]}
+        i4 = case(model, {"ONESPARK_DRAFT_INT4": "1"})
+        h4 = i4["draft"].lm_head
+        w4 = dequantize_int4_groups(h4.onespark_draft_w, h4.onespark_draft_scale, hidden).double()
+        ref4 = torch.full((x.shape[0], vocab), float("-inf"), dtype=torch.float64)
+        ref4[:, ids] = x.double() @ w4.T
+        lg4 = lp(h4, x).float()
+        fin4 = torch.isfinite(ref4)
+        result["int4"] = {
+            "attached": i4["attached"], "dtype": str(h4.onespark_draft_w.dtype),
+            "same_columns": torch.equal(torch.isfinite(lg4), fin4),
+            "max_rel_err_vs_ref": float(((lg4[fin4] - ref4[fin4]).abs() / ref4[fin4].abs().clamp_min(1e-2)).max()),
+            "argmax_in_subset": all(t in set(ids) for t in lg4.argmax(-1).tolist()),
+        }
         pp = case(model, pp_missing=True)  # a pipeline stage without the head (vLLM's PPMissingLayer)
         result["pp_missing"] = {"attached": pp["attached"]}
     Path(out_path).write_text(json.dumps(result))
