@@ -15,17 +15,19 @@ Decode attention, one program per (sequence, KV head, split):
     split axis) and applies the inverse rotation R^T in its epilogue.
 Queries are rotated by one matmul with R^T (entries +-1/16: exact in every dtype) before the launch.
 Bytes moved per decode step and KV head: L * (k_bytes + v_bytes + 8), e.g. 264 B/token for K4V4
-against 1024 B for BF16: at 256K tokens, 2 KV heads, 138 MB, a 32 us floor at an H200's 4.29 TB/s copy
-rate. Measured (bench/results/turboquant_h200.json, H200): 176 us at q_len 1 (0.79 TB/s, 18% of that
-floor's rate; BF16 flash 184 us), 268 us at q_len 3: on the H200 the kernel is bound by decode work and
-latency, not bytes (README: turboquant). No host syncs: split bounds come from seq_lens on the device, the grid
-only from host-known sizes, so the launch is CUDA-graph safe.
+against 1024 B for BF16: at 256K tokens, 2 KV heads, 138 MB, a 32 us floor at an H200's 4.27 TB/s copy
+rate, 0.51 ms at a DGX Spark's 273 GB/s (BF16: 1.97 ms). On an H200 the kernel is bound by decode work, not
+bytes (bench/results/turboquant_h200.json, against BF16 flash with the GQA heads folded; README: turboquant).
+No host syncs: split bounds come from seq_lens on the device, the grid only from host-known sizes, so the
+launch is CUDA-graph safe.
 
-Prefill attention (`prefill_attention`: prompt chunks, chunked-prefill continuations, any query lengths, one
-launch per step) runs the same tile step (`_attend_tile`) with a tile of BLOCK_P positions x G query heads,
-one program per (position block, KV head, request), over every key it may see, without splits. It decodes
-each key once per position block, so its decode work grows with the chunk length (dequantizing once and
-running a BF16 flash kernel would not); whether that matters was not measured: no GPU has run it yet.
+Prefill, two paths. `prefill_attention_flash` (the backend's default) decodes the cached sequence into BF16
+once (`_tq_dequant_kernel`, 32K keys at a time) and hands it to torch's FlashAttention-2, merging the pieces
+by log-sum-exp: prefill is compute-bound, so it costs the BF16 flash call plus the decode pass. The fused
+`prefill_attention` (prompt chunks, continuations, any query lengths, one launch per step, no scratch) runs
+the decode kernel's tile step (`_attend_tile`) with a tile of BLOCK_P positions x G query heads, one program
+per (position block, KV head, request), decoding each key once per position block: 1.8x the BF16 flash time
+on an H200 against 1.02-1.07x for the default (bench/results/turboquant_prefill_h200.json).
 Tiles per GPU: decode_block_n, prefill_tile.
 """
 
@@ -510,8 +512,10 @@ def prefill_tile(G: int, capability: tuple[int, int] | None) -> tuple[int, int]:
     """(query positions, keys) per prefill tile; rows = positions x G query heads. sm_90: 64 rows, 64 keys
     (the decode kernel's verify-step tile). mma.sync-only parts: 32 rows, 32 keys, the largest that ptxas
     fits on sm_121 without spilling for every preset (64 rows spill ~1,000 bytes per thread; 32 rows with 64
-    keys still spill 8 bytes at K4V3). Neither is timed: no GPU run has measured this kernel yet
-    (README: turboquant)."""
+    keys still spill 8 bytes at K4V3). The sm_90 tile as timed on an H200 (64K context, 2K chunk): 27.2 ms;
+    8 positions x 64 keys with 8 warps 25.2 ms, 8 x 32 43.5 ms (bench/results/turboquant_prefill_h200.json,
+    prefill_sweep); this fused kernel is the fallback path (ONESPARK_TQ_PREFILL=triton), so it keeps the
+    spill-checked tile. The sm_121 tile is not timed: no Spark here."""
     if _mma_sync_only(capability):
         return max(1, 32 // G), 32
     return max(1, 64 // G), 64

@@ -22,9 +22,10 @@ Switches (environment variables, read once per process by register(); 1/0, true/
                              (register_backend: a class path, nothing imported), used only by servers started
                              with --attention-backend CUSTOM and a turboquant_* --kv-cache-dtype, which needs
                              patches/turboquant.diff (the v2-tq image). Off: CUSTOM stays unregistered.
-  ONESPARK_TQ_PREFILL=triton  (read by the backend, not a 1/0 switch) "torch": the backend's prefill path is
-                             plain torch (dequantize, then SDPA) instead of the Triton prefill kernel, which
-                             has not run on a GPU yet; e.g. `onespark serve --tq --env ONESPARK_TQ_PREFILL=torch`.
+  ONESPARK_TQ_PREFILL=flash   (read by the backend, not a 1/0 switch) the prefill path on CUDA: "flash" decodes
+                             the cache into BF16 for FlashAttention-2 (1.02-1.07x BF16 flash on an H200),
+                             "triton" the fused kernel (1.8x), "torch" plain torch (20x at 128K); e.g.
+                             `onespark serve --tq --env ONESPARK_TQ_PREFILL=triton`.
   ONESPARK_DRAFT_VOCAB=1     MTP draft head over a vocabulary subset: where the checkpoint directory holds
                              onespark-draft-vocab.json (`onespark draft-vocab DIR`, written by step 2), the
                              draft's logits come from a contiguous INT8 copy of those rows only (-inf
