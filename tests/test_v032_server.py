@@ -272,3 +272,25 @@ def test_turboquant_refuses_032s_own_k8v4_by_name():
     with pytest.raises(ValueError, match=r"turboquant_k8v4 is vLLM 0\.32\.0's own TurboQuant layout, not onespark's"):
         TurboQuantImpl(2, 256, 0.0625, 1, kv_cache_dtype="turboquant_k8v4")
     assert TurboQuantImpl(2, 256, 0.0625, 1, kv_cache_dtype="turboquant_k4v3").preset.v_bits == 3
+
+
+def test_turboquant_with_mtp2_drafts_and_matches_the_bf16_cache(scripted_qwen35, tq_vllm, plain_server,
+                                                                record_property):
+    """The v2-tq image's configuration: TurboQuant K4V4 and MTP-2 together (verify steps reach the backend's decode
+    path with 3 query tokens per request). vLLM counts accepted drafts, and greedy output stays that of the BF16
+    cache without speculative decoding (TurboQuant alone: 12/12 continuations identical, the test above)."""
+    args = ["--kv-cache-dtype", "turboquant_k4v4", "--attention-backend", "CUSTOM", *MTP]
+    with _serve(scripted_qwen35[0], args, env={"PYTHONPATH": str(tq_vllm)}) as srv:
+        before = spec_counters(srv)
+        ids, _ = greedy(srv)
+        after = spec_counters(srv)
+    ref, _ = greedy(plain_server)
+    pairs = [(a, b) for p, q in zip(ids, ref) for a, b in zip(p, q)]
+    agree = sum(a == b for a, b in pairs) / len(pairs)
+    accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
+    summary = (f"TurboQuant K4V4 + MTP-2 vs BF16 cache without spec decoding: {agree:.2%} of {len(pairs)} greedy "
+               f"tokens identical; {accepted:.0f} drafts accepted")
+    record_property("tq_mtp", summary)
+    print(summary)
+    assert accepted >= len(pairs) / 2, summary  # most tokens came from accepted drafts: T = 3 verify steps ran
+    assert agree >= 0.99, summary
