@@ -132,7 +132,7 @@ def test_mtp_drafts_are_accepted_and_counted_by_vllm(mtp_run, record_property):
     ids, used, c = mtp_run
     rate = c["num_accepted_tokens"] / max(c["num_draft_tokens"], 1)
     summary = (f"MTP-2: {c['num_drafts']:.0f} drafts, {c['num_draft_tokens']:.0f} draft tokens, "
-               f"{c['num_accepted_tokens']:.0f} accepted ({rate:.1%}); {used} completion tokens for {len(ids)} requests")
+               f"{c['num_accepted_tokens']:.0f} accepted ({rate:.1%}); {used} completion tokens, {len(ids)} requests")
     record_property("mtp_counters", summary)
     print(summary)
     assert c["num_draft_tokens"] == 2 * c["num_drafts"] > 0
