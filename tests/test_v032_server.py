@@ -294,3 +294,34 @@ def test_turboquant_with_mtp2_drafts_and_matches_the_bf16_cache(scripted_qwen35,
     print(summary)
     assert accepted >= len(pairs) / 2, summary  # most tokens came from accepted drafts: T = 3 verify steps ran
     assert agree >= 0.99, summary
+
+
+PAGE_CHECK = """
+import json, torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, get_kv_quant_mode
+from onespark.kernels import turboquant as tq
+from onespark.patches.turboquant_backend import TurboQuantBackend
+out = {}
+for name in ("turboquant_k4v4", "turboquant_k4v3"):
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=256, dtype=torch.uint8,
+                             kv_quant_mode=get_kv_quant_mode(name))
+    out[name] = [TurboQuantBackend.customize_spec(spec).page_size_bytes,
+                 tq.CacheLayout(tq.PRESETS[name], 2, 16).block_bytes, get_kv_quant_mode(name).is_turboquant]
+print(json.dumps(out))
+"""
+
+
+def test_turboquant_pages_on_032_equal_the_kernels_layout(tq_vllm):
+    """What vLLM 0.32.0 sizes a page to (the backend's customize_spec over the diff's KVQuantMode) is the byte
+    layout the kernels address (onespark.kernels.turboquant.CacheLayout), and upstream's own TurboQuant branches
+    do not claim our presets (is_turboquant false). 264 / 232 bytes per token and KV head at head_dim 256."""
+    import os
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", PAGE_CHECK], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(tq_vllm)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    pages = json.loads(r.stdout.strip().splitlines()[-1])
+    assert pages == {"turboquant_k4v4": [16 * 2 * 264] * 2 + [False],
+                     "turboquant_k4v3": [16 * 2 * 232] * 2 + [False]}, pages
