@@ -12,12 +12,13 @@ What runs where (one layer, one step):
   decode batches  the leading requests with the same query length T <= 8 (1, or 1 + draft tokens in an MTP
                   verify step; the builder asks vLLM to put decodes first): ONE `decode_attention` call
                   (CPU: the float64 reference).
-  the rest        (prefill, chunked-prefill continuation, whatever follows the decodes): ONE
-                  `turboquant_triton.prefill_attention` call for all of them, straight from the compressed
-                  cache, the chunk itself included (it was just written), causal. Reading the chunk back
-                  rather than using its exact K/V makes a token's output independent of how the prompt was
-                  chunked and equal to what the decode path computes for the same positions. CPU: per
-                  request, the codes are dequantized and attended in plain torch (SDPA in blocks of rows).
+  the rest        (prefill, chunked-prefill continuation, whatever follows the decodes): per request,
+                  `turboquant_triton.prefill_attention_flash` (the cached sequence, the chunk itself included:
+                  it was just written, decoded into BF16 32K keys at a time and attended by FlashAttention-2,
+                  causal, pieces merged by log-sum-exp); ONESPARK_TQ_PREFILL=triton makes it ONE fused
+                  `prefill_attention` call straight from the codes. Reading the chunk back rather than using
+                  its exact K/V makes a token's output independent of how the prompt was chunked. CPU (and
+                  ONESPARK_TQ_PREFILL=torch): per request, dequantized and attended in plain torch.
 Cache tensor of a layer: uint8 [num_blocks, CacheLayout.block_bytes], one block = block_size tokens.
 CUDA graphs: piecewise only (the builder reads host-side query lengths every step).
 """

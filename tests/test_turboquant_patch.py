@@ -189,6 +189,25 @@ def test_page_size_matches_the_kernel_layout(patched_facts):
         assert page_bytes == tq.CacheLayout(tq.PRESETS[name], num_kv_heads=2, page=16).block_bytes
 
 
+def test_build_time_check_passes_on_the_patched_vllm(patched_tree):
+    """The check Dockerfile.v2-tq runs after patching (python -m onespark.patches.turboquant_check), on the
+    patched copy: every preset's page is the kernels' layout, through the spec, the backend and CacheLayout."""
+    env = dict(os.environ, PYTHONPATH=str(patched_tree), VLLM_LOGGING_LEVEL="ERROR")
+    p = subprocess.run([sys.executable, "-m", "onespark.patches.turboquant_check"], capture_output=True, text=True,
+                       env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    pages = json.loads(p.stdout.strip().splitlines()[-1])
+    assert pages == {n: [tq.CacheLayout(pr, num_kv_heads=2, page=16).block_bytes] * 3 for n, pr in tq.PRESETS.items()}
+
+
+def test_build_time_check_refuses_an_unpatched_vllm():
+    p = subprocess.run([sys.executable, "-m", "onespark.patches.turboquant_check"], capture_output=True, text=True,
+                       env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"), timeout=600)
+    last = p.stderr.strip().splitlines()[-1]  # (torch may warn first that there is no CUDA runtime)
+    assert p.returncode == 1 and last.startswith("onespark turboquant check: ") and "TurboQuantAttentionSpec" in last
+    assert "Traceback" not in p.stderr, p.stderr
+
+
 def test_hybrid_model_block_size_unification(patched_facts):
     """Attention pages must be >= the GDN state page and 16-aligned; with 264 B/token/head instead of 1024,
     TurboQuant needs ~3.9x the tokens per block. Checked against the arithmetic done here independently."""

@@ -325,3 +325,9 @@ def test_turboquant_pages_on_032_equal_the_kernels_layout(tq_vllm):
     pages = json.loads(r.stdout.strip().splitlines()[-1])
     assert pages == {"turboquant_k4v4": [16 * 2 * 264] * 2 + [False],
                      "turboquant_k4v3": [16 * 2 * 232] * 2 + [False]}, pages
+    # the same facts through the check Dockerfile.v2-tq runs after patching (python -m onespark.patches.turboquant_check)
+    r = subprocess.run([sys.executable, "-m", "onespark.patches.turboquant_check"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(tq_vllm)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"turboquant_k4v4": [16 * 2 * 264] * 2,
+                                                             "turboquant_k4v3": [16 * 2 * 232] * 2}
