@@ -33,6 +33,8 @@ NODES=
 TRACK=$VLLM_DEFAULT
 MODEL=$MODEL_DEFAULT
 REVISION=
+DRAFTER=mtp
+DRAFTER_REVISION=
 
 usage() {
   cat <<USAGE
@@ -46,6 +48,9 @@ Serves Qwen3.5-122B-A10B (or another --model) from one DGX Spark (GB10) through 
 
   --vllm VERSION    the pinned vLLM: ${VLLM_TRACKS[*]} (default: $VLLM_DEFAULT, the published tables' version,
                     built from source, ~1 h once; 0.32.0: official wheels, no compile)
+  --drafter NAME    speculative decoding: mtp (default, the checkpoint's MTP layer) or dflash (the spec's DFlash
+                    drafter, fetched to WORK/dflash by step 0, 12 draft tokens; --vllm 0.32.0 only)
+  --drafter-revision SHA  commit of the DFlash drafter repo (required with --drafter dflash: no public pin)
   --launch          after the images, start the server and send one chat request
   --tq              use the TurboQuant image (onespark/v2-tq:$VERSION) instead of onespark/v2:$VERSION
                     (the 0.32.0 track's images: onespark/v2:$VERSION$(track_suffix 0.32.0), onespark/v2-tq:$VERSION$(track_suffix 0.32.0))
@@ -85,6 +90,8 @@ parse_args() {
       --vllm) need_value "$@"; TRACK=$2; shift ;;
       --model) need_value "$@"; MODEL=$2; shift ;;
       --revision) need_value "$@"; REVISION=$2; shift ;;
+      --drafter) need_value "$@"; DRAFTER=$2; shift ;;
+      --drafter-revision) need_value "$@"; DRAFTER_REVISION=$2; shift ;;
       --nodes) need_value "$@"; NODES=$2; LAUNCH=1; shift ;;
       --no-cache) NO_CACHE=1 ;;
       --demo) DEMO=1; LAUNCH=1; BENCH=1 ;;
@@ -97,6 +104,7 @@ parse_args() {
   done
   [[ $PORT =~ ^[0-9]+$ ]] || die "--port must be a number, got '$PORT'"
   check_track "$TRACK"
+  check_drafter
   if ((DEMO)); then
     ((TQ)) && die "--tq needs a GPU (TurboQuant kernels); --demo runs v2 on CPU"
     ((WORK_SET)) || WORK=$DEMO_WORK
@@ -105,6 +113,28 @@ parse_args() {
   # The spec decides where the checkpoints go and which one is served (an unknown --model: the list of specs).
   MODEL_WORK=$(model_work "$WORK" "$MODEL") || exit 2
   SERVED_DIR=$(spec_get "$MODEL" served_dir) || exit 2
+}
+
+# --drafter: mtp everywhere; dflash on the 0.32.0 track only (0.19.1's vLLM has no DFlash drafter for this
+# model), not on the CPU demo (its tiny model has no drafter).
+check_drafter() {
+  case $DRAFTER in
+    mtp) [[ -z $DRAFTER_REVISION ]] || die "--drafter-revision is for --drafter dflash" ;;
+    dflash)
+      [[ $TRACK != "$VLLM_DEFAULT" ]] ||
+        die "--drafter dflash needs --vllm 0.32.0 (vLLM $TRACK has no DFlash drafter here): ./install.sh --vllm 0.32.0 --drafter dflash"
+      ((!DEMO)) || die "--drafter dflash: not with --demo (the tiny CPU model has no DFlash drafter); use --drafter mtp" ;;
+    *) die "--drafter $DRAFTER: unknown; the drafters are: mtp, dflash" ;;
+  esac
+}
+
+# The DFlash drafter has no public pin (onespark specs): a real run needs --drafter-revision (a dry run notes it).
+check_drafter_revision() {
+  [[ $DRAFTER == dflash && -z $DRAFTER_REVISION ]] || return 0
+  local why
+  why="$(spec_get "$MODEL" dflash.repo) has no public pinned revision ($(spec_get "$MODEL" dflash.pin_source))"
+  [[ $DRY_RUN == 1 ]] || die "--drafter dflash: $why"
+  say "note: --drafter dflash: $why; a real run needs --drafter-revision SHA"
 }
 
 # A spec without a public INT4 pin needs --revision: said before anything runs (a note in a dry run).
@@ -202,6 +232,10 @@ step_checkpoints() {
   fi
   local -a rev=()
   [[ -n $REVISION ]] && rev=(--int4-revision "$REVISION")
+  if [[ $DRAFTER == dflash ]]; then
+    rev+=(--drafter dflash)
+    [[ -n $DRAFTER_REVISION ]] && rev+=(--drafter-revision "$DRAFTER_REVISION")
+  fi
   step_script "step 0-download" steps/0-download.sh --work "$MODEL_WORK" --model "$MODEL" "${rev[@]}"
   local s
   for s in 1-hybrid 2-mtp; do
@@ -274,6 +308,7 @@ step_launch() {
   else
     args+=(--model "$MODEL_WORK/$SERVED_DIR" --spec "$MODEL")
     ((TQ)) && args+=(--tq)
+    [[ $DRAFTER == dflash ]] && args+=(--drafter dflash --drafter-dir "$MODEL_WORK/dflash")
   fi
   if [[ $DRY_RUN == 1 ]]; then
     # serve needs only the standard library: show its docker command even before the venv exists.
@@ -337,6 +372,7 @@ main() {
   [[ $DRY_RUN == 1 ]] && say "dry run: every command is printed, none is executed"
   [[ -z $NODES ]] || check_nodes
   check_revision
+  check_drafter_revision
   if ((!DEMO)); then
     cap=$(gpu_compute_cap)
     if [[ $cap != 12.1 ]]; then

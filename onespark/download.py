@@ -278,6 +278,38 @@ def _download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
     return rec
 
 
+def download_drafter(repo: str, revision: str, dest: Path, spec: specs.Spec, log=print) -> dict:
+    with locked(Path(dest), "--dest"):
+        return _download_drafter(repo, revision, Path(dest), spec, log)
+
+
+def _download_drafter(repo: str, revision: str, dest: Path, spec: specs.Spec, log=print) -> dict:
+    """The DFlash drafter (`--drafter dflash`) to DEST/dflash: the whole repo at the pin, then the drafter
+    check `onespark verify --drafter` makes (a drafter vLLM would refuse is not recorded as complete)."""
+    from huggingface_hub import snapshot_download
+
+    from onespark.verify import drafter_problems
+    rec = _finished_record(dest, repo, revision)
+    if rec:
+        log(f"DFlash drafter already downloaded: {dest} ({repo}@{revision[:12]})")
+        return rec
+    log(f"downloading the DFlash drafter {repo}@{revision[:12]} -> {dest}")
+    try:
+        snapshot_download(repo, revision=revision, local_dir=dest, max_workers=4, endpoint=_endpoint())
+    except OSError:
+        raise
+    except Exception as e:
+        raise UserError(f"download of {repo}@{revision[:12]} failed: {type(e).__name__}: {str(e).splitlines()[0]}; "
+                        f"re-run to resume") from None
+    problems, st = drafter_problems(dest, spec)
+    if problems:
+        raise UserError(f"{dest}: the downloaded drafter fails its check: {problems[0]}")
+    rec = {"repo": repo, "revision": revision, "complete": True, "files": st["files"], "bytes": st["bytes"]}
+    write_json_atomic(dest / DOWNLOAD_RECORD, rec)
+    log(f"downloaded the drafter: {st['bytes'] / 1e9:.2f} GB, {st['tensors']} tensors")
+    return rec
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dest", required=True, type=Path, help="directory for int4/ and fp8/")
     specs.add_model_argument(p)
@@ -288,6 +320,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8-revision", help="commit SHA of the FP8 repo (default: the spec's pin)")
     p.add_argument("--skip-int4", action="store_true", help="fetch only the FP8 tensors")
     p.add_argument("--skip-fp8", action="store_true", help="download only the INT4 checkpoint")
+    p.add_argument("--drafter", choices=specs.DRAFTERS, default=specs.DEFAULT_DRAFTER,
+                   help="dflash: also fetch the spec's DFlash drafter to DEST/dflash (vLLM 0.32.0 track; default "
+                        "mtp: the checkpoint's own MTP layer, nothing to fetch)")
+    p.add_argument("--drafter-revision", help="commit SHA of the drafter repo (required: it has no public pin)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -297,6 +333,13 @@ def run(args: argparse.Namespace) -> int:
     fp8 = None
     if not args.skip_fp8 and (spec.fp8 is not None or args.fp8_repo):
         fp8 = _pinned(spec.fp8, args.fp8_repo, args.fp8_revision, "--fp8-revision", spec)
+    drafter = None
+    if args.drafter == "dflash":
+        if spec.dflash is None:
+            raise UserError(f"--drafter dflash: spec {spec.name} has no DFlash drafter; use --drafter mtp")
+        drafter = _pinned(spec.dflash, None, args.drafter_revision, "--drafter-revision", spec)
+    elif args.drafter_revision:
+        raise UserError("--drafter-revision is for --drafter dflash")
     args.dest.mkdir(parents=True, exist_ok=True)  # an unwritable --dest fails here, before any transfer
     if int4:  # whether the files are the spec's model is checked by steps 1-2 (they name the spec they look like)
         download_int4(*int4, args.dest / "int4", log=log)
@@ -304,6 +347,8 @@ def run(args: argparse.Namespace) -> int:
         fetch_fp8(*fp8, args.dest / "fp8", log=log)
     elif not args.skip_fp8:
         log(f"step 0: no FP8 source for {spec.name}: {spec.no_splice}; FP8 fetch skipped")
+    if drafter:
+        download_drafter(*drafter, args.dest / "dflash", spec, log=log)
     return 0
 
 

@@ -105,6 +105,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", metavar="NAME", help="model spec (onespark specs): its serving defaults (served name, "
                                                   "--gpu-memory-utilization, --max-model-len, drafter) replace the "
                                                   "image's, which are qwen3.5-122b-a10b's; flags after -- still win")
+    p.add_argument("--drafter", choices=("mtp", "dflash"), default="mtp",
+                   help="speculative decoding: mtp (default: the checkpoint's own MTP layer) or dflash (the spec's "
+                        "DFlash drafter from --drafter-dir; vLLM 0.32.0 track images only)")
+    p.add_argument("--drafter-dir", help="--drafter dflash: the drafter's directory on the host (onespark download "
+                                         "--drafter dflash writes WORK/dflash), mounted read-only at /drafter")
+    p.add_argument("--num-draft-tokens", type=int, metavar="N",
+                   help="--drafter dflash: tokens drafted per step (default: the spec's, the record's 12; others "
+                        "reported 12 unstable and use 10)")
     p.add_argument("--image", help=f"image to run (default: {V2_IMAGE}; --tq: {V2_TQ_IMAGE}; --demo: {DEMO_IMAGE})")
     p.add_argument("--tq", action="store_true", help="run the TurboQuant image (v2-tq)")
     p.add_argument("--demo", action="store_true", help="CPU stand-in: no GPU, tiny model, GPU-only defaults dropped")
@@ -138,6 +146,8 @@ def docker_run_command(args: argparse.Namespace, image: str) -> tuple[list[str],
     env = {"ONESPARK_HEALTH_URL": f"http://{health_host}:{args.port}/health"}
     cmd = ["docker", "run", "-d", "--name", args.name, "--network", "host",
            "-v", f"{model}:/model:ro",
+           *(["-v", f"{os.path.abspath(args.drafter_dir)}:/drafter:ro"]
+             if getattr(args, "drafter", "mtp") == "dflash" else []),
            # Out of memory, the kernel kills the container first, not sshd; and why there is no --memory limit:
            # memory.OOM_SCORE_ADJ's comment.
            "--oom-score-adj", str(memory.OOM_SCORE_ADJ)]
@@ -358,6 +368,39 @@ def memory_plan(args: argparse.Namespace) -> None:
         raise UserError("memory plan refused: " + "\n".join(problems))
 
 
+def _with_drafter(args: argparse.Namespace, image: str) -> None:
+    """--drafter dflash: its --speculative-config goes among the user's vLLM flags (so it replaces the spec's
+    and the image's MTP default), unless the user gave one after --, which wins."""
+    if getattr(args, "drafter", "mtp") != "dflash":
+        if args.drafter_dir or args.num_draft_tokens:
+            raise UserError("--drafter-dir/--num-draft-tokens are for --drafter dflash")
+        return
+    from onespark import specs
+    if args.demo:
+        raise UserError("--drafter dflash: not on the CPU demo (its tiny model has no DFlash drafter); drop --demo "
+                        "or use --drafter mtp")
+    if image in (V2_IMAGE, V2_TQ_IMAGE):
+        raise UserError(f"--drafter dflash needs the vLLM 0.32.0 track's image, not {image} (vLLM 0.19.1): "
+                        "./install.sh --vllm 0.32.0 builds it; pass --image onespark/v2:"
+                        f"{__version__}-vllm0.32.0")
+    spec = specs.get(args.spec, flag="--spec")
+    if not spec.dflash:
+        raise UserError(f"--drafter dflash: spec {spec.name} has no DFlash drafter; use --drafter mtp")
+    if not args.drafter_dir:
+        raise UserError("--drafter dflash needs --drafter-dir DIR (onespark download --drafter dflash fetches it "
+                        "to WORK/dflash)")
+    if not args.dry_run and not os.path.isfile(os.path.join(args.drafter_dir, "config.json")):
+        raise UserError(f"--drafter-dir {args.drafter_dir}: no config.json: fetch the drafter with onespark "
+                        "download --drafter dflash (onespark verify --drafter DIR checks it)")
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
+        raise UserError(f"--num-draft-tokens {args.num_draft_tokens}: must be at least 1 (the record: 12)")
+    user = _vllm_extra(args)
+    if any(a == "--speculative-config" or a.startswith("--speculative-config=") for a in user):
+        return
+    cfg = specs.dflash_config(spec, tokens=args.num_draft_tokens)
+    args.vllm_args = ["--", "--speculative-config", json.dumps(cfg, separators=(",", ":")), *user]
+
+
 def _with_spec(args: argparse.Namespace) -> None:
     """Put the spec's serving flags before the user's vLLM flags, leaving out any flag the user sets."""
     if not getattr(args, "spec", None):
@@ -379,8 +422,9 @@ def run(args: argparse.Namespace) -> int:
         from onespark.errors import read_secret
 
         args.api_key = read_secret(args.api_key_file, "--api-key-file")
-    _with_spec(args)
     image = args.image or (DEMO_IMAGE if args.demo else V2_TQ_IMAGE if args.tq else V2_IMAGE)
+    _with_drafter(args, image)
+    _with_spec(args)
     if not args.dry_run and not os.path.isfile(os.path.join(args.model, "config.json")):
         raise UserError(f"{args.model} has no config.json: --model must be a checkpoint directory "
                         "(steps 1-2 write it; onespark verify checks it)")

@@ -79,6 +79,10 @@ class Spec:
     serving: dict  # vLLM flags that differ per model (serve / the entrypoint defaults)
     published: tuple = ()
     notes: str = ""
+    # The DFlash drafter (`--drafter dflash`, vLLM 0.32.0 track only): its repo and pin, None where the spec has
+    # no public one. `dflash_tokens`: num_speculative_tokens of the published record.
+    dflash: Source | None = None
+    dflash_tokens: int = 0
 
     @property
     def splice(self) -> bool:
@@ -142,6 +146,21 @@ TINY_35B = dict(hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num
 # vLLM's MTP drafter with 2 draft tokens: the project default (docker/entrypoint.sh) and what the published
 # 35B figure used (adrianpuiu/DGX_Spark_Qwen3.5-35B-A3B-Optimized install.sh: num_speculative_tokens 2).
 MTP2 = {"method": "mtp", "num_speculative_tokens": 2}
+DRAFTERS = ("mtp", "dflash")
+DEFAULT_DRAFTER = "mtp"
+# Where serve mounts the DFlash drafter in the container (read-only), and so where vLLM reads it.
+DRAFTER_MOUNT = "/drafter"
+# The DFlash drafter's config.json, as vLLM 0.32.0 reads it (model_executor/models/registry.py maps
+# DFlashDraftModel to qwen3_dflash.DFlashQwen3ForCausalLM, whose DFlashQwen3Model reads dflash_config's
+# target_layer_ids and mask_token_id). The 122B drafter's values: a public fixture of its config.json
+# (architectures DFlashDraftModel, model_type qwen3, hidden 3072, vocab 248320, dflash_config block_size 16,
+# mask_token_id 248077, 8 target_layer_ids up to 45 of the target's 48 layers).
+DFLASH_ARCH = "DFlashDraftModel"
+
+
+def dflash_config(spec: "Spec", model: str = DRAFTER_MOUNT, tokens: int | None = None) -> dict:
+    """--speculative-config for the DFlash drafter: the fields of the published record's serve line."""
+    return {"method": "dflash", "model": model, "num_speculative_tokens": tokens or spec.dflash_tokens}
 
 SPECS: dict[str, Spec] = {s.name: s for s in (
     Spec(
@@ -161,6 +180,17 @@ SPECS: dict[str, Spec] = {s.name: s for s in (
         serving={"gpu_memory_utilization": 0.82, "max_model_len": 262144, "speculative_config": MTP2},
         published=(Published(51, "v2 (hybrid + MTP-2 + INT8 head), vLLM 0.19.1, bench_qwen35.sh",
                              "albond/DGX_Spark_Qwen3.5-122B-A10B-AR-INT4 README results table"),),
+        # No full commit SHA of the drafter is public: the record (Entrpi/qwen3.5-122B-A10B-on-spark install.sh,
+        # DRAFT_REPO) downloads its main branch; z-lab/dflash issue #152 names two short commits, 2274357 (the
+        # 2026-06-19 retrain: 6 layers, 8 target layers, SWA 4096) and 6c7242c (the April original: 4 layers,
+        # 6 target layers). Hence --drafter-revision is required. 12 tokens: the record's runtime/serve.sh
+        # (NSPEC default 12).
+        dflash=Source("z-lab/Qwen3.5-122B-A10B-DFlash", None,
+                      "no public full commit SHA: the record (Entrpi/qwen3.5-122B-A10B-on-spark install.sh) "
+                      "downloads main; z-lab/dflash issue #152 names short commits 2274357 (2026-06-19 retrain, "
+                      "6 layers) and 6c7242c (April original, 4 layers): pass the full SHA you checked with "
+                      "--drafter-revision", 1.6),
+        dflash_tokens=12,
     ),
     Spec(
         name="qwen3.5-35b-a3b", title="Qwen3.5-35B-A3B (35B, 3B active): the 122B's smaller sibling",

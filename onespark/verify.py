@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from onespark import draft_vocab, qwen35, specs
-from onespark.checkpoint import MANIFEST_FILE, load_json, open_checkpoint, sha256_file
+from onespark.checkpoint import INDEX_FILE, MANIFEST_FILE, load_json, open_checkpoint, sha256_file
 from onespark.errors import UserError
 
 MAX_LISTED = 10  # per kind of problem; the rest are counted
@@ -202,14 +202,76 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
     return problems, summary
 
 
+def drafter_problems(path: Path, spec: specs.Spec) -> tuple[list[str], dict]:
+    """The DFlash drafter directory (`--drafter dflash`): what vLLM 0.32.0 reads of config.json (the
+    DFlashDraftModel architecture; dflash_config's target_layer_ids and mask_token_id, see specs.DFLASH_ARCH),
+    the same widths as the target it drafts for, and an index that agrees with the shards' headers. A problem
+    raised by open_checkpoint (missing/corrupt config, index or shard) is one UserError naming the path."""
+    ck = open_checkpoint(path, need_index=False)  # one-file drafters (model.safetensors) have no index
+    cfg, problems = ck.config, []
+    arch = cfg.get("architectures") or []
+    if specs.DFLASH_ARCH not in arch:
+        problems.append(f"{path}/config.json: architectures {arch}, not [{specs.DFLASH_ARCH!r}]: not a DFlash "
+                        "drafter (vLLM 0.32.0 maps only that name to its DFlash model)")
+    dc = cfg.get("dflash_config")
+    dc = dc if isinstance(dc, dict) else {}
+    layers = dc.get("target_layer_ids")
+    # The target it taps: the spec's real or tiny dims (the tiny ones for tests' stand-ins).
+    targets = [t for t in (spec.text, spec.tiny) if t.get("hidden_size") == cfg.get("hidden_size")]
+    if not (isinstance(layers, list) and layers and all(isinstance(i, int) and i >= 0 for i in layers)):
+        problems.append(f"{path}/config.json: dflash_config.target_layer_ids {layers!r}: expected a non-empty "
+                        "list of target layer numbers")
+    elif targets and max(layers) >= targets[0]["num_hidden_layers"]:
+        problems.append(f"{path}/config.json: dflash_config.target_layer_ids reach layer {max(layers)}, past "
+                        f"{spec.name}'s {targets[0]['num_hidden_layers']} layers: a drafter of another model")
+    if not isinstance(dc.get("mask_token_id"), int):
+        problems.append(f"{path}/config.json: dflash_config.mask_token_id {dc.get('mask_token_id')!r}: expected "
+                        "the token id of the drafter's mask slots")
+    if spec.text and not targets:
+        problems.append(f"{path}/config.json: hidden_size {cfg.get('hidden_size')}, but {spec.name} has "
+                        f"{spec.text['hidden_size']}: a drafter of another model")
+    elif targets and cfg.get("vocab_size") != targets[0]["vocab_size"]:
+        problems.append(f"{path}/config.json: vocab_size {cfg.get('vocab_size')}, but {spec.name} has "
+                        f"{targets[0]['vocab_size']}")
+    if ck.index is not None:
+        for name, fname in ck.weight_map.items():
+            if name not in ck.headers[fname].tensors:
+                problems.append(f"{path}/{INDEX_FILE}: lists {name} in {fname}, whose header lacks it: the index "
+                                "and the shards disagree; download the drafter again")
+        unlisted = sorted(set(ck.where) - set(ck.weight_map))
+        if unlisted:
+            problems.append(f"{path}/{INDEX_FILE}: does not list {len(unlisted)} tensor(s) of the shards, e.g. "
+                            f"{unlisted[0]}; download the drafter again")
+    for name, fs in sorted(ck.duplicates.items())[:1]:
+        problems.append(f"{path}: {name} is in {len(fs)} files ({', '.join(fs)})")
+    stats = {"tensors": len(ck.where), "files": len(ck.headers),
+             "bytes": sum((path / f).stat().st_size for f in ck.headers)}
+    return problems, stats
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", type=Path, help="checkpoint directory")
+    p.add_argument("dir", type=Path, nargs="?", help="checkpoint directory (may be left out with --drafter)")
     specs.add_model_argument(p)
     p.add_argument("--fast", action="store_true", help="skip sha256 (check sizes only)")
+    p.add_argument("--drafter", type=Path, metavar="DIR",
+                   help="also check the DFlash drafter directory (after --drafter dflash: WORK/dflash)")
 
 
 def run(args: argparse.Namespace) -> int:
     spec = specs.custom("(local files)", None) if args.model == specs.CUSTOM else specs.get(args.model)
+    if args.dir is None and not args.drafter:
+        raise UserError("onespark verify: give the checkpoint directory (and/or --drafter DIR)")
+    if args.drafter:
+        dprob, d = drafter_problems(args.drafter, spec)
+        print(f"{args.drafter} (DFlash drafter of {spec.name}): {d['tensors']} tensors in {d['files']} files "
+              f"({d['bytes'] / 1e9:.2f} GB){'' if dprob else ', ok'}")
+        if dprob:
+            for p in dprob:
+                print(f"  problem: {p}", file=sys.stderr)
+            raise UserError(f"{len(dprob)} problem(s) in the drafter; first: {dprob[0]}")
+        if args.dir is None:
+            print("ok")
+            return 0
     problems, s = verify(args.dir, fast=args.fast, spec=spec)
     line = (f"{args.dir} ({spec.name}): {s['tensors']} tensors in {s['files']} files ({s['bytes'] / 1e9:.2f} GB), "
             f"{s['fp8_weights']} FP8 weights, mtp.* {s['mtp_tensors']}/{s['mtp_required']}, "

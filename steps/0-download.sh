@@ -9,17 +9,22 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 WORK=
 MODEL=$MODEL_DEFAULT
+DRAFTER=mtp
 EXTRA=()
 
 usage() {
   cat <<USAGE
-usage: steps/0-download.sh [--model NAME] [--work DIR] [--int4-revision SHA] [--fp8-revision SHA] [--dry-run]
+usage: steps/0-download.sh [--model NAME] [--work DIR] [--int4-revision SHA] [--fp8-revision SHA]
+                           [--drafter mtp|dflash] [--drafter-revision SHA] [--dry-run]
 
   --model NAME          model spec (onespark specs; default: $MODEL_DEFAULT)
   --work DIR            checkpoints go to DIR/int4 and DIR/fp8 (default: $ONESPARK_ROOT/.work, and
                         .work/NAME for a model other than the default)
   --int4-revision SHA   commit of the INT4 repo (default: the spec's pin; required where it has none)
   --fp8-revision SHA    commit of the FP8 repo (default: the spec's pin)
+  --drafter dflash      also fetch the spec's DFlash drafter to DIR/dflash (vLLM 0.32.0 track; default mtp:
+                        nothing to fetch)
+  --drafter-revision SHA  commit of the drafter repo (required with --drafter dflash: no public pin)
   --dry-run             print the command, run nothing
   -h, --help            this text
 
@@ -32,7 +37,8 @@ parse_args() {
     case $1 in
       --work) need_value "$@"; WORK=$2; shift ;;
       --model) need_value "$@"; MODEL=$2; shift ;;
-      --int4-revision | --fp8-revision) need_value "$@"; EXTRA+=("$1" "$2"); shift ;;
+      --int4-revision | --fp8-revision | --drafter-revision) need_value "$@"; EXTRA+=("$1" "$2"); shift ;;
+      --drafter) need_value "$@"; DRAFTER=$2; shift ;;
       --dry-run) DRY_RUN=1 ;;
       -h | --help) usage; exit 0 ;;
       *) err "unknown option: $1"; usage >&2; exit 2 ;;
@@ -48,7 +54,8 @@ parse_args() {
 # Complete when step 0 wrote its record in both directories (it does so last).
 done_already() {
   grep -q '"complete": true' "$WORK/int4/onespark-download.json" 2>/dev/null &&
-    { [[ $SPLICE != True ]] || grep -q '"complete": true' "$WORK/fp8/onespark-download.json" 2>/dev/null; }
+    { [[ $SPLICE != True ]] || grep -q '"complete": true' "$WORK/fp8/onespark-download.json" 2>/dev/null; } &&
+    { [[ $DRAFTER != dflash ]] || grep -q '"complete": true' "$WORK/dflash/onespark-download.json" 2>/dev/null; }
 }
 
 main() {
@@ -57,7 +64,9 @@ main() {
     say "step 0 already done: $WORK/int4 and $WORK/fp8 are complete"
     return 0
   fi
-  onespark_step download --dest "$WORK" --model "$MODEL" "${EXTRA[@]}"
+  local -a drafter=()
+  [[ $DRAFTER == mtp ]] || drafter=(--drafter "$DRAFTER")
+  onespark_step download --dest "$WORK" --model "$MODEL" "${drafter[@]}" "${EXTRA[@]}"
 }
 
 main "$@" || exit 1
