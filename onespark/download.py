@@ -7,6 +7,8 @@ needs. Repos and pinned revisions come from the spec (onespark.specs; default qw
                `fp8-shared-experts.safetensors` the 144 shared-expert weights + their weight_scale_inv
                (~0.5 GB), read by HTTP byte ranges: for each shard that holds some, its 8-byte length and
                JSON header, then the tensors' bytes (neighbours coalesced into one request). Never a whole shard.
+    DEST/dflash  with --drafter dflash (vLLM 0.32.0 track): the spec's DFlash drafter, whole, at
+               --drafter-revision (no public pin), then checked as `onespark verify --drafter` checks it (~1.6 GB)
 
 A spec without a public pin (qwen3.5-35b-a3b's INT4 repo, `custom`) needs --revision SHA; a spec without an FP8
 source (qwen3.6-35b-a3b) skips DEST/fp8 and says why.

@@ -372,7 +372,7 @@ def _with_drafter(args: argparse.Namespace, image: str) -> None:
     """--drafter dflash: its --speculative-config goes among the user's vLLM flags (so it replaces the spec's
     and the image's MTP default), unless the user gave one after --, which wins."""
     if getattr(args, "drafter", "mtp") != "dflash":
-        if args.drafter_dir or args.num_draft_tokens:
+        if getattr(args, "drafter_dir", None) or getattr(args, "num_draft_tokens", None):
             raise UserError("--drafter-dir/--num-draft-tokens are for --drafter dflash")
         return
     from onespark import specs
