@@ -254,3 +254,25 @@ def test_download_of_a_bad_drafter_is_not_recorded_complete(drafter_hub, tmp_pat
     r = _fetch(endpoint, tmp_path / "w", "e" * 40)
     assert r.returncode != 0 and "not a DFlash drafter" in r.stderr
     assert not (tmp_path / "w" / "dflash" / "onespark-download.json").exists()
+
+
+# ---- the flags against vLLM 0.32.0's own config -------------------------------------------------------
+
+@pytest.mark.vllm032
+def test_dflash_config_fields_are_vllm_032s():
+    """serve's --speculative-config names fields and a method that vLLM 0.32.0's SpeculativeConfig has, and the
+    drafter architecture verify requires is the one 0.32.0's registry maps to its DFlash model."""
+    import dataclasses
+    import typing
+
+    vllm = pytest.importorskip("vllm")
+    if vllm.__version__.split("+")[0] != "0.32.0":
+        pytest.skip(f"vLLM {vllm.__version__}: this checks the 0.32.0 track")
+    from vllm.config import speculative
+    from vllm.model_executor.models.registry import _SPECULATIVE_DECODING_MODELS
+
+    cfg = specs.dflash_config(specs.SPECS[specs.DEFAULT])
+    fields = {f.name for f in dataclasses.fields(speculative.SpeculativeConfig)}
+    assert set(cfg) <= fields
+    assert cfg["method"] in typing.get_args(speculative.DFlashModelTypes)
+    assert _SPECULATIVE_DECODING_MODELS[specs.DFLASH_ARCH] == ("qwen3_dflash", "DFlashQwen3ForCausalLM")
