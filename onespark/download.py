@@ -256,15 +256,10 @@ def download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
         return _download_int4(repo, revision, Path(dest), log)
 
 
-def _download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
+def _snapshot(repo: str, revision: str, dest: Path) -> None:
+    """The whole repo at the pin into dest (huggingface_hub keeps finished files: a re-run resumes)."""
     from huggingface_hub import snapshot_download
-    dest = Path(dest)
-    rec_path = dest / DOWNLOAD_RECORD
-    rec = _finished_record(dest, repo, revision)
-    if rec:
-        log(f"INT4 checkpoint already downloaded: {dest} ({repo}@{revision[:12]})")
-        return rec
-    log(f"downloading {repo}@{revision[:12]} -> {dest} (interrupted? re-run: finished files are kept)")
+
     try:
         snapshot_download(repo, revision=revision, local_dir=dest, max_workers=4, endpoint=_endpoint())
     except OSError:
@@ -272,6 +267,17 @@ def _download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
     except Exception as e:  # huggingface_hub's errors name the repo and the HTTP status
         raise UserError(f"download of {repo}@{revision[:12]} failed: {type(e).__name__}: {str(e).splitlines()[0]}; "
                         f"re-run to resume") from None
+
+
+def _download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
+    dest = Path(dest)
+    rec_path = dest / DOWNLOAD_RECORD
+    rec = _finished_record(dest, repo, revision)
+    if rec:
+        log(f"INT4 checkpoint already downloaded: {dest} ({repo}@{revision[:12]})")
+        return rec
+    log(f"downloading {repo}@{revision[:12]} -> {dest} (interrupted? re-run: finished files are kept)")
+    _snapshot(repo, revision, dest)
     ck = open_checkpoint(dest, need_index=True)  # headers parse, sizes match: nothing truncated
     size = sum(p.stat().st_size for p in dest.iterdir() if p.is_file())
     rec = {"repo": repo, "revision": revision, "complete": True, "files": len(ck.headers), "bytes": size}
@@ -288,21 +294,13 @@ def download_drafter(repo: str, revision: str, dest: Path, spec: specs.Spec, log
 def _download_drafter(repo: str, revision: str, dest: Path, spec: specs.Spec, log=print) -> dict:
     """The DFlash drafter (`--drafter dflash`) to DEST/dflash: the whole repo at the pin, then the drafter
     check `onespark verify --drafter` makes (a drafter vLLM would refuse is not recorded as complete)."""
-    from huggingface_hub import snapshot_download
-
     from onespark.verify import drafter_problems
     rec = _finished_record(dest, repo, revision)
     if rec:
         log(f"DFlash drafter already downloaded: {dest} ({repo}@{revision[:12]})")
         return rec
     log(f"downloading the DFlash drafter {repo}@{revision[:12]} -> {dest}")
-    try:
-        snapshot_download(repo, revision=revision, local_dir=dest, max_workers=4, endpoint=_endpoint())
-    except OSError:
-        raise
-    except Exception as e:
-        raise UserError(f"download of {repo}@{revision[:12]} failed: {type(e).__name__}: {str(e).splitlines()[0]}; "
-                        f"re-run to resume") from None
+    _snapshot(repo, revision, dest)
     problems, st = drafter_problems(dest, spec)
     if problems:
         raise UserError(f"{dest}: the downloaded drafter fails its check: {problems[0]}")
