@@ -1,7 +1,6 @@
 """Triton kernels with plain-torch references. Imports only torch and triton."""
 
 from . import turboquant  # noqa: F401  (TurboQuant reference codec; Triton kernels: onespark.kernels.turboquant_triton)
-
 from .lm_head import (  # noqa: F401
     int4_gemv,
     int4_gemv_ref,

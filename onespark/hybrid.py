@@ -44,12 +44,28 @@ import threading
 from pathlib import Path
 
 from onespark import __version__, qwen35, specs
-from onespark.checkpoint import (DOWNLOAD_RECORD, INDEX_FILE, MANIFEST_FILE, Checkpoint, is_inside, load_json,
-                                 open_checkpoint, sha256_file)
+from onespark.checkpoint import (
+    DOWNLOAD_RECORD,
+    INDEX_FILE,
+    MANIFEST_FILE,
+    Checkpoint,
+    is_inside,
+    load_json,
+    open_checkpoint,
+    sha256_file,
+)
 from onespark.errors import UserError
 from onespark.lock import LOCK_FILE, locked
-from onespark.safetensors_io import (Range, copy_file_atomic, copy_file_tmp, encode_header, finalize, read_header,
-                                     write_json_atomic, write_safetensors_tmp)
+from onespark.safetensors_io import (
+    Range,
+    copy_file_atomic,
+    copy_file_tmp,
+    encode_header,
+    finalize,
+    read_header,
+    write_json_atomic,
+    write_safetensors_tmp,
+)
 
 PROGRESS_FILE = ".onespark-hybrid-progress.json"
 CONFIG_FILES = ("config.json", "quantization_config.json")  # rewritten, not copied

@@ -32,7 +32,6 @@ import logging
 
 import torch
 from torch.nn import Parameter
-
 from vllm.config import get_current_vllm_config_or_none
 from vllm.model_executor.custom_op import op_registry_oot
 from vllm.model_executor.layers.linear import UnquantizedLinearMethod

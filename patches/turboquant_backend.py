@@ -32,9 +32,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-
-from onespark.kernels import turboquant as tq
-from onespark.patches._compat import supported_release, tq_cache_rows
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -44,6 +41,9 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+
+from onespark.kernels import turboquant as tq
+from onespark.patches._compat import supported_release, tq_cache_rows
 
 logger = logging.getLogger("vllm.onespark")
 BACKEND_PATH = "onespark.patches.turboquant_backend.TurboQuantBackend"

@@ -141,10 +141,11 @@ def test_download_int4_and_ranged_fp8_then_splice(hub, tmp_path):
     whole = sum((d / "src-fp8" / p).stat().st_size for p in os.listdir(d / "src-fp8") if p.endswith(".safetensors"))
     assert sent < whole / 5
     # the fetched tensors are byte-identical to the source's, and step 1 accepts them
+    from safetensors import safe_open
+
     from onespark.hybrid import hybrid
     from onespark.mtp import mtp
     from onespark.verify import verify
-    from safetensors import safe_open
     with safe_open(str(fp8 / "fp8-shared-experts.safetensors"), framework="pt") as got:
         src = {}
         for f in (d / "src-fp8").glob("*.safetensors"):

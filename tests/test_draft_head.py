@@ -450,7 +450,7 @@ def _probe_main(out_path: str, model: str, bad: str, none: str) -> None:
     load_general_plugins()  # the entry point: installs the hook (vLLM imported eagle above: wrapped now)
     first = EagleProposer._maybe_share_lm_head
     draft_head.install()
-    result = {"wrapped_once": EagleProposer._maybe_share_lm_head is first and getattr(first, "_onespark_draft_head")}
+    result = {"wrapped_once": EagleProposer._maybe_share_lm_head is first and first._onespark_draft_head}
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]

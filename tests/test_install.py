@@ -143,10 +143,10 @@ def test_dry_run_prints_the_spark_plan_and_runs_nothing(fakebin, tmp_path):
         f"{venv}/bin/onespark doctor --work {work}",
         "steps/0-download.sh", "steps/1-hybrid.sh", "steps/2-mtp.sh",
         "--target vllm-base", "-f Dockerfile.base -t onespark/vllm-base:0.19.1-cu130-sm121",
-        f"--build-arg VLLM_BASE=onespark/vllm-base:0.19.1-cu130-sm121",
+        "--build-arg VLLM_BASE=onespark/vllm-base:0.19.1-cu130-sm121",
         f"-f Dockerfile.v2 -t onespark/v2:{__version__}",
         "docker run -d --name onespark --network host",
-        f"--gpus all", f"onespark/v2:{__version__} --host 127.0.0.1 --port 8000",
+        "--gpus all", f"onespark/v2:{__version__} --host 127.0.0.1 --port 8000",
     ]
     pos = 0
     for piece in expected_in_order:

@@ -315,7 +315,12 @@ def test_the_image_streams_tool_calls_in_multi_token_steps(tmp_path):
 
     from tests._scripted_model import write_scripted_model
     from tests.test_tool_calls_streaming import (
-        PARSERS, REPLY, WANT_CALLS, _check_responses_stream, _responses_events, _streamed,
+        PARSERS,
+        REPLY,
+        WANT_CALLS,
+        _check_responses_stream,
+        _responses_events,
+        _streamed,
     )
 
     _demo_v2_image()

@@ -26,10 +26,10 @@ from onespark.kernels import (
     int4_gemv_ref,
     int8_gemv,
     int8_gemv_ref,
+    lm_head,
     quantize_int4_groups,
     quantize_int8_rows,
 )
-from onespark.kernels import lm_head
 from tests._compare import assert_close
 from tests._interpreter import run_interpreter_lane
 

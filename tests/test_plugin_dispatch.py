@@ -166,7 +166,6 @@ def _probe_main(out_path: str, ckpts: dict[str, str]) -> None:
     import types
 
     import torch
-
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs

@@ -394,6 +394,7 @@ def _relabel(ck_dir: Path, name: str, dtype: str, widen: bool = False) -> None:
     """Rewrite the shard holding `name` with its dtype changed: the same bytes under another label, or
     (widen) the values as F32 (twice the bytes)."""
     import numpy as np
+
     from onespark.safetensors_io import Range, read_header, write_safetensors
     idx = json.loads((ck_dir / "model.safetensors.index.json").read_text())
     fname = idx["weight_map"][name]

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-from onespark.kernels import lm_head
-from onespark.kernels import int4_gemv, int8_gemv, quantize_int4_groups, quantize_int8_rows
+from onespark.kernels import int4_gemv, int8_gemv, lm_head, quantize_int4_groups, quantize_int8_rows
 
 N, K = 248_320, 3_072
 MS = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128, 256, 1024, 4096, 8192]
