@@ -10,6 +10,8 @@ import math
 import re
 from collections import defaultdict
 
+from prometheus_client.parser import text_string_to_metric_families
+
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -26,37 +28,30 @@ E2E_SUM = "vllm:e2e_request_latency_seconds_sum"  # histogram: server-side reque
 E2E_COUNT = "vllm:e2e_request_latency_seconds_count"
 CACHE_INFO = "vllm:cache_config_info"  # gauge = 1, the CacheConfig as labels (num_gpu_blocks, block_size, ...)
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?\s+(\S+)(\s+\S+)?$")
-_LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*,?')
-
-
-def _unescape(v: str) -> str:
-    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), v)
-
 
 def parse_prometheus(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """(name, labels, value) for every sample line of the Prometheus text format; comments skipped."""
-    samples = []
+    """(name, labels, value) for every sample of the Prometheus text format, through prometheus_client's parser
+    (the library vLLM writes /metrics with). Sample names stay as written: a Counter's `X_total`, a histogram's
+    `X_sum` and `X_count`."""
+    try:
+        return [(s.name, s.labels, s.value) for family in text_string_to_metric_families(text)
+                for s in family.samples]
+    except ValueError as e:
+        raise ValueError(_bad_line(text) or f"/metrics is not Prometheus text: {e}") from None
+
+
+def _bad_line(text: str) -> str | None:
+    """The first sample line that does not parse on its own, named by number: the parser's own message says
+    what is wrong but not where."""
     for lineno, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        m = _SAMPLE.match(line)
-        if not m:
-            raise ValueError(f"/metrics line {lineno} is not a Prometheus sample: {line[:120]!r}")
-        name, label_text, value = m.group(1), m.group(2), m.group(3)
-        labels: dict[str, str] = {}
-        if label_text:
-            body = label_text[1:-1]
-            pos = 0
-            while pos < len(body):
-                lm = _LABEL.match(body, pos)
-                if not lm:
-                    raise ValueError(f"/metrics line {lineno}: bad labels {label_text[:120]!r}")
-                labels[lm.group(1)] = _unescape(lm.group(2))
-                pos = lm.end()
-        samples.append((name, labels, float(value)))
-    return samples
+        try:
+            list(text_string_to_metric_families(line + "\n"))
+        except ValueError:
+            return f"/metrics line {lineno} is not a Prometheus sample: {line[:120]!r}"
+    return None
 
 
 _SUMMED = {SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED, GENERATION_TOKENS, PROMPT_TOKENS, REQUEST_SUCCESS,
