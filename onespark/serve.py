@@ -28,8 +28,9 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+from pathlib import Path
+
+import httpx
 
 from onespark import __version__, memory
 from onespark.errors import UserError
@@ -50,6 +51,7 @@ DEMO_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024"
 
 # Server-log line -> start-up stage. Patterns are vLLM 0.19.1's own log messages; the last line that
 # matches any of them is the current stage.
+# A table on purpose (`duplicates` pairs its same-shape rows, D8): one row a stage, read top to bottom.
 STAGES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"vLLM API server version|Automatically detected platform"), "starting vLLM"),
     (re.compile(r"Resolved architecture"), "reading the model config"),
@@ -172,13 +174,10 @@ def docker_run_command(args: argparse.Namespace, image: str) -> tuple[list[str],
     for k, v in env.items():
         # The key's value comes from our environment: never printed, never in `ps`.
         cmd += ["-e", k if k == "VLLM_API_KEY" else f"{k}={v}"]
-    extra = list(args.vllm_args or [])
-    if extra and extra[0] == "--":
-        extra = extra[1:]
     cmd += [image, "--host", args.host, "--port", str(args.port)]
     if args.demo:
         cmd += DEMO_ARGS
-    cmd += extra
+    cmd += _vllm_extra(args)
     return cmd, env
 
 
@@ -233,13 +232,13 @@ def _http(url: str, body: dict | None = None, api_key: str | None = None, timeou
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
-    req = urllib.request.Request(url, data=json.dumps(body).encode() if body is not None else None, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-    except (urllib.error.URLError, OSError):
+        if body is None:
+            r = httpx.get(url, headers=headers, timeout=timeout)
+        else:
+            r = httpx.post(url, content=json.dumps(body).encode(), headers=headers, timeout=timeout)
+        return r.status_code, r.content
+    except (httpx.HTTPError, OSError):  # not up yet, refused, timed out: the callers poll or say what they asked
         return 0, b""
 
 
@@ -417,6 +416,61 @@ def _with_spec(args: argparse.Namespace) -> None:
     args.vllm_args = ["--", *keep, *user]
 
 
+def _guard_plan(args: argparse.Namespace) -> tuple[Path, Path, list[str]]:
+    """The memory guard's log, report and command line for this container."""
+    util = memory.vllm_flag(_vllm_extra(args), "--gpu-memory-utilization") or (
+        None if args.demo else f"{memory.DEFAULT_GPU_UTIL:g}")
+    guard_log, guard_report = memory.guard_files(args.name)
+    guard_cmd = memory.guard_command(args.name, floor_gib=guard_floor_gib(args), report=guard_report, util=util,
+                                     meminfo=args.meminfo, vmstat=args.vmstat)
+    return guard_log, guard_report, guard_cmd
+
+
+def _clear_the_way(args: argparse.Namespace, image: str, guard_report: Path) -> None:
+    """Before the plan: the image exists, a container of this name is gone (--replace), and the last guard
+    report of this name is shown once."""
+    if _docker("image", "inspect", image, check=False).returncode != 0:
+        raise UserError(f"image {image} not found: build it with steps/4-images.sh{' --demo' if args.demo else ''}")
+    if _docker("inspect", args.name, check=False).returncode == 0:
+        if not args.replace:
+            raise UserError(f"a container named {args.name} exists: pass --replace, or --name another")
+        _docker("rm", "-f", args.name)
+        # The plan below must see the memory the old server gave back (the driver frees it as it exits).
+        memory.wait_until_settled(args.meminfo)
+    if guard_report.is_file():  # what the guard of this name's last run saw, shown once, then not this run's
+        print("onespark serve: the previous run's memory guard stopped it:\n" + guard_report.read_text().rstrip())
+        guard_report.unlink()
+
+
+def _check_guard_log(guard_log: Path) -> None:
+    try:  # before anything starts: a guard that cannot write its log must not be found out later
+        guard_log.parent.mkdir(parents=True, exist_ok=True)
+        open(guard_log, "ab").close()
+    except OSError as e:
+        raise UserError(f"{guard_log}: cannot write the memory guard's log ({e.strerror or e}): set "
+                        "XDG_STATE_HOME to a writable directory, or pass --no-memory-guard") from None
+
+
+def _start_guard(args: argparse.Namespace, guard_cmd: list[str], guard_log: Path) -> None:
+    """Started right after the container, so it watches start-up profiling too; it ends when `docker wait`
+    returns, i.e. with the container (stopped, removed or replaced)."""
+    print("onespark serve: + " + shlex.join(guard_cmd) + f" >> {guard_log}")
+    try:
+        guard = memory.start_guard(guard_cmd, guard_log)
+        print(f"onespark serve: memory guard pid {guard.pid}: stops {args.name} if MemAvailable stays below "
+              f"{guard_floor_gib(args):g} GiB or the host keeps swapping (log: {guard_log})")
+    except OSError as e:  # the server is up: say so loudly, do not take it down
+        print(f"onespark serve: warning: the memory guard did not start ({e}); {args.name} runs unguarded "
+              f"(stop it with docker rm -f {args.name})", file=sys.stderr)
+
+
+def _print_smoke(args: argparse.Namespace, base_url: str) -> None:
+    r = smoke(base_url, args.prompt, args.max_tokens, args.api_key)
+    print(f"onespark serve: {r['model']} answered {args.prompt!r}:\n  {r['answer'].strip()!r}")
+    print(f"onespark serve: {r['completion_tokens']} tokens in {r['seconds']:.2f} s = "
+          f"{r['tok_per_s']:.1f} tok/s (end to end, prefill included, one request)")
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "api_key_file", None):
         from onespark.errors import read_secret
@@ -429,11 +483,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"{args.model} has no config.json: --model must be a checkpoint directory "
                         "(steps 1-2 write it; onespark verify checks it)")
     cmd, env = docker_run_command(args, image)
-    util = memory.vllm_flag(_vllm_extra(args), "--gpu-memory-utilization") or (
-        None if args.demo else f"{memory.DEFAULT_GPU_UTIL:g}")
-    guard_log, guard_report = memory.guard_files(args.name)
-    guard_cmd = memory.guard_command(args.name, floor_gib=guard_floor_gib(args), report=guard_report, util=util,
-                                     meminfo=args.meminfo, vmstat=args.vmstat)
+    guard_log, guard_report, guard_cmd = _guard_plan(args)
     if args.dry_run:
         memory_plan(args)
         print("onespark serve: + " + shlex.join(cmd))
@@ -443,17 +493,7 @@ def run(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"onespark serve: warning: --host {args.host} exposes the server beyond this machine without "
               "an API key; pass --api-key", file=sys.stderr)
-    if _docker("image", "inspect", image, check=False).returncode != 0:
-        raise UserError(f"image {image} not found: build it with steps/4-images.sh{' --demo' if args.demo else ''}")
-    if _docker("inspect", args.name, check=False).returncode == 0:
-        if not args.replace:
-            raise UserError(f"a container named {args.name} exists: pass --replace, or --name another")
-        _docker("rm", "-f", args.name)
-        # The plan below must see the memory the old server gave back (the driver frees it as it exits).
-        memory.wait_until_settled(args.meminfo)
-    if guard_report.is_file():  # what the guard of this name's last run saw, shown once, then not this run's
-        print("onespark serve: the previous run's memory guard stopped it:\n" + guard_report.read_text().rstrip())
-        guard_report.unlink()
+    _clear_the_way(args, image, guard_report)
     # After removing a replaced container, so that its memory counts as free; before anything is started.
     memory_plan(args)
     print("onespark serve: + " + shlex.join(cmd))
@@ -461,35 +501,17 @@ def run(args: argparse.Namespace) -> int:
     if _port_open(probe, args.port):
         raise UserError(f"something already listens on {probe}:{args.port}: stop it or pass --port")
     if not args.no_memory_guard:
-        try:  # before anything starts: a guard that cannot write its log must not be found out later
-            guard_log.parent.mkdir(parents=True, exist_ok=True)
-            open(guard_log, "ab").close()
-        except OSError as e:
-            raise UserError(f"{guard_log}: cannot write the memory guard's log ({e.strerror or e}): set "
-                            "XDG_STATE_HOME to a writable directory, or pass --no-memory-guard") from None
+        _check_guard_log(guard_log)
     try:
         subprocess.run(cmd, env={**os.environ, **env}, check=True, capture_output=True, text=True)
     except subprocess.CalledProcessError as e:
         raise UserError(f"docker run failed: {e.stderr.strip()}") from None
     if not args.no_memory_guard:
-        # Started right after the container, so it watches start-up profiling too; it ends when `docker wait`
-        # returns, i.e. with the container (stopped, removed or replaced).
-        print("onespark serve: + " + shlex.join(guard_cmd) + f" >> {guard_log}")
-        try:
-            guard = memory.start_guard(guard_cmd, guard_log)
-            print(f"onespark serve: memory guard pid {guard.pid}: stops {args.name} if MemAvailable stays below "
-                  f"{guard_floor_gib(args):g} GiB or the host keeps swapping (log: {guard_log})")
-        except OSError as e:  # the server is up: say so loudly, do not take it down
-            print(f"onespark serve: warning: the memory guard did not start ({e}); {args.name} runs unguarded "
-                  f"(stop it with docker rm -f {args.name})", file=sys.stderr)
+        _start_guard(args, guard_cmd, guard_log)
     base_url = f"http://{probe}:{args.port}"
-    timeout = args.timeout or (600 if args.demo else 1800)
-    wait_healthy(args.name, base_url, timeout, tty=sys.stdout.isatty(),
+    wait_healthy(args.name, base_url, args.timeout or (600 if args.demo else 1800), tty=sys.stdout.isatty(),
                  guard_report=None if args.no_memory_guard else guard_report)
     if not args.no_smoke:
-        r = smoke(base_url, args.prompt, args.max_tokens, args.api_key)
-        print(f"onespark serve: {r['model']} answered {args.prompt!r}:\n  {r['answer'].strip()!r}")
-        print(f"onespark serve: {r['completion_tokens']} tokens in {r['seconds']:.2f} s = "
-              f"{r['tok_per_s']:.1f} tok/s (end to end, prefill included, one request)")
+        _print_smoke(args, base_url)
     print(f"onespark serve: serving on {base_url}/v1 (stop: docker rm -f {args.name})")
     return 0
