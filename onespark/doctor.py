@@ -16,10 +16,10 @@ import math
 import os
 import shutil
 import subprocess
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 GIB = 1024**3
 
@@ -248,6 +248,9 @@ def check_memory_plan(args: argparse.Namespace) -> list[Check]:
     return checks
 
 
+NETWORK_FIX = "check the network or proxy (https_proxy), or set HF_ENDPOINT to a mirror"
+
+
 def check_hf(repo: str = HF_REPO) -> list[Check]:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     url = f"{endpoint}/api/models/{repo}"
@@ -256,18 +259,21 @@ def check_hf(repo: str = HF_REPO) -> list[Check]:
     if token:
         headers["Authorization"] = f"Bearer {token}"
     try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as r:
-            json.loads(r.read())
-        return [Check("Hugging Face", "ok", f"{repo} reachable at {endpoint}")]
-    except urllib.error.HTTPError as e:
-        if e.code in (401, 403):
-            return [Check("Hugging Face", "FAIL", f"{endpoint} refused {repo} (HTTP {e.code})",
-                          "hf auth login   (or export HF_TOKEN=...)")]
-        return [Check("Hugging Face", "FAIL", f"{url} answered HTTP {e.code}", "retry later; status.huggingface.co")]
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        return [Check("Hugging Face", "FAIL", f"cannot reach {endpoint}: {reason}",
-                      "check the network or proxy (https_proxy), or set HF_ENDPOINT to a mirror")]
+        # follow_redirects: the Hub answers a renamed repo with a redirect to its new name
+        r = httpx.get(url, headers=headers, timeout=10, follow_redirects=True)
+    except (httpx.HTTPError, OSError) as e:
+        return [Check("Hugging Face", "FAIL", f"cannot reach {endpoint}: {e or type(e).__name__}", NETWORK_FIX)]
+    if r.status_code in (401, 403):
+        return [Check("Hugging Face", "FAIL", f"{endpoint} refused {repo} (HTTP {r.status_code})",
+                      "hf auth login   (or export HF_TOKEN=...)")]
+    if not r.is_success:
+        return [Check("Hugging Face", "FAIL", f"{url} answered HTTP {r.status_code}",
+                      "retry later; status.huggingface.co")]
+    try:
+        json.loads(r.content)
+    except ValueError:  # a proxy's or captive portal's page, not the Hub
+        return [Check("Hugging Face", "FAIL", f"{url} answered, but not with JSON", NETWORK_FIX)]
+    return [Check("Hugging Face", "ok", f"{repo} reachable at {endpoint}")]
 
 
 def check_debootstrap() -> list[Check]:
