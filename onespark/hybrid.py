@@ -33,14 +33,12 @@ file and the tool version; it is written last, so its presence means the step fi
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import datetime as dt
 import hashlib
 import json
 import math
 import os
 import shutil
-import threading
 from pathlib import Path
 
 from onespark import __version__, qwen35, specs
@@ -49,26 +47,21 @@ from onespark.checkpoint import (
     INDEX_FILE,
     MANIFEST_FILE,
     Checkpoint,
+    Output,
+    Writer,
+    damaged_files,
     is_inside,
     load_json,
     open_checkpoint,
-    sha256_file,
+    rewrite_index,
 )
 from onespark.errors import UserError
 from onespark.lock import LOCK_FILE, locked
-from onespark.safetensors_io import (
-    Range,
-    copy_file_atomic,
-    copy_file_tmp,
-    encode_header,
-    finalize,
-    read_header,
-    write_json_atomic,
-    write_safetensors_tmp,
-)
+from onespark.safetensors_io import Header, Range, copy_file_tmp, encode_header, write_safetensors_tmp
 
 PROGRESS_FILE = ".onespark-hybrid-progress.json"
 CONFIG_FILES = ("config.json", "quantization_config.json")  # rewritten, not copied
+JSON_FILES = (INDEX_FILE,) + CONFIG_FILES  # written last, from the plan
 SCALE_SUFFIX = "weight_scale_inv"
 
 
@@ -96,78 +89,14 @@ class Plan:
     """Everything step 1 will write, decided before writing a byte."""
 
     def __init__(self, int4: Checkpoint, fp8: Checkpoint, fp8_source: dict):
-        self.int4, self.fp8 = int4, fp8
-        qc = int4.config.get("quantization_config") or {}
-        if qc.get("quant_method") not in ("auto-round", "intel/auto-round"):
-            raise UserError(f"{int4.path}: quantization_config.quant_method is {qc.get('quant_method')!r}, "
-                            f"not auto-round: --int4 must be the Intel AutoRound checkpoint")
-        if qc.get(qwen35.HYBRID_KEY):
-            raise UserError(f"{int4.path}: already a hybrid checkpoint (its config lists FP8 layers): "
-                            f"give the original INT4 download as --int4")
-        fqc = fp8.config.get("quantization_config") or {}
-        if fqc.get("quant_method") != "fp8":
-            raise UserError(f"{fp8.path}: quantization_config.quant_method is {fqc.get('quant_method')!r}, "
-                            f"not fp8: --fp8 must be the Qwen FP8 checkpoint (or what step 0 fetched of it)")
-        if _dims(int4.config) != _dims(fp8.config):
-            raise UserError(f"the two checkpoints are different models: INT4 {_dims(int4.config)} vs "
-                            f"FP8 {_dims(fp8.config)}")
-        if int4.duplicates:
-            n, fs = next(iter(int4.duplicates.items()))
-            raise UserError(f"{int4.path}: tensor {n} is in {len(fs)} files ({', '.join(fs)}): "
-                            f"the download is inconsistent; download it again")
-        for name, fname in int4.weight_map.items():
-            if name not in int4.headers[fname].tensors:
-                raise UserError(f"{int4.path / fname}: lacks {name}, which the index puts there: "
-                                f"download that shard again")
-        self.block = tuple(fqc.get("weight_block_size") or (128, 128))
+        _check_pair(int4, fp8)
+        self.int4, self.fp8, self.fp8_source = int4, fp8, fp8_source
+        self.block = tuple((fp8.config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
         self.targets = qwen35.shared_expert_weights(int4.config)
-        self.fp8_source = fp8_source
-        self.replace: dict[str, tuple] = {}  # int4 weight name -> (fp8 weight info, fp8 scale info)
-        for name in self.targets:
-            if name not in int4.where:
-                raise UserError(f"{int4.path}: has no {name}: not the Intel INT4 layout this step expects")
-            old = int4.info(name)
-            if old.dtype == "F8_E4M3":
-                raise UserError(f"{int4.path}: {name} is already FP8: give the original INT4 download as --int4")
-            if old.dtype not in qwen35.FLOAT_DTYPES:
-                raise UserError(f"{int4.path}: {name} is {old.dtype}, expected a 16-bit weight")
-            sname = _scale_name(name)
-            for n in (name, sname):
-                if n not in fp8.where:
-                    raise UserError(f"{fp8.path}: has no {n}: the FP8 source is incomplete; run step 0 again")
-            w, s = fp8.info(name), fp8.info(sname)
-            want_s = (math.ceil(old.shape[0] / self.block[0]), math.ceil(old.shape[1] / self.block[1]))
-            if w.dtype != "F8_E4M3" or w.shape != old.shape:
-                raise UserError(f"FP8 source shapes do not match: {name} is {w.dtype}{list(w.shape)} in "
-                                f"{fp8.path}, expected F8_E4M3{list(old.shape)}; wrong --fp8 checkpoint?")
-            if s.dtype not in ("BF16", "F32") or s.shape != want_s:
-                raise UserError(f"FP8 source shapes do not match: {sname} is {s.dtype}{list(s.shape)}, expected "
-                                f"BF16{list(want_s)} for block {list(self.block)}; wrong --fp8 checkpoint?")
-            self.replace[name] = (w, s)
-        # What the FP8 checkpoint offers that we leave alone, counted by family (not 400 warnings).
-        used = set(self.replace) | {_scale_name(n) for n in self.replace}
-        self.unmatched: dict[str, int] = {}
-        for name in sorted(set(fp8.where) | set(fp8.weight_map)):
-            if name in used:
-                continue
-            cat = qwen35.category(name)
-            if cat == "other" or cat == "shared experts":
-                raise UserError(f"{fp8.path}: unexpected tensor {name}: neither a splice target nor a known "
-                                f"family; refusing to guess (is --fp8 the Qwen3.5 FP8 checkpoint?)")
-            self.unmatched[cat] = self.unmatched.get(cat, 0) + 1
+        self.replace: dict[str, tuple] = {n: self._fp8_for(n) for n in self.targets}  # -> (fp8 weight, its scale)
+        self.unmatched = self._unmatched()
         # Output files: the same names as the input's safetensors files, tensors in the same order.
-        self.files: dict[str, list[tuple]] = {}
-        for fname, h in int4.headers.items():
-            items = []
-            for t in h.tensors.values():
-                if t.name in self.replace:
-                    w, s = self.replace[t.name]
-                    items.append((t.name, w.dtype, w.shape, Range(fp8.headers[fp8.where[t.name]].path, w.begin, w.nbytes)))
-                    items.append((_scale_name(t.name), s.dtype, s.shape,
-                                  Range(fp8.headers[fp8.where[_scale_name(t.name)]].path, s.begin, s.nbytes)))
-                else:
-                    items.append((t.name, t.dtype, t.shape, Range(h.path, t.begin, t.nbytes)))
-            self.files[fname] = items
+        self.files = {fname: self._items(h) for fname, h in int4.headers.items()}
         # A file without a replaced tensor (model_extra_tensors.safetensors: the MTP head) is copied whole,
         # byte-identical to its input; the others get a new header.
         self.verbatim = {f for f, items in self.files.items() if not any(n in self.replace for n, *_ in items)}
@@ -178,6 +107,77 @@ class Plan:
         self.aux = [p for p in sorted(int4.path.iterdir()) if p.is_file() and not p.name.startswith(".")
                     and p.suffix != ".safetensors" and p.name not in CONFIG_FILES + (INDEX_FILE, MANIFEST_FILE, DOWNLOAD_RECORD)]
 
+    def _fp8_for(self, name: str) -> tuple:
+        """The FP8 weight and scale that replace the INT4 checkpoint's 16-bit `name`, checked against it."""
+        int4, fp8 = self.int4, self.fp8
+        if name not in int4.where:
+            raise UserError(f"{int4.path}: has no {name}: not the Intel INT4 layout this step expects")
+        old = int4.info(name)
+        if old.dtype == "F8_E4M3":
+            raise UserError(f"{int4.path}: {name} is already FP8: give the original INT4 download as --int4")
+        if old.dtype not in qwen35.FLOAT_DTYPES:
+            raise UserError(f"{int4.path}: {name} is {old.dtype}, expected a 16-bit weight")
+        sname = _scale_name(name)
+        for n in (name, sname):
+            if n not in fp8.where:
+                raise UserError(f"{fp8.path}: has no {n}: the FP8 source is incomplete; run step 0 again")
+        w, s = fp8.info(name), fp8.info(sname)
+        want_s = (math.ceil(old.shape[0] / self.block[0]), math.ceil(old.shape[1] / self.block[1]))
+        if w.dtype != "F8_E4M3" or w.shape != old.shape:
+            raise UserError(f"FP8 source shapes do not match: {name} is {w.dtype}{list(w.shape)} in "
+                            f"{fp8.path}, expected F8_E4M3{list(old.shape)}; wrong --fp8 checkpoint?")
+        if s.dtype not in ("BF16", "F32") or s.shape != want_s:
+            raise UserError(f"FP8 source shapes do not match: {sname} is {s.dtype}{list(s.shape)}, expected "
+                            f"BF16{list(want_s)} for block {list(self.block)}; wrong --fp8 checkpoint?")
+        return w, s
+
+    def _unmatched(self) -> dict[str, int]:
+        """What the FP8 checkpoint offers that we leave alone, counted by family (not 400 warnings)."""
+        used = set(self.replace) | {_scale_name(n) for n in self.replace}
+        unmatched: dict[str, int] = {}
+        for name in sorted(set(self.fp8.where) | set(self.fp8.weight_map)):
+            if name in used:
+                continue
+            cat = qwen35.category(name)
+            if cat == "other" or cat == "shared experts":
+                raise UserError(f"{self.fp8.path}: unexpected tensor {name}: neither a splice target nor a known "
+                                f"family; refusing to guess (is --fp8 the Qwen3.5 FP8 checkpoint?)")
+            unmatched[cat] = unmatched.get(cat, 0) + 1
+        return unmatched
+
+    def _items(self, h: Header) -> list[tuple]:
+        """One output shard's tensors (name, dtype, shape, where its bytes are): a replaced weight by its FP8
+        weight and scale, every other tensor as it is."""
+        def src(ck: Checkpoint, t) -> Range:
+            return Range(ck.headers[ck.where[t.name]].path, t.begin, t.nbytes)
+
+        items = []
+        for t in h.tensors.values():
+            if t.name in self.replace:
+                w, s = self.replace[t.name]
+                items += [(t.name, w.dtype, w.shape, src(self.fp8, w)), (s.name, s.dtype, s.shape, src(self.fp8, s))]
+            else:
+                items.append((t.name, t.dtype, t.shape, Range(h.path, t.begin, t.nbytes)))
+        return items
+
+    def outputs(self) -> list[Output]:
+        """Every file but the JSON ones, and how each is made: a spliced shard, a shard or file copied whole."""
+        def shard(fname: str):
+            return lambda dst: write_safetensors_tmp(dst, self.files[fname], header=self.headers[fname])
+
+        def whole(src: Path):
+            return lambda dst: copy_file_tmp(src, dst)
+
+        return [Output(f, self.sizes[f], whole(self.int4.path / f) if f in self.verbatim else shard(f))
+                for f in self.files] + [Output(p.name, p.stat().st_size, whole(p)) for p in self.aux]
+
+    def index(self) -> dict:
+        """The input's index with each scale beside its weight; every other entry (mtp.* included) as it was."""
+        wm = dict(self.int4.weight_map)
+        for name in self.replace:
+            wm[_scale_name(name)] = self.int4.where[name]
+        return rewrite_index(self.int4.index, wm, {n: r.length for items in self.files.values() for n, *_, r in items})
+
     def fingerprint(self) -> str:
         """Changes whenever an input or this tool changes, so a resumed run never mixes two inputs."""
         h = hashlib.sha256(__version__.encode())
@@ -187,6 +187,32 @@ class Plan:
                 for t in hd.tensors.values():
                     h.update(f"{t.name}:{t.dtype}:{t.shape}:{t.begin}".encode())
         return h.hexdigest()
+
+
+def _check_pair(int4: Checkpoint, fp8: Checkpoint) -> None:
+    """The two inputs are the INT4 and the FP8 release of one model, and the INT4 one is consistent."""
+    qc = int4.config.get("quantization_config") or {}
+    if qc.get("quant_method") not in ("auto-round", "intel/auto-round"):
+        raise UserError(f"{int4.path}: quantization_config.quant_method is {qc.get('quant_method')!r}, "
+                        f"not auto-round: --int4 must be the Intel AutoRound checkpoint")
+    if qc.get(qwen35.HYBRID_KEY):
+        raise UserError(f"{int4.path}: already a hybrid checkpoint (its config lists FP8 layers): "
+                        f"give the original INT4 download as --int4")
+    fqc = fp8.config.get("quantization_config") or {}
+    if fqc.get("quant_method") != "fp8":
+        raise UserError(f"{fp8.path}: quantization_config.quant_method is {fqc.get('quant_method')!r}, "
+                        f"not fp8: --fp8 must be the Qwen FP8 checkpoint (or what step 0 fetched of it)")
+    if _dims(int4.config) != _dims(fp8.config):
+        raise UserError(f"the two checkpoints are different models: INT4 {_dims(int4.config)} vs "
+                        f"FP8 {_dims(fp8.config)}")
+    if int4.duplicates:
+        n, fs = next(iter(int4.duplicates.items()))
+        raise UserError(f"{int4.path}: tensor {n} is in {len(fs)} files ({', '.join(fs)}): "
+                        f"the download is inconsistent; download it again")
+    for name, fname in int4.weight_map.items():
+        if name not in int4.headers[fname].tensors:
+            raise UserError(f"{int4.path / fname}: lacks {name}, which the index puts there: "
+                            f"download that shard again")
 
 
 HUB_PREFIX = "hf:"  # --fp8 hf:OWNER/NAME: fetch from the Hub; anything else is a local path
@@ -226,186 +252,129 @@ def hybrid(int4_dir: Path, fp8_arg: str, out: Path, **kw) -> dict:
 
 
 def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None = None,
-           hash_outputs: bool = True, spec: specs.Spec | None = None, log=print) -> dict:
+            hash_outputs: bool = True, spec: specs.Spec | None = None, log=print) -> dict:
     spec = spec or specs.get(None)
     int4_dir, out = Path(int4_dir), Path(out)
     fp8_local = Path(fp8_arg) if Path(fp8_arg).exists() else None
     _check_dirs(int4_dir, fp8_local, out)
     int4 = open_checkpoint(int4_dir)
     specs.check_config(spec, int4.config, f"--int4 {int4_dir}")
-    # Already done? A finished output carries a manifest whose fingerprint matches these inputs, and every
-    # file it lists is still there as written; a damaged one is rewritten, the intact ones are kept.
-    carried: dict = {}  # file -> manifest entry (size, sha256) of a finished run's intact files
-    old_steps: dict = {}
-    if (out / MANIFEST_FILE).is_file():
-        man = load_json(out / MANIFEST_FILE, "manifest", "delete it and re-run step 1")
-        if man.get("steps", {}).get("hybrid", {}).get("int4_fingerprint") != _int4_fingerprint(int4):
-            raise UserError(f"{out} holds a different finished checkpoint: choose a new --out (nothing was changed)")
-        bad = damaged_outputs(out, man)
-        if not bad:
-            log(f"step 1 already done: {out} (every file the manifest lists is intact; "
-                f"`onespark verify {out}` checks hashes too)")
-            return man
-        log(f"step 1 output damaged: {'; '.join(list(bad.values())[:3])}"
-            f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}: rewriting {len(bad)} file(s), "
-            f"keeping the {len(man.get('files', {})) - len(bad)} intact ones")
-        carried = {f: v for f, v in man.get("files", {}).items() if f not in bad}
-        old_steps = man.get("steps", {})
-    progress = load_json(out / PROGRESS_FILE, "progress") if (out / PROGRESS_FILE).is_file() else None
-    if out.exists() and progress is None and not carried and any(p.name != LOCK_FILE for p in out.iterdir()):
-        raise UserError(f"{out} exists, is not empty and was not written by `onespark hybrid`: choose a new --out "
-                        f"(nothing was changed)")
-    fp8_dir, fp8_source = _resolve_fp8(fp8_arg, out, fp8_revision, spec)
-    fp8 = open_checkpoint(fp8_dir)
-    specs.check_config(spec, fp8.config, f"--fp8 {fp8_dir}")
-    plan = Plan(int4, fp8, fp8_source)
-    fingerprint = plan.fingerprint()
-    done: dict = {}
-    if carried:  # a repair: what the finished run wrote and is still intact counts as done
-        expect = {**plan.sizes, **{p.name: p.stat().st_size for p in plan.aux}}
-        done = {f: v for f, v in carried.items() if f in CONFIG_FILES + (INDEX_FILE,) or expect.get(f) == v["size"]}
-    elif progress and progress.get("fingerprint") == fingerprint:
-        done = {f: v for f, v in progress.get("done", {}).items()
-                if (out / f).is_file() and (out / f).stat().st_size == v["size"]}
-        if done:
-            log(f"resuming: {len(done)} of {len(plan.files) + len(plan.aux)} files already written")
-    elif progress:
-        log("inputs changed since the interrupted run: starting over")
-        for p in out.iterdir():
-            if p.is_file() and p.name != LOCK_FILE:
-                p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    for p in out.glob(".*.tmp-*"):  # temp files of a killed run: never renamed, so never trusted
-        p.unlink()
-    # Every input is opened once before the first byte is written: an unreadable file fails now, not after
-    # an hour of copying (open_checkpoint read the shards' headers; the other files it never opened).
-    for src in sorted({r.path for items in plan.files.values() for *_, r in items} | set(plan.aux)):
-        os.close(os.open(src, os.O_RDONLY))
-    need = sum(sz for f, sz in plan.sizes.items() if f not in done)
-    need += sum(p.stat().st_size for p in plan.aux if p.name not in done) + 10 * 1024 * 1024
-    free = shutil.disk_usage(out).free
-    if free < need:
-        raise UserError(f"not enough free disk for {out}: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free "
-                        f"(checked before writing; free space or choose another --out)")
-    write_json_atomic(out / PROGRESS_FILE, {"fingerprint": fingerprint, "done": done})
-    if carried:  # from here on a repair is an interrupted run like any other: the progress file says what is done
-        (out / MANIFEST_FILE).unlink()
-    log(f"splicing {len(plan.replace)} shared-expert weights (FP8 + {SCALE_SUFFIX}) into {len(plan.files)} "
-        f"files -> {out}")
-    # sha256 runs at ~1 GB/s a core (SHA-NI Xeon, measured): hash up to 4 files at once beside the copy.
-    pool = cf.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)))
-    syncer = cf.ThreadPoolExecutor(max_workers=1)  # one file's fsync overlaps the next file's copy
-    hashes: dict[str, cf.Future] = {}
-    lock = threading.Lock()
-
-    def finished(fname: str, size: int) -> None:
-        with lock:
-            done[fname] = {"size": size}
-            write_json_atomic(out / PROGRESS_FILE, {"fingerprint": fingerprint, "done": done})
-        if hash_outputs:  # hashed from the page cache while the next file is copied
-            hashes[fname] = pool.submit(sha256_file, out / fname)
-
-    def sync_and_rename(tmp: Path, fname: str, size: int) -> None:
-        finalize(tmp, out / fname)  # a file has its final name only once its bytes are on disk
-        finished(fname, size)
-
-    try:
-        synced = []
-        for fname, items in plan.files.items():
-            if fname in done:
-                continue
-            if fname in plan.verbatim:
-                tmp, size = copy_file_tmp(int4.path / fname, out / fname)
-            else:
-                tmp, size = write_safetensors_tmp(out / fname, items, header=plan.headers[fname])
-            assert size == plan.sizes[fname], (fname, size, plan.sizes[fname])
-            synced.append(syncer.submit(sync_and_rename, tmp, fname, size))
-            log(f"  {fname}: {size / 1e6:.1f} MB")
-        for fut in synced:
-            fut.result()
-        for p in plan.aux:
-            if p.name not in done:
-                finished(p.name, copy_file_atomic(p, out / p.name))
-        # Index: scales live beside their weights; every other entry (mtp.* included) is kept as it was.
-        index = json.loads(json.dumps(int4.index))
-        wm = index["weight_map"]
-        for name in plan.replace:
-            wm[_scale_name(name)] = int4.where[name]
-        index["weight_map"] = dict(sorted(wm.items()))
-        # total_size: bytes of the tensors the index lists (the Hugging Face convention)
-        index.setdefault("metadata", {})["total_size"] = sum(
-            r.length for f, items in plan.files.items() for (n, _, _, r) in items if wm.get(n) == f)
-        config = _hybrid_config(int4.config, plan)
-        written = []  # an intact index of a repaired checkpoint is kept: it carries what step 2 added
-        for f, doc in ((INDEX_FILE, index), ("config.json", config),
-                       ("quantization_config.json", config["quantization_config"])):
-            if f in done or (f == "quantization_config.json" and not (int4.path / f).is_file()):
-                continue
-            write_json_atomic(out / f, doc)
-            finished(f, (out / f).stat().st_size)
-            written.append(f)
+    man = _finished_manifest(out, int4, log)
+    if man is not None and man.get("done"):
+        return man["manifest"]
+    carried, old_steps = (man["carried"], man["steps"]) if man else ({}, {})
+    with Writer(out, PROGRESS_FILE, hash_outputs=hash_outputs, log=log) as w:
+        if not carried:
+            w.refuse_foreign("`onespark hybrid`", "--out", LOCK_FILE)
+        fp8_dir, fp8_source = _resolve_fp8(fp8_arg, out, fp8_revision, spec)
+        fp8 = open_checkpoint(fp8_dir)
+        specs.check_config(spec, fp8.config, f"--fp8 {fp8_dir}")
+        plan = Plan(int4, fp8, fp8_source)
+        outputs = plan.outputs()
+        w.resume(plan.fingerprint(), {**{o.name: o.size for o in outputs}, **dict.fromkeys(JSON_FILES)},
+                 carried, keep=LOCK_FILE)
+        _open_inputs(plan)
+        _check_disk(out, [o for o in outputs if o.name not in w.done])
+        w.begin(MANIFEST_FILE)
+        log(f"splicing {len(plan.replace)} shared-expert weights (FP8 + {SCALE_SUFFIX}) into {len(plan.files)} "
+            f"files -> {out}")
+        for o in outputs:
+            if o.name not in w.done:
+                size = w.write(o)
+                if o.name in plan.files:
+                    log(f"  {o.name}: {size / 1e6:.1f} MB")
+        written = _write_json_files(w, plan)
         if carried and INDEX_FILE in written:
             old_steps.pop("mtp", None)
             log(f"the index was rewritten from --int4: run step 2 again (`onespark mtp {out} --source "
                 f"{int4.path}`) to list the mtp.* tensors")
-        files = {f: {"size": v["size"], "sha256": carried.get(f, {}).get("sha256")} for f, v in done.items()}
-        if hash_outputs:
-            for f in files:
-                if files[f]["sha256"] is None or f in hashes:
-                    fut = hashes.get(f) or pool.submit(sha256_file, out / f)
-                    files[f]["sha256"] = fut.result()
-    finally:
-        syncer.shutdown(wait=True)
-        pool.shutdown(wait=True, cancel_futures=True)
-    bytes_before = sum(plan.int4.info(n).nbytes for n in plan.replace)
-    bytes_after = sum(w.nbytes + s.nbytes for w, s in plan.replace.values())
-    manifest = {
+        manifest = _manifest(plan, old_steps, w.files())
+        w.finish(MANIFEST_FILE, manifest)
+    if fp8_local is None and fp8_dir.name.endswith(".fp8-fetch"):
+        shutil.rmtree(fp8_dir, ignore_errors=True)
+    _report(plan, manifest, log)
+    return manifest
+
+
+def _finished_manifest(out: Path, int4: Checkpoint, log) -> dict | None:
+    """Already done? A finished output carries a manifest whose fingerprint matches these inputs, and every file
+    it lists is still there as written; a damaged one is rewritten, the intact ones are kept (`carried`).
+    None: no finished run here."""
+    if not (out / MANIFEST_FILE).is_file():
+        return None
+    man = load_json(out / MANIFEST_FILE, "manifest", "delete it and re-run step 1")
+    if man.get("steps", {}).get("hybrid", {}).get("int4_fingerprint") != _int4_fingerprint(int4):
+        raise UserError(f"{out} holds a different finished checkpoint: choose a new --out (nothing was changed)")
+    bad = damaged_files(out, man)
+    if not bad:
+        log(f"step 1 already done: {out} (every file the manifest lists is intact; "
+            f"`onespark verify {out}` checks hashes too)")
+        return {"done": True, "manifest": man}
+    log(f"step 1 output damaged: {'; '.join(list(bad.values())[:3])}"
+        f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}: rewriting {len(bad)} file(s), "
+        f"keeping the {len(man.get('files', {})) - len(bad)} intact ones")
+    return {"carried": {f: v for f, v in man.get("files", {}).items() if f not in bad},
+            "steps": man.get("steps", {})}
+
+
+def _open_inputs(plan: Plan) -> None:
+    """Every input is opened once before the first byte is written: an unreadable file fails now, not after
+    an hour of copying (open_checkpoint read the shards' headers; the other files it never opened)."""
+    for src in sorted({r.path for items in plan.files.values() for *_, r in items} | set(plan.aux)):
+        os.close(os.open(src, os.O_RDONLY))
+
+
+def _check_disk(out: Path, todo: list[Output]) -> None:
+    need = sum(o.size for o in todo) + 10 * 1024 * 1024  # + the JSON files, with room to spare
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise UserError(f"not enough free disk for {out}: need {need / 1e9:.2f} GB, {free / 1e9:.2f} GB free "
+                        f"(checked before writing; free space or choose another --out)")
+
+
+def _write_json_files(w: Writer, plan: Plan) -> list[str]:
+    """The index, config.json and quantization_config.json (where the input has one), unless kept from a
+    finished run: an intact index of a repaired checkpoint carries what step 2 added. Returns those written."""
+    config = _hybrid_config(plan.int4.config, plan)
+    written = []
+    for f, doc in ((INDEX_FILE, plan.index()), ("config.json", config),
+                   ("quantization_config.json", config["quantization_config"])):
+        if f in w.done or (f == "quantization_config.json" and not (plan.int4.path / f).is_file()):
+            continue
+        w.write_json(f, doc)
+        written.append(f)
+    return written
+
+
+def _manifest(plan: Plan, old_steps: dict, files: dict) -> dict:
+    int4 = plan.int4
+    return {
         "schema_version": 1,
         "tool": "onespark", "tool_version": __version__,
         "created_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "inputs": {"int4": {"path": str(int4.path.resolve()), "repo": int4.record.get("repo"),
                             "revision": int4.record.get("revision")},
-                   "fp8": fp8_source},
+                   "fp8": plan.fp8_source},
         "steps": {**old_steps, "hybrid": {
             "int4_fingerprint": _int4_fingerprint(int4),
             "replaced": sorted(plan.replace), "added": sorted(_scale_name(n) for n in plan.replace),
             "fp8_weight_block_size": list(plan.block),
-            "bytes_before": bytes_before, "bytes_after": bytes_after,
+            "bytes_before": sum(int4.info(n).nbytes for n in plan.replace),
+            "bytes_after": sum(w.nbytes + s.nbytes for w, s in plan.replace.values()),
             "unmatched_fp8_by_category": dict(sorted(plan.unmatched.items())),
-            "mtp_tensors": sum(1 for n in int4.where if n.startswith("mtp.")),
+            "mtp_tensors": sum(1 for n in int4.where if qwen35.is_mtp(n)),
         }},
-        "files": dict(sorted(files.items())),
+        "files": files,
     }
-    write_json_atomic(out / MANIFEST_FILE, manifest)
-    (out / PROGRESS_FILE).unlink()
-    if fp8_local is None and fp8_dir.name.endswith(".fp8-fetch"):
-        shutil.rmtree(fp8_dir, ignore_errors=True)
-    log(f"replaced {len(plan.replace)} tensors ({bytes_before / 1e6:.1f} MB BF16 -> {bytes_after / 1e6:.1f} MB "
-        f"FP8 + scales); carried {manifest['steps']['hybrid']['mtp_tensors']} mtp.* tensors")
+
+
+def _report(plan: Plan, manifest: dict, log) -> None:
+    step = manifest["steps"]["hybrid"]
+    log(f"replaced {len(plan.replace)} tensors ({step['bytes_before'] / 1e6:.1f} MB BF16 -> "
+        f"{step['bytes_after'] / 1e6:.1f} MB FP8 + scales); carried {step['mtp_tensors']} mtp.* tensors")
     if plan.unmatched:
         log("FP8 tensors left unused (expected; they stay INT4/BF16): " +
             ", ".join(f"{c} {n}" for c, n in sorted(plan.unmatched.items())))
-    return manifest
-
-
-def damaged_outputs(out: Path, man: dict) -> dict[str, str]:
-    """The files a finished step 1 (and step 2, which updates the manifest) wrote that no longer are as the
-    manifest says: missing, another size, or a shard header / JSON file that no longer parses. File -> what is
-    wrong.
-    Sizes and headers only: seconds for 77 GB (`onespark verify` compares the sha256)."""
-    bad = {}
-    for fname, entry in sorted(man.get("files", {}).items()):
-        f = out / fname
-        if not f.is_file():
-            bad[fname] = f"{fname} is missing"
-        elif f.stat().st_size != entry.get("size"):
-            bad[fname] = f"{fname} is {f.stat().st_size} bytes, the manifest says {entry.get('size')}"
-        elif fname.endswith((".safetensors", ".json")):
-            try:
-                read_header(f) if fname.endswith(".safetensors") else load_json(f, fname)
-            except UserError:
-                bad[fname] = f"{fname} does not parse"
-    return bad
 
 
 def _int4_fingerprint(ck: Checkpoint) -> str:

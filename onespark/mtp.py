@@ -14,11 +14,19 @@ Running it again changes nothing ("already done"). The manifest, if any, is upda
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from onespark import qwen35, specs
-from onespark.checkpoint import INDEX_FILE, MANIFEST_FILE, is_inside, load_json, open_checkpoint, sha256_file
+from onespark.checkpoint import (
+    INDEX_FILE,
+    MANIFEST_FILE,
+    Checkpoint,
+    is_inside,
+    load_json,
+    open_checkpoint,
+    rewrite_index,
+    sha256_file,
+)
 from onespark.errors import UserError
 from onespark.lock import locked
 from onespark.safetensors_io import copy_file_atomic, read_header, write_json_atomic
@@ -27,7 +35,7 @@ EXTRA_FILE = "model_extra_tensors.safetensors"
 
 
 def _required_mtp(config: dict) -> set[str]:
-    return {n for n in qwen35.expected_tensors(config) if n.startswith("mtp.") and not qwen35.is_optional(n)}
+    return {n for n in qwen35.expected_tensors(config) if qwen35.is_mtp(n) and not qwen35.is_optional(n)}
 
 
 def _restore_head(path: Path, source: Path, log) -> list[str]:
@@ -49,7 +57,7 @@ def _restore_head(path: Path, source: Path, log) -> list[str]:
     if not required or required <= have:
         return []
     src = open_checkpoint(source, need_index=False)
-    files = sorted({src.where[n] for n in src.where if n.startswith("mtp.")})
+    files = sorted({src.where[n] for n in src.where if qwen35.is_mtp(n)})
     if not files:
         raise UserError(f"--source {source} has no mtp.* tensors either: it is not the Intel INT4 download")
     copied = []
@@ -79,27 +87,11 @@ def _mtp(path: Path, *, source: Path | None = None, spec: specs.Spec | None = No
         specs.check_config(spec, load_json(path / "config.json", "the model config"), str(path / "config.json"))
     copied = _restore_head(path, Path(source), log) if source is not None else []
     ck = open_checkpoint(path)
-    required = _required_mtp(ck.config)
-    if not required:
-        raise UserError(f"{path}: config.json has no MTP layers (text_config.mtp_num_hidden_layers = 0): "
-                        f"nothing to do for a model without an MTP head")
-    found = {n: f for n, f in ck.where.items() if n.startswith("mtp.")}
-    dup = {n: fs for n, fs in ck.duplicates.items() if n.startswith("mtp.")}
-    if dup:
-        n, fs = next(iter(dup.items()))
-        raise UserError(f"{path}: {len(dup)} mtp.* tensors are in more than one file (e.g. {n} in {', '.join(fs)}): "
-                        f"remove the stale copy")
-    missing = sorted(required - set(found))
-    if missing:
-        hint = "re-run with --source INT4_DIR (the original Intel download)" if source is None else \
-            f"{source} lacks them too: download the Intel checkpoint again"
-        raise UserError(f"MTP head incomplete in {path}: {len(missing)} of {len(required)} mtp.* tensors missing "
-                        f"(e.g. {missing[0]}): {hint}")
-    index = json.loads(json.dumps(ck.index))
-    wm = index["weight_map"]
+    found = _mtp_tensors(ck, source)
+    wm = dict(ck.weight_map)
     added = [n for n in found if n not in wm]
     fixed = [n for n in found if n in wm and wm[n] != found[n]]
-    stale = [n for n in wm if n.startswith("mtp.") and n not in found]
+    stale = [n for n in wm if qwen35.is_mtp(n) and n not in found]
     if not (added or fixed or stale or copied):
         log(f"step 2 already done: all {len(found)} mtp.* tensors are in the index of {path}")
         return {"added": 0, "fixed": 0, "removed": 0, "mtp_tensors": len(found)}
@@ -107,24 +99,47 @@ def _mtp(path: Path, *, source: Path | None = None, spec: specs.Spec | None = No
         wm[n] = found[n]
     for n in stale:  # points at nothing: vLLM would fail on it
         del wm[n]
-    index["weight_map"] = dict(sorted(wm.items()))
-    index.setdefault("metadata", {})["total_size"] = sum(ck.info(n).nbytes for n in wm if n in ck.where)
-    write_json_atomic(path / INDEX_FILE, index)
+    write_json_atomic(path / INDEX_FILE, rewrite_index(ck.index, wm, {n: ck.info(n).nbytes for n in ck.where}))
     result = {"added": len(added), "fixed": len(fixed), "removed": len(stale), "copied": copied,
               "mtp_tensors": len(found)}
     if (path / MANIFEST_FILE).is_file():
-        man = load_json(path / MANIFEST_FILE, "manifest")
-        for f in [INDEX_FILE] + copied:
-            entry = {"size": (path / f).stat().st_size}
-            had_hash = any(v.get("sha256") for v in man.get("files", {}).values())
-            entry["sha256"] = sha256_file(path / f) if had_hash else None
-            man.setdefault("files", {})[f] = entry
-        man["files"] = dict(sorted(man["files"].items()))
-        man.setdefault("steps", {})["mtp"] = result
-        write_json_atomic(path / MANIFEST_FILE, man)
+        _record_in_manifest(path, [INDEX_FILE] + copied, result)
     log(f"index now lists all {len(found)} mtp.* tensors ({len(added)} added, {len(fixed)} corrected, "
         f"{len(stale)} dangling removed{', copied ' + ', '.join(copied) if copied else ''})")
     return result
+
+
+def _mtp_tensors(ck: Checkpoint, source: Path | None) -> dict[str, str]:
+    """Every mtp.* tensor -> the file that holds it; fails unless the head is whole and in one copy."""
+    required = _required_mtp(ck.config)
+    if not required:
+        raise UserError(f"{ck.path}: config.json has no MTP layers (text_config.mtp_num_hidden_layers = 0): "
+                        f"nothing to do for a model without an MTP head")
+    found = {n: f for n, f in ck.where.items() if qwen35.is_mtp(n)}
+    dup = {n: fs for n, fs in ck.duplicates.items() if qwen35.is_mtp(n)}
+    if dup:
+        n, fs = next(iter(dup.items()))
+        raise UserError(f"{ck.path}: {len(dup)} mtp.* tensors are in more than one file (e.g. {n} in "
+                        f"{', '.join(fs)}): remove the stale copy")
+    missing = sorted(required - set(found))
+    if missing:
+        hint = "re-run with --source INT4_DIR (the original Intel download)" if source is None else \
+            f"{source} lacks them too: download the Intel checkpoint again"
+        raise UserError(f"MTP head incomplete in {ck.path}: {len(missing)} of {len(required)} mtp.* tensors "
+                        f"missing (e.g. {missing[0]}): {hint}")
+    return found
+
+
+def _record_in_manifest(path: Path, changed: list[str], result: dict) -> None:
+    """Step 1's manifest, updated to the files step 2 changed (hashed when the manifest hashes) and its result."""
+    man = load_json(path / MANIFEST_FILE, "manifest")
+    had_hash = any(v.get("sha256") for v in man.get("files", {}).values())
+    for f in changed:
+        man.setdefault("files", {})[f] = {"size": (path / f).stat().st_size,
+                                          "sha256": sha256_file(path / f) if had_hash else None}
+    man["files"] = dict(sorted(man["files"].items()))
+    man.setdefault("steps", {})["mtp"] = result
+    write_json_atomic(path / MANIFEST_FILE, man)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

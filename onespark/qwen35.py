@@ -35,6 +35,7 @@ import re
 
 TEXT_PREFIX = "model.language_model."
 LAYERS = TEXT_PREFIX + "layers."
+MTP_PREFIX = "mtp."  # the MTP head's tensors (vLLM's qwen3_5_mtp.py); the main model skips them
 SHARED_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
 HYBRID_KEY = "onespark_fp8"  # quantization_config[HYBRID_KEY]: written by step 1, see onespark.hybrid
@@ -53,6 +54,11 @@ class Dense:
     """A non-linear tensor stored as is (norms, embeddings, conv, A_log...)."""
     name: str
     shape: tuple[int, ...]
+
+
+def is_mtp(name: str) -> bool:
+    """A tensor of the MTP head (the draft layer vLLM's MTP drafter loads)."""
+    return name.startswith(MTP_PREFIX)
 
 
 def text_config(config: dict) -> dict:
@@ -267,7 +273,7 @@ def is_optional(name: str) -> bool:
 
 def category(name: str) -> str:
     """A tensor's family, for reports that count instead of listing 400 names."""
-    if name.startswith("mtp."):
+    if is_mtp(name):
         return "mtp head"
     if name.startswith("model.visual."):
         return "vision tower"

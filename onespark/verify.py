@@ -117,13 +117,13 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
             other = f" (it is in {ck.where[name]})" if name in ck.where else ""
             problem("index", f"index puts {name} in {fname}, which lacks it{other}")
     orphans = sorted(n for n in ck.where if n not in wm)
-    mtp_orphans = [n for n in orphans if n.startswith("mtp.")]
+    mtp_orphans = [n for n in orphans if qwen35.is_mtp(n)]
     if mtp_orphans:
         files = sorted({ck.where[n] for n in mtp_orphans})
         problems.append(f"{len(mtp_orphans)} mtp.* tensors in {', '.join(files)} are not in the index, so vLLM "
                         f"cannot load the MTP head: run `onespark mtp {path}`")
     for n in orphans:
-        if not n.startswith("mtp."):
+        if not qwen35.is_mtp(n):
             problem("orphan", f"{n} is in {ck.where[n]} but not in the index")
 
     for p in layer_problems(ck):
@@ -146,8 +146,8 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
             if scale not in ck.where:
                 problem("scale", f"FP8 weight {name} has no {scale}")
     missing = sorted(n for n in expected if n not in ck.where and not qwen35.is_optional(n))
-    mtp_missing = [n for n in missing if n.startswith("mtp.")]
-    mtp_required = sum(1 for n in expected if n.startswith("mtp.") and not qwen35.is_optional(n))
+    mtp_missing = [n for n in missing if qwen35.is_mtp(n)]
+    mtp_required = sum(1 for n in expected if qwen35.is_mtp(n) and not qwen35.is_optional(n))
     published = spec.mtp_tensors if specs.facts(qwen35.text_config(ck.config)) == specs.facts(spec.text) else None
     if published and (ck.config.get("quantization_config") or {}).get("quant_method") != "fp8" \
             and mtp_required != published:
@@ -158,7 +158,7 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
         problems.append(f"MTP head incomplete: {len(mtp_missing)} of {mtp_required} mtp.* tensors missing "
                         f"(e.g. {mtp_missing[0]}): run `onespark mtp {path} --source INT4_DIR`")
     for n in missing:
-        if not n.startswith("mtp."):
+        if not qwen35.is_mtp(n):
             problem("missing", f"{n} is missing (the config implies it)")
 
     hashed = 0
@@ -195,7 +195,7 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
     summary = {
         "tensors": len(ck.where), "files": len(ck.headers),
         "bytes": sum(h.file_size for h in ck.headers.values()),
-        "mtp_tensors": sum(1 for n in ck.where if n.startswith("mtp.")), "mtp_required": mtp_required,
+        "mtp_tensors": sum(1 for n in ck.where if qwen35.is_mtp(n)), "mtp_required": mtp_required,
         "fp8_weights": sum(1 for n in ck.where if ck.info(n).dtype == "F8_E4M3"),
         "manifest": man_path.is_file(), "hashed_files": hashed, "spec": spec.name,
     }
