@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # Step 4: the serving images of a track (--vllm). Dockerfile.v2 FROM the step-3 base (VLLM_BASE), and with --tq
-# Dockerfile.v2-tq FROM v2. A base whose dev.onespark.vllm.track label names another track is refused. Skips an image whose fingerprint label (its Dockerfile, the onespark sources, the base image id)
-# matches; --no-cache rebuilds.
+# Dockerfile.v2-tq FROM v2. A base whose dev.onespark.vllm.track label names another track is refused. Skips an
+# image whose fingerprint label (its Dockerfile, the files its COPY lines take from the build context, the base
+# image id) matches; --no-cache rebuilds.
 set -euo pipefail
 # shellcheck source-path=SCRIPTDIR source=lib.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ONESPARK_ROOT/pyproject.toml")
 LABEL_KEY=dev.onespark.fingerprint
-# What the v2 image contains from this checkout.
-SOURCES=(pyproject.toml README.md LICENSE onespark kernels patches bench docker)
 
 usage() {
   cat <<USAGE
@@ -49,7 +48,10 @@ build_image() {
       || die "base image $from not found: run steps/3-base-image.sh$([[ $track == "$VLLM_DEFAULT" ]] || printf ' --vllm %s' "$track") first (or pass --base)"
     check_base_track "$from" "$track"
   fi
-  fp=$(fingerprint "$dockerfile" "${SOURCES[@]}" "$from_id" "VLLM_VERSION=$track")
+  # What the image holds from this checkout (.dockerignore + the COPY lines): a README edit changes nothing.
+  local -a sources
+  mapfile -t sources < <(image_sources "$dockerfile")
+  fp=$(fingerprint "$dockerfile" "${sources[@]}" "$from_id" "VLLM_VERSION=$track")
   if [[ $DRY_RUN != 1 && $NO_CACHE == 0 && $(image_label "$tag" "$LABEL_KEY") == "$fp" ]]; then
     say "step 4: $tag is up to date ($LABEL_KEY=$fp), skipping"
     return 0

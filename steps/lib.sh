@@ -89,6 +89,52 @@ fingerprint() {
   { printf '%s\n' "${words[@]}"; ((${#files[@]})) && sha256sum -- "${files[@]}"; } | sha256sum | cut -c1-16
 }
 
+# image_sources DOCKERFILE: the files its COPY lines take from the build context: what the image is built from,
+# and so what its fingerprint covers. COPY lines here are plain `COPY SRC... DEST` (Dockerfile.v2's form).
+image_sources() {
+  local -a words srcs=()
+  local line
+  while read -r line; do
+    read -ra words <<<"$line"
+    srcs+=("${words[@]:1:${#words[@]}-2}")
+  done < <(grep '^COPY ' "$ONESPARK_ROOT/$1")
+  if ((${#srcs[@]})); then context_files "${srcs[@]}"; fi
+}
+
+# context_files PATH...: the files under PATH... (relative to ONESPARK_ROOT, sorted) that .dockerignore lets
+# into the build context. It reads that file in the one form the file keeps: `*`, then `!PATH` lines (what goes
+# in), then PATH or **/NAME lines (what stays out of those). tests/test_images.py checks the result against
+# Docker's own matching rules, so the build context and the fingerprint cannot drift apart.
+context_files() {
+  local -a keep=() drop=()
+  local line f
+  while IFS= read -r line; do
+    case $line in
+      '' | '#'* | '*') ;;
+      '!'*) keep+=("${line#!}") ;;
+      *) drop+=("$line") ;;
+    esac
+  done <"$ONESPARK_ROOT/.dockerignore"
+  while IFS= read -r -d '' f; do
+    if under "$f" "${keep[@]}" && ! under "$f" "${drop[@]}"; then printf '%s\n' "$f"; fi
+  done < <(cd "$ONESPARK_ROOT" && find "$@" -type f -print0 | LC_ALL=C sort -z)
+}
+
+# under FILE PATTERN...: FILE is one of the PATTERNs or lies below one; **/NAME means NAME at any depth.
+under() {
+  local f=$1 p
+  shift
+  for p in "$@"; do
+    p=${p%/}
+    if [[ $p == '**/'* ]]; then
+      [[ /$f/ == */${p#'**/'}/* ]] && return 0  # unquoted: NAME is a glob (*.pyc)
+    elif [[ $f == "$p" || $f == "$p"/* ]]; then
+      return 0
+    fi
+  done
+  return 1
+}
+
 # Run "$@" (through `run`) and record how long it took in STEP_TIMES, for timing_summary.
 STEP_TIMES=()
 timed() {
