@@ -27,14 +27,15 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
 from onespark import qwen35, specs
-from onespark.checkpoint import DOWNLOAD_RECORD, INDEX_FILE, load_json, open_checkpoint
+from onespark.checkpoint import DOWNLOAD_RECORD, INDEX_FILE, Output, Writer, load_json, open_checkpoint, rewrite_index
 from onespark.errors import UserError, at_path
-from onespark.lock import locked
-from onespark.safetensors_io import MAX_HEADER_BYTES, Range, parse_header, write_json_atomic, write_safetensors
+from onespark.lock import LOCK_FILE, locked
+from onespark.safetensors_io import MAX_HEADER_BYTES, Range, encode_header, parse_header, write_safetensors_tmp
 
 # The default spec's pinned commits (every spec's repos, pins and where each pin comes from: onespark.specs).
 INT4_REPO = specs.SPECS[specs.DEFAULT].int4.repo
@@ -42,6 +43,8 @@ INT4_REVISION = specs.SPECS[specs.DEFAULT].int4.revision
 FP8_REPO = specs.SPECS[specs.DEFAULT].fp8.repo
 FP8_REVISION = specs.SPECS[specs.DEFAULT].fp8.revision
 FP8_FILE = "fp8-shared-experts.safetensors"
+PARTS_DIR = ".parts"  # fetched byte ranges, one file each, until the FP8 file is assembled
+FETCH_PROGRESS = ".onespark-download-progress.json"
 COALESCE_GAP = 64 * 1024  # fetch two tensors in one request when at most this many bytes lie between them
 CHUNK = 8 * 1024 * 1024
 
@@ -187,43 +190,81 @@ def fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
 
 
 def _fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
-    """Fetch config.json and the shared-expert FP8 weights + scales of `repo` into `dest` (a small checkpoint)."""
-    dest = Path(dest)
-    rec_path = dest / DOWNLOAD_RECORD
+    """Fetch config.json and the shared-expert FP8 weights + scales of `repo` into `dest` (a small checkpoint):
+    every header first, then the byte ranges as parts (kept across runs), then the files, the record last."""
     rec = _finished_record(dest, repo, revision)
     if rec:
         log(f"FP8 tensors already fetched: {dest} ({rec['tensors']} tensors from {repo}@{revision[:12]})")
         return rec
     dest.mkdir(parents=True, exist_ok=True)
-    parts = dest / ".parts"
-    parts.mkdir(exist_ok=True)
     f = Fetcher(repo, revision)
+    config, wm, names = _fp8_wanted(f)
+    items = _fetch_parts(f, _fp8_ranges(f, wm, names), dest / PARTS_DIR)
+    items.sort(key=lambda i: names.index(i[0]))
+    needed = sum(r.length for *_, r in items)
+    header = encode_header([(n, d, s) for n, d, s, _ in items], {"format": "pt"})
+    with Writer(dest, FETCH_PROGRESS, log=log) as w:
+        w.resume(f"{repo}@{revision}", {FP8_FILE: len(header) + needed, "config.json": None, INDEX_FILE: None},
+                 None, keep=LOCK_FILE)
+        if FP8_FILE not in w.done:
+            w.write(Output(FP8_FILE, len(header) + needed,
+                           lambda dst: write_safetensors_tmp(dst, items, header=header)))
+        for fname, doc in (("config.json", config),
+                           (INDEX_FILE, rewrite_index(None, dict.fromkeys(names, FP8_FILE),
+                                                      {n: r.length for n, *_, r in items}))):
+            if fname not in w.done:
+                w.write_json(fname, doc)
+        w.wait()
+        shutil.rmtree(dest / PARTS_DIR)
+        rec = {"repo": repo, "revision": revision, "complete": True, "tensors": len(names),
+               "bytes_needed": needed, "bytes_fetched": f.bytes, "requests": f.requests,
+               "source_tensors": len(wm)}
+        w.finish(DOWNLOAD_RECORD, rec)
+    log(f"fetched {f.bytes / 1e6:.1f} MB in {f.requests} requests for {needed / 1e6:.1f} MB of FP8 tensors "
+        f"(x{f.bytes / max(needed, 1):.3f}; {len(wm) - len(names)} other tensors of {repo} not fetched)")
+    return rec
+
+
+def _fp8_wanted(f: Fetcher) -> tuple[dict, dict, list[str]]:
+    """(config, weight map, the tensors step 1 needs: each shared-expert weight, then its scale), checked."""
     config = f.json("config.json")
-    index = f.json(INDEX_FILE)
-    wm = index.get("weight_map") or {}
+    wm = f.json(INDEX_FILE).get("weight_map") or {}
     if not isinstance(wm, dict):
-        raise UserError(f"{repo}: {INDEX_FILE} has no weight_map object: check HF_ENDPOINT and --fp8-repo")
+        raise UserError(f"{f.repo}: {INDEX_FILE} has no weight_map object: check HF_ENDPOINT and --fp8-repo")
     if (config.get("quantization_config") or {}).get("quant_method") != "fp8":
-        raise UserError(f"{repo}: config.json does not describe an FP8 checkpoint: wrong --fp8-repo?")
+        raise UserError(f"{f.repo}: config.json does not describe an FP8 checkpoint: wrong --fp8-repo?")
     names = []
     for w in qwen35.shared_expert_weights(config):
         names += [w, w[: -len("weight")] + "weight_scale_inv"]
     missing = [n for n in names if n not in wm]
     if missing:
-        raise UserError(f"{repo}: its index lacks {len(missing)} of the {len(names)} tensors step 1 needs "
+        raise UserError(f"{f.repo}: its index lacks {len(missing)} of the {len(names)} tensors step 1 needs "
                         f"(e.g. {missing[0]}): wrong --fp8-repo?")
+    return config, wm, names
+
+
+def _fp8_ranges(f: Fetcher, wm: dict, names: list[str]) -> list[tuple[str, int, int, list]]:
+    """(shard, start, end, tensors) requests: every header first, so the progress bar knows the total."""
     by_shard: dict[str, list[str]] = {}
     for n in names:
         by_shard.setdefault(wm[n], []).append(n)
-    plan = []  # (shard, start, end, tensors): every header first, so the progress bar knows the total
+    plan = []
     for shard, shard_names in sorted(by_shard.items()):
         header = f.header(shard)
         for n in shard_names:
             if n not in header:
-                raise UserError(f"{repo}: {shard} lacks {n}, which the index puts there: try another revision")
+                raise UserError(f"{f.repo}: {shard} lacks {n}, which the index puts there: try another revision")
         plan += [(shard, s, e, ts) for s, e, ts in _ranges([header[n] for n in shard_names])]
+    return plan
+
+
+def _fetch_parts(f: Fetcher, plan: list[tuple[str, int, int, list]], parts: Path) -> list[tuple]:
+    """Each request's bytes as one part file (a part that is whole is not fetched again); returns the tensors
+    as (name, dtype, shape, Range of their part)."""
     from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
-    items, needed = [], 0
+
+    parts.mkdir(exist_ok=True)
+    items = []
     with tqdm(total=sum(e - s for _, s, e, _ in plan), unit="B", unit_scale=True, desc="FP8 shared experts") as bar:
         for shard, start, end, ts in plan:
             part = parts / f"{shard}.{start}-{end}"
@@ -231,29 +272,53 @@ def _fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
                 f.get_to_file(shard, start, end, part, progress=bar.update)
             else:
                 bar.update(end - start)
-            for t in ts:
-                items.append((t.name, t.dtype, t.shape, Range(part, t.begin - start, t.nbytes)))
-                needed += t.nbytes
-    items.sort(key=lambda i: names.index(i[0]))
-    write_safetensors(dest / FP8_FILE, items, {"format": "pt"})
-    write_json_atomic(dest / "config.json", config)
-    write_json_atomic(dest / INDEX_FILE, {"metadata": {"total_size": needed},
-                                          "weight_map": {n: FP8_FILE for n in names}})
-    for p in parts.iterdir():
-        p.unlink()
-    parts.rmdir()
-    rec = {"repo": repo, "revision": revision, "complete": True, "tensors": len(names),
-           "bytes_needed": needed, "bytes_fetched": f.bytes, "requests": f.requests,
-           "source_tensors": len(wm)}
-    write_json_atomic(rec_path, rec)
-    log(f"fetched {f.bytes / 1e6:.1f} MB in {f.requests} requests for {needed / 1e6:.1f} MB of FP8 tensors "
-        f"(x{f.bytes / max(needed, 1):.3f}; {len(wm) - len(names)} other tensors of {repo} not fetched)")
-    return rec
+            items += [(t.name, t.dtype, t.shape, Range(part, t.begin - start, t.nbytes)) for t in ts]
+    return items
 
 
 def download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
     with locked(Path(dest), "--dest"):  # one writer per directory (onespark.lock)
-        return _download_int4(repo, revision, Path(dest), log)
+        return _download_whole(repo, revision, Path(dest), "the INT4 checkpoint", _check_int4, log)
+
+
+def download_drafter(repo: str, revision: str, dest: Path, spec: specs.Spec, log=print) -> dict:
+    """The DFlash drafter (`--drafter dflash`) to DEST/dflash: the whole repo at the pin, then the drafter
+    check `onespark verify --drafter` makes (a drafter vLLM would refuse is not recorded as complete)."""
+    with locked(Path(dest), "--dest"):
+        return _download_whole(repo, revision, Path(dest), "the DFlash drafter",
+                               lambda d: _check_drafter(d, spec), log)
+
+
+def _check_int4(dest: Path) -> tuple[dict, str]:
+    ck = open_checkpoint(dest, need_index=True)  # headers parse, sizes match: nothing truncated
+    size = sum(p.stat().st_size for p in dest.iterdir() if p.is_file())
+    return {"files": len(ck.headers), "bytes": size}, f"{size / 1e9:.2f} GB ({len(ck.headers)} safetensors files)"
+
+
+def _check_drafter(dest: Path, spec: specs.Spec) -> tuple[dict, str]:
+    from onespark.verify import drafter_problems
+
+    problems, st = drafter_problems(dest, spec)
+    if problems:
+        raise UserError(f"{dest}: the downloaded drafter fails its check: {problems[0]}")
+    return {"files": st["files"], "bytes": st["bytes"]}, f"{st['bytes'] / 1e9:.2f} GB, {st['tensors']} tensors"
+
+
+def _download_whole(repo: str, revision: str, dest: Path, what: str, check, log) -> dict:
+    """`what`, the whole repo at the pin, into dest; `check(dest)` -> (record fields, summary) or a UserError.
+    The record ("complete") is written last, so a killed or failed download is never taken for a finished one."""
+    rec = _finished_record(dest, repo, revision)
+    if rec:
+        log(f"{what} already downloaded: {dest} ({repo}@{revision[:12]})")
+        return rec
+    log(f"downloading {what} {repo}@{revision[:12]} -> {dest} (interrupted? re-run: finished files are kept)")
+    _snapshot(repo, revision, dest)
+    fields, summary = check(dest)
+    rec = {"repo": repo, "revision": revision, "complete": True, **fields}
+    with Writer(dest, FETCH_PROGRESS, log=log) as w:
+        w.finish(DOWNLOAD_RECORD, rec)
+    log(f"downloaded {what}: {summary}")
+    return rec
 
 
 def _snapshot(repo: str, revision: str, dest: Path) -> None:
@@ -267,47 +332,6 @@ def _snapshot(repo: str, revision: str, dest: Path) -> None:
     except Exception as e:  # huggingface_hub's errors name the repo and the HTTP status
         raise UserError(f"download of {repo}@{revision[:12]} failed: {type(e).__name__}: {str(e).splitlines()[0]}; "
                         f"re-run to resume") from None
-
-
-def _download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
-    dest = Path(dest)
-    rec_path = dest / DOWNLOAD_RECORD
-    rec = _finished_record(dest, repo, revision)
-    if rec:
-        log(f"INT4 checkpoint already downloaded: {dest} ({repo}@{revision[:12]})")
-        return rec
-    log(f"downloading {repo}@{revision[:12]} -> {dest} (interrupted? re-run: finished files are kept)")
-    _snapshot(repo, revision, dest)
-    ck = open_checkpoint(dest, need_index=True)  # headers parse, sizes match: nothing truncated
-    size = sum(p.stat().st_size for p in dest.iterdir() if p.is_file())
-    rec = {"repo": repo, "revision": revision, "complete": True, "files": len(ck.headers), "bytes": size}
-    write_json_atomic(rec_path, rec)
-    log(f"downloaded {size / 1e9:.2f} GB ({len(ck.headers)} safetensors files)")
-    return rec
-
-
-def download_drafter(repo: str, revision: str, dest: Path, spec: specs.Spec, log=print) -> dict:
-    with locked(Path(dest), "--dest"):
-        return _download_drafter(repo, revision, Path(dest), spec, log)
-
-
-def _download_drafter(repo: str, revision: str, dest: Path, spec: specs.Spec, log=print) -> dict:
-    """The DFlash drafter (`--drafter dflash`) to DEST/dflash: the whole repo at the pin, then the drafter
-    check `onespark verify --drafter` makes (a drafter vLLM would refuse is not recorded as complete)."""
-    from onespark.verify import drafter_problems
-    rec = _finished_record(dest, repo, revision)
-    if rec:
-        log(f"DFlash drafter already downloaded: {dest} ({repo}@{revision[:12]})")
-        return rec
-    log(f"downloading the DFlash drafter {repo}@{revision[:12]} -> {dest}")
-    _snapshot(repo, revision, dest)
-    problems, st = drafter_problems(dest, spec)
-    if problems:
-        raise UserError(f"{dest}: the downloaded drafter fails its check: {problems[0]}")
-    rec = {"repo": repo, "revision": revision, "complete": True, "files": st["files"], "bytes": st["bytes"]}
-    write_json_atomic(dest / DOWNLOAD_RECORD, rec)
-    log(f"downloaded the drafter: {st['bytes'] / 1e9:.2f} GB, {st['tensors']} tensors")
-    return rec
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
