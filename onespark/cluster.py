@@ -435,16 +435,17 @@ def read_commands(args: argparse.Namespace) -> dict[str, str]:
     }
 
 
-def preflight(args: argparse.Namespace, head: Node, worker: Node, runner: Runner) -> Plan:
-    """Everything checked before anything starts. Returns the plan; plan.problems lists each failure."""
-    rd = read_commands(args)
+def _check_ssh(rd: dict[str, str], head: Node, worker: Node, runner: Runner) -> None:
     for node in (head, worker):
         rc, out = runner(node, rd["ssh"], 20)
         if rc != 0:
             raise UserError(f"node {node} does not answer ssh ({(out.splitlines() or [''])[-1][:160]}): set up key "
                             f"login (ssh-copy-id {node.name}) and check `ssh -o BatchMode=yes {node.name} true`")
-    problems: list[str] = []
-    versions = {}
+
+
+def _check_versions(rd: dict[str, str], head: Node, worker: Node, runner: Runner) -> list[str]:
+    """The onespark CLI on both nodes, of one version."""
+    problems, versions = [], {}
     for node in (head, worker):
         rc, out = runner(node, rd["version"], 30)
         versions[node.role] = out.strip().splitlines()[-1] if rc == 0 and out.strip() else None
@@ -454,7 +455,14 @@ def preflight(args: argparse.Namespace, head: Node, worker: Node, runner: Runner
     if versions["head"] and versions["worker"] and versions["head"] != versions["worker"]:
         problems.append(f"node {worker}: onespark {versions['worker']}, but {versions['head']} on {head.name}: "
                         f"check out the same commit on both and re-run ./install.sh there")
-    images = {}
+    return problems
+
+
+def _check_images(args: argparse.Namespace, rd: dict[str, str], head: Node, worker: Node,
+                  runner: Runner) -> tuple[list[str], str]:
+    """The serving image on the head, the cluster image on both (one ID; --sync builds and copies it), and the
+    vLLM track the image's label names ("" when none)."""
+    problems, images = [], {}
     for node in (head, worker):
         rc, out = runner(node, rd["image"], 30)
         images[node.role] = parse_image(out) if rc == 0 else None
@@ -480,6 +488,13 @@ def preflight(args: argparse.Namespace, head: Node, worker: Node, runner: Runner
     if ref and not track:
         problems.append(f"node {head}: image vLLM {vllm_version or '(no label)'} is none of the supported "
                         f"0.19.1, 0.32.0: rebuild it with ./install.sh")
+    return problems, track
+
+
+def _check_checkpoints(args: argparse.Namespace, rd: dict[str, str], head: Node, worker: Node,
+                       runner: Runner) -> list[str]:
+    """WORK/hybrid verifies on each node (the worker's only when --sync does not copy and verify it)."""
+    problems = []
     model = Path(args.work, "hybrid").absolute()
     for node in (head, worker):
         if node is worker and args.sync:
@@ -490,12 +505,29 @@ def preflight(args: argparse.Namespace, head: Node, worker: Node, runner: Runner
             fix = ("copy it with --sync (rsync --partial resumes)" if node is worker
                    else "run ./install.sh there (steps 0-2 write it)")
             problems.append(f"node {node}: checkpoint {model} does not verify ({last}): {fix}")
+    return problems
+
+
+def _check_doctor(rd: dict[str, str], head: Node, worker: Node, runner: Runner) -> list[str]:
+    problems = []
     for node in (head, worker):
         rc, out = runner(node, rd["doctor"], 120)
         if rc != 0:
             failed = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("FAIL")]
             problems.append(f"node {node}: onespark doctor failed ({'; '.join(failed)[:200] or out[-200:]}): run "
                             f"`onespark doctor` on {node.name} and apply its fixes")
+    return problems
+
+
+def preflight(args: argparse.Namespace, head: Node, worker: Node, runner: Runner) -> Plan:
+    """Everything checked before anything starts. Returns the plan; plan.problems lists each failure."""
+    rd = read_commands(args)
+    _check_ssh(rd, head, worker, runner)
+    problems = _check_versions(rd, head, worker, runner)
+    image_problems, track = _check_images(args, rd, head, worker, runner)
+    problems += image_problems
+    problems += _check_checkpoints(args, rd, head, worker, runner)
+    problems += _check_doctor(rd, head, worker, runner)
     plan = link_preflight(head, worker, runner, iface=args.iface, allow_sockets=args.allow_sockets,
                           track=track or "0.19.1")
     plan.problems[:0] = problems
@@ -632,38 +664,88 @@ def transport(log: str) -> str | None:
     return None
 
 
+def _down(runner: Runner, head: Node, worker: Node, dry_run: bool) -> int:
+    for node in (head, worker):
+        cmd = f"docker rm -f {RAY_CONTAINER}"
+        print(f"[{node.role} {node.name}] + {cmd}")
+        if not dry_run:
+            runner(node, cmd, 60)
+    return 0
+
+
+def _dry_run(args: argparse.Namespace, head: Node, worker: Node) -> int:
+    """Nothing is read from the machines: the link and its NCCL environment are shown as placeholders."""
+    plan = Plan(head, worker, {}, {})
+    for role in ("head", "worker"):
+        plan.env[role] = {"VLLM_HOST_IP": f"{role.upper()}_LINK_IP", "NCCL_SOCKET_IFNAME": "LINK_IFACE",
+                          "GLOO_SOCKET_IFNAME": "LINK_IFACE", "NCCL_IB_HCA": "RDMA_DEVICE",
+                          "NCCL_IB_GID_INDEX": f"{role.upper()}_ROCE_V2_GID_INDEX",
+                          "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
+    print("onespark cluster: dry run: nothing is read or started. Preflight (read-only, on both nodes):")
+    for what, cmd in read_commands(args).items():
+        shown = ("ip -o -4 addr show; /sys/class/net/*/mtu; /sys/class/infiniband/*/ports/1/{state,gids/*,"
+                 "gid_attrs/types/*,gid_attrs/ndevs/*}" if what == "link" else cmd)
+        for node in ((head,) if what == "serving image" else (head, worker)):
+            print(f"[{node.role} {node.name}] (read {what}) {shown}")
+    print("onespark cluster: then, once every check passes (link values below are placeholders):")
+    print_plan(plan, plan_commands(args, plan))
+    print(f"[head {head.name}] wait for /health on http://{args.host}:{args.port}, one chat request"
+          + (", then onespark bench --suite published" if args.bench else ""))
+    return 0
+
+
+def _start_ray(args: argparse.Namespace, plan: Plan, runner: Runner) -> None:
+    """--sync's copies and both Ray containers; after a copy, the cluster image must be one ID on both."""
+    head, worker = plan.head, plan.worker
+    for stage, node, cmd in plan_commands(args, plan):
+        if stage in ("sync", "ray"):  # the check and vLLM follow once both Ray nodes are up
+            _run(runner, node, cmd, 7200, f"the {stage} step")
+    if args.sync:
+        ids = {n.role: parse_image(runner(n, image_probe(cluster_image(args.image)), 30)[1]) for n in (head, worker)}
+        if not ids["head"] or not ids["worker"] or ids["head"]["id"] != ids["worker"]["id"]:
+            raise UserError(f"node {worker}: {cluster_image(args.image)} differs from {head.name}'s after the copy: "
+                            f"docker image rm {cluster_image(args.image)} on {worker.name}, then --sync again")
+
+
+def _report_transport(args: argparse.Namespace, plan: Plan, log: str) -> str | None:
+    used = transport(log)
+    if used == "Socket" and not args.allow_sockets:
+        print(f"onespark cluster: warning: NCCL uses TCP sockets, not RoCE (NET/Socket in the log): check "
+              f"NCCL_IB_HCA={plan.env['head'].get('NCCL_IB_HCA', '')} and `ibv_devinfo` on both nodes "
+              f"(README: Two Sparks)", file=sys.stderr)
+    elif used:
+        print(f"onespark cluster: NCCL transport: {used}")
+    return used
+
+
+def _smoke(args: argparse.Namespace, plan: Plan, base_url: str) -> None:
+    from onespark.serve import smoke
+
+    r = smoke(base_url, args.prompt, args.max_tokens, args.api_key)
+    print(f"onespark cluster: {r['model']} answered {args.prompt!r}:\n  {r['answer'].strip()!r}")
+    print(f"onespark cluster: {r['completion_tokens']} tokens in {r['seconds']:.2f} s = {r['tok_per_s']:.1f} tok/s "
+          f"(end to end, one request, {'PP' if args.pp else 'TP'}=2 across {plan.head.name} and {plan.worker.name})")
+
+
+def _bench(args: argparse.Namespace, base_url: str, used: str | None) -> None:
+    env = {**os.environ, **({"OPENAI_API_KEY": args.api_key} if args.api_key else {})}
+    par = "PP=2" if args.pp else "TP=2"
+    subprocess.run([sys.executable, "-m", "onespark", "bench", "--base-url", base_url, "--suite", "published",
+                    "--out", str(Path(args.work, "bench-cluster")), "--no-progress", "--no-png",
+                    "--hardware", f"2x DGX Spark GB10 ({par}, Ray, {used or 'transport unknown'})",
+                    "--image", cluster_image(args.image)], env=env, check=True)
+
+
 def run(args: argparse.Namespace, runner: Runner = shell_runner, nodes: tuple[Node, Node] | None = None) -> int:
     """The CLI entry; tests pass their own runner and nodes (fake machines)."""
     head, worker = nodes or parse_nodes(args.nodes)
     if args.down:
-        for node in (head, worker):
-            cmd = f"docker rm -f {RAY_CONTAINER}"
-            print(f"[{node.role} {node.name}] + {cmd}")
-            if not args.dry_run:
-                runner(node, cmd, 60)
-        return 0
+        return _down(runner, head, worker, args.dry_run)
     if not head.local and not args.dry_run:
         raise UserError(f"--nodes: the head {head.name} is not this machine: run onespark cluster on {head.name} "
                         f"(vLLM's API server and the smoke request run there)")
     if args.dry_run:
-        # Nothing is read from the machines: the link and its NCCL environment are shown as placeholders.
-        plan = Plan(head, worker, {}, {})
-        for role in ("head", "worker"):
-            plan.env[role] = {"VLLM_HOST_IP": f"{role.upper()}_LINK_IP", "NCCL_SOCKET_IFNAME": "LINK_IFACE",
-                              "GLOO_SOCKET_IFNAME": "LINK_IFACE", "NCCL_IB_HCA": "RDMA_DEVICE",
-                              "NCCL_IB_GID_INDEX": f"{role.upper()}_ROCE_V2_GID_INDEX",
-                              "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
-        print("onespark cluster: dry run: nothing is read or started. Preflight (read-only, on both nodes):")
-        for what, cmd in read_commands(args).items():
-            shown = ("ip -o -4 addr show; /sys/class/net/*/mtu; /sys/class/infiniband/*/ports/1/{state,gids/*,"
-                     "gid_attrs/types/*,gid_attrs/ndevs/*}" if what == "link" else cmd)
-            for node in ((head,) if what == "serving image" else (head, worker)):
-                print(f"[{node.role} {node.name}] (read {what}) {shown}")
-        print("onespark cluster: then, once every check passes (link values below are placeholders):")
-        print_plan(plan, plan_commands(args, plan))
-        print(f"[head {head.name}] wait for /health on http://{args.host}:{args.port}, one chat request"
-              + (", then onespark bench --suite published" if args.bench else ""))
-        return 0
+        return _dry_run(args, head, worker)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"onespark cluster: warning: --host {args.host} exposes the server beyond this machine without an "
               "API key; pass --api-key", file=sys.stderr)
@@ -673,16 +755,8 @@ def run(args: argparse.Namespace, runner: Runner = shell_runner, nodes: tuple[No
             print(f"onespark cluster: error: {p}", file=sys.stderr)
         print(f"onespark cluster: {len(plan.problems)} problem(s), nothing was started", file=sys.stderr)
         return 1
-    cmds = plan_commands(args, plan)
     print_plan(plan, [])
-    for stage, node, cmd in cmds:
-        if stage in ("sync", "ray"):  # the check and vLLM follow once both Ray nodes are up
-            _run(runner, node, cmd, 7200, f"the {stage} step")
-    if args.sync:  # what was copied must now be the same image on both
-        ids = {n.role: parse_image(runner(n, image_probe(cluster_image(args.image)), 30)[1]) for n in (head, worker)}
-        if not ids["head"] or not ids["worker"] or ids["head"]["id"] != ids["worker"]["id"]:
-            raise UserError(f"node {worker}: {cluster_image(args.image)} differs from {head.name}'s after the copy: "
-                            f"docker image rm {cluster_image(args.image)} on {worker.name}, then --sync again")
+    _start_ray(args, plan, runner)
     wait_cluster(runner, head, worker, {str(plan.link["head"].ip.ip), str(plan.link["worker"].ip.ip)})
     print("onespark cluster: Ray cluster of 2 nodes, onespark plugin active in a Ray worker on each")
     if args.api_key:
@@ -690,26 +764,9 @@ def run(args: argparse.Namespace, runner: Runner = shell_runner, nodes: tuple[No
     _run(runner, head, vllm_exec_cmd(args), 60, "starting vLLM")
     probe = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     base_url = f"http://{probe}:{args.port}"
-    log = wait_vllm(runner, head, base_url, args.timeout)
-    used = transport(log)
-    if used == "Socket" and not args.allow_sockets:
-        print(f"onespark cluster: warning: NCCL uses TCP sockets, not RoCE (NET/Socket in the log): check "
-              f"NCCL_IB_HCA={plan.env['head'].get('NCCL_IB_HCA', '')} and `ibv_devinfo` on both nodes "
-              f"(README: Two Sparks)", file=sys.stderr)
-    elif used:
-        print(f"onespark cluster: NCCL transport: {used}")
-    from onespark.serve import smoke
-
-    r = smoke(base_url, args.prompt, args.max_tokens, args.api_key)
-    print(f"onespark cluster: {r['model']} answered {args.prompt!r}:\n  {r['answer'].strip()!r}")
-    print(f"onespark cluster: {r['completion_tokens']} tokens in {r['seconds']:.2f} s = {r['tok_per_s']:.1f} tok/s "
-          f"(end to end, one request, {'PP' if args.pp else 'TP'}=2 across {head.name} and {worker.name})")
+    used = _report_transport(args, plan, wait_vllm(runner, head, base_url, args.timeout))
+    _smoke(args, plan, base_url)
     if args.bench:
-        env = {**os.environ, **({"OPENAI_API_KEY": args.api_key} if args.api_key else {})}
-        par = "PP=2" if args.pp else "TP=2"
-        subprocess.run([sys.executable, "-m", "onespark", "bench", "--base-url", base_url, "--suite", "published",
-                        "--out", str(Path(args.work, "bench-cluster")), "--no-progress", "--no-png",
-                        "--hardware", f"2x DGX Spark GB10 ({par}, Ray, {used or 'transport unknown'})",
-                        "--image", cluster_image(args.image)], env=env, check=True)
+        _bench(args, base_url, used)
     print(f"onespark cluster: serving on {base_url}/v1 (stop: onespark cluster --nodes {args.nodes} --down)")
     return 0
