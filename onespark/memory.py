@@ -271,7 +271,7 @@ def make_plan(model: str | os.PathLike, vllm_args: list[str], *, meminfo: str = 
     try:
         mem = read_meminfo(meminfo)
     except OSError as e:
-        raise PlanError(f"{meminfo}: unreadable ({e.strerror or e}): the plan needs MemTotal and MemAvailable")
+        raise PlanError(f"{meminfo}: unreadable ({e.strerror or e}): the plan needs MemTotal and MemAvailable") from None
     if not mem.get("MemTotal") or "MemAvailable" not in mem:
         raise PlanError(f"{meminfo}: no MemTotal/MemAvailable: not a Linux /proc/meminfo")
     weights, source = weights_bytes(model)
