@@ -16,7 +16,7 @@ import sys
 from onespark import __version__
 from onespark.errors import UserError, os_error_message
 
-# name -> (module, one-line help)
+# name -> (module, one-line help). A table on purpose (`duplicates` pairs its same-shape rows): one row a command.
 COMMANDS: dict[str, tuple[str, str]] = {
     "specs": ("onespark.specs", "the supported models: repos, pinned revisions, shapes, MTP layout, serving defaults"),
     "doctor": ("onespark.doctor", "preflight: GPU, driver, Docker, NVIDIA runtime, disk, memory, Hugging Face"),
