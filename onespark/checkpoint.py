@@ -140,7 +140,7 @@ def damaged_files(out: Path, manifest: dict) -> dict[str, str]:
 def rewrite_index(index: dict | None, weight_map: dict[str, str], nbytes: dict[str, int]) -> dict:
     """`index` (left as it is) with this weight map, sorted, and metadata.total_size = the bytes of the tensors it
     lists (the Hugging Face convention); `nbytes`: tensor name -> size, for every tensor the shards hold."""
-    doc = json.loads(json.dumps(index or {}))
+    doc = json.loads(json.dumps(index or {"metadata": {}}))  # a new index: metadata first, as HF writes it
     doc["weight_map"] = dict(sorted(weight_map.items()))
     doc.setdefault("metadata", {})["total_size"] = sum(nbytes[n] for n in weight_map if n in nbytes)
     return doc

@@ -31,8 +31,6 @@ from onespark.errors import UserError
 from onespark.lock import locked
 from onespark.safetensors_io import copy_file_atomic, read_header, write_json_atomic
 
-EXTRA_FILE = "model_extra_tensors.safetensors"
-
 
 def _required_mtp(config: dict) -> set[str]:
     return {n for n in qwen35.expected_tensors(config) if qwen35.is_mtp(n) and not qwen35.is_optional(n)}

@@ -36,6 +36,7 @@ import re
 TEXT_PREFIX = "model.language_model."
 LAYERS = TEXT_PREFIX + "layers."
 MTP_PREFIX = "mtp."  # the MTP head's tensors (vLLM's qwen3_5_mtp.py); the main model skips them
+EXTRA_FILE = "model_extra_tensors.safetensors"  # where the Intel releases keep the MTP head (onespark.mtp)
 SHARED_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
 HYBRID_KEY = "onespark_fp8"  # quantization_config[HYBRID_KEY]: written by step 1, see onespark.hybrid

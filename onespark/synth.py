@@ -45,11 +45,11 @@ import ml_dtypes
 import numpy as np
 
 from onespark import qwen35, specs
+from onespark.checkpoint import INDEX_FILE, rewrite_index
 from onespark.errors import UserError
+from onespark.qwen35 import EXTRA_FILE
 from onespark.safetensors_io import nbytes_of, write_json_atomic, write_safetensors
 
-EXTRA_FILE = "model_extra_tensors.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 GROUP = 128
 
@@ -99,50 +99,59 @@ def make_config(fmt: str, dims: dict, *, mtp_dtype: str = "bf16", vision: dict |
                               out_hidden_size=dims["hidden_size"]),
         "transformers_version": "4.57.0.dev0",
     }
-    n = dims["num_hidden_layers"]
     if fmt == "int4":
-        blocks = [qwen35.LAYERS.rstrip(".")] + (["mtp.layers"] if mtp_dtype == "int4" else [])
-        extra = {}
-        for i in range(n):
-            for p in ("in_proj_b", "in_proj_a"):
-                if tc["layer_types"][i] == "linear_attention":
-                    extra[f"{qwen35.LAYERS}{i}.linear_attn.{p}"] = {"bits": 16, "data_type": "fp"}
-            for p in ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
-                      "shared_expert_gate"):
-                extra[f"{qwen35.LAYERS}{i}.mlp.{p}"] = {"bits": 16, "data_type": "fp"}
-        if mtp_dtype == "int4":
-            extra["mtp.fc"] = {"bits": 16, "data_type": "fp"}
-            for i in range(tc["mtp_num_hidden_layers"]):
-                for p in ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"):
-                    extra[f"mtp.layers.{i}.mlp.{p}"] = {"bits": 16, "data_type": "fp"}
-        if mixed_bits:
-            # auto-round W4A16_MIXED: routed experts stay 4-bit, every other quantized linear (shared experts
-            # included) gets mixed_bits; routers, in_proj_a/b, mtp.fc and lm_head stay 16-bit as above.
-            mods = qwen35.language_modules({"text_config": tc})
-            mods += qwen35.mtp_modules({"text_config": tc}) if mtp_dtype == "int4" else []
-            for m in mods:
-                if isinstance(m, qwen35.Linear) and ".mlp.experts." not in m.prefix \
-                        and m.prefix not in ("lm_head", "mtp.fc") and not MIXED_16BIT.search(m.prefix):
-                    extra[m.prefix] = {"bits": mixed_bits, "data_type": "int"}
-        config["quantization_config"] = {
-            "bits": 4, "data_type": "int", "group_size": GROUP, "sym": True, "iters": 200,
-            "autoround_version": "0.9.0",  # illustrative: vLLM reads only the fields above/below
-            "block_name_to_quantize": ",".join(blocks),
-            "quant_method": "auto-round", "packing_format": "auto_round:auto_gptq",
-            "extra_config": extra,
-        }
+        config["quantization_config"] = _int4_quantization(tc, mtp_dtype, mixed_bits)
     elif fmt == "fp8":
-        skip = ["lm_head", qwen35.TEXT_PREFIX + "embed_tokens", "mtp.fc", "model.visual"]
-        for i in range(n):
-            p = f"{qwen35.LAYERS}{i}."
-            if tc["layer_types"][i] == "linear_attention":
-                skip += [p + "linear_attn.in_proj_a", p + "linear_attn.in_proj_b"]
-            skip += [p + "mlp.gate", p + "mlp.shared_expert_gate"]
-        config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                         "weight_block_size": [128, 128], "modules_to_not_convert": skip}
+        config["quantization_config"] = _fp8_quantization(tc)
     else:
         raise UserError(f"unknown format {fmt!r}: use int4 or fp8")
     return config
+
+
+def _int4_quantization(tc: dict, mtp_dtype: str, mixed_bits: int | None) -> dict:
+    """The Intel AutoRound release's quantization_config: which blocks are INT4, and the 16-bit exceptions."""
+    blocks = [qwen35.LAYERS.rstrip(".")] + (["mtp.layers"] if mtp_dtype == "int4" else [])
+    extra = {}
+    for i in range(tc["num_hidden_layers"]):
+        for p in ("in_proj_b", "in_proj_a"):
+            if tc["layer_types"][i] == "linear_attention":
+                extra[f"{qwen35.LAYERS}{i}.linear_attn.{p}"] = {"bits": 16, "data_type": "fp"}
+        for p in ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+                  "shared_expert_gate"):
+            extra[f"{qwen35.LAYERS}{i}.mlp.{p}"] = {"bits": 16, "data_type": "fp"}
+    if mtp_dtype == "int4":
+        extra["mtp.fc"] = {"bits": 16, "data_type": "fp"}
+        for i in range(tc["mtp_num_hidden_layers"]):
+            for p in ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj"):
+                extra[f"mtp.layers.{i}.mlp.{p}"] = {"bits": 16, "data_type": "fp"}
+    if mixed_bits:
+        # auto-round W4A16_MIXED: routed experts stay 4-bit, every other quantized linear (shared experts
+        # included) gets mixed_bits; routers, in_proj_a/b, mtp.fc and lm_head stay 16-bit as above.
+        mods = qwen35.language_modules({"text_config": tc})
+        mods += qwen35.mtp_modules({"text_config": tc}) if mtp_dtype == "int4" else []
+        for m in mods:
+            if isinstance(m, qwen35.Linear) and ".mlp.experts." not in m.prefix \
+                    and m.prefix not in ("lm_head", "mtp.fc") and not MIXED_16BIT.search(m.prefix):
+                extra[m.prefix] = {"bits": mixed_bits, "data_type": "int"}
+    return {
+        "bits": 4, "data_type": "int", "group_size": GROUP, "sym": True, "iters": 200,
+        "autoround_version": "0.9.0",  # illustrative: vLLM reads only the fields above/below
+        "block_name_to_quantize": ",".join(blocks),
+        "quant_method": "auto-round", "packing_format": "auto_round:auto_gptq",
+        "extra_config": extra,
+    }
+
+
+def _fp8_quantization(tc: dict) -> dict:
+    """The Qwen FP8 release's quantization_config: block FP8, with the modules it leaves 16-bit."""
+    skip = ["lm_head", qwen35.TEXT_PREFIX + "embed_tokens", "mtp.fc", "model.visual"]
+    for i in range(tc["num_hidden_layers"]):
+        p = f"{qwen35.LAYERS}{i}."
+        if tc["layer_types"][i] == "linear_attention":
+            skip += [p + "linear_attn.in_proj_a", p + "linear_attn.in_proj_b"]
+        skip += [p + "mlp.gate", p + "mlp.shared_expert_gate"]
+    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+            "weight_block_size": [128, 128], "modules_to_not_convert": skip}
 
 
 # ---- numbers -----------------------------------------------------------------------------------
@@ -352,9 +361,8 @@ def synth(out: Path, fmt: str, *, dims: dict | None = None, seed: int = 0, mtp_i
             mtp_map = _write_group(out / EXTRA_FILE, mtp)
             if mtp_in_index:
                 weight_map.update(mtp_map)
-        total_size = sum(nbytes_of(d, s) for _, d, s, _ in main + (mtp if mtp_in_index else []))
-        write_json_atomic(out / INDEX_FILE, {"metadata": {"total_size": total_size},
-                                             "weight_map": dict(sorted(weight_map.items()))})
+        write_json_atomic(out / INDEX_FILE, rewrite_index(None, weight_map,
+                                                          {n: nbytes_of(d, s) for n, d, s, _ in main + mtp}))
     write_json_atomic(out / "config.json", config)
     if fmt == "int4":
         write_json_atomic(out / "quantization_config.json", config["quantization_config"])

@@ -34,10 +34,11 @@ from typing import Any
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.inc import INCConfig
 
+from onespark.qwen35 import HYBRID_KEY  # the config key step 1 writes; qwen35 imports only the standard library
+
 logger = logging.getLogger("vllm.onespark")
 
 NAME = "onespark_hybrid"
-HYBRID_KEY = "onespark_fp8"  # = onespark.qwen35.HYBRID_KEY, written by step 1
 
 
 def _is_mtp(prefix: str) -> bool:
