@@ -429,3 +429,27 @@ def prefill_attention_sdpa(q, cache, layout: CacheLayout, block_table_row, seq_l
         o[:, r0:r1] = torch.nn.functional.scaled_dot_product_attention(
             qr[:, r0:r1], kc[:, :end], vc[:, :end], attn_mask=allowed, scale=sm_scale)
     return o.view(H, ql, G, d).transpose(0, 1).reshape(ql, Hq, d).to(torch.float32) @ r
+
+
+# ---------------------------------------------------------------------------------------------
+# Synthetic attention data: what tests/test_turboquant.py's error limits and bench/lab/turboquant_quality.py's
+# report (bench/results/turboquant_quality.json) are measured on. Here, beside the reference, because both use it
+# and neither may import the other (a test never imports a lab script).
+
+
+def structured_kv(kind: str, L: int = 4096, seed: int = 0, d: int = HEAD_DIM):
+    """K, V [L, d] and queries [16, d] (fp32, CPU) for: random; outlier channels (8 channels x20 + a shared
+    offset, as LLM keys show); near-duplicate keys (64 prototypes + 5% noise, queries aligned with prototypes)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v, q = (torch.randn(n, d, generator=g) for n in (L, L, 16))
+    if kind == "outlier":
+        k[:, :8] *= 20
+        k += 3 * torch.randn(d, generator=g)
+        q[:, :8] *= 3
+    elif kind == "neardup":
+        base = torch.randn(64, d, generator=g)
+        k = base[torch.randint(0, 64, (L,), generator=g)] + 0.05 * torch.randn(L, d, generator=g)
+        q = 1.5 * base[:16]
+    elif kind != "random":
+        raise ValueError(f"unknown kind {kind!r}: random, outlier or neardup")
+    return k, v, q

@@ -32,7 +32,7 @@ Switches (environment variables, read once per process by register(); 1/0, true/
                              elsewhere); the target's verify pass keeps the full head. No file: the draft
                              shares the target's head, as without the plugin. 0: always the full head.
   ONESPARK_DRAFT_INT4=0      (read by draft_head.attach, not a technique) 1: the subset's rows in INT4 groups of
-                             128 instead of INT8 (off until measured on a GPU: bench/kernels/draft_head.py).
+                             128 instead of INT8 (off until measured on a GPU: bench/lab/draft_head.py).
   ONESPARK_ALLOW_ANY_VLLM=0  1 = run on an untested vLLM version anyway (logged as a warning).
 
 VLLM_PLUGINS="" (vLLM's own switch) disables the whole plugin. What each patch touches, why, and when to

@@ -4,7 +4,8 @@
 #
 #   tests/gpu.sh [--tests-only | --bench-only] [--bench NAME,...] [--quick]
 #
-# Benchmarks (NAME): turboquant (decode), turboquant_prefill, lm_head, lm_head_glue, draft_head; all by default.
+# Benchmarks (NAME): turboquant (decode), turboquant_prefill, lm_head, lm_head_glue, draft_head; all by default
+# (the lab scripts in bench/lab/, which share bench/lab/harness.py).
 #
 # Needs: python3 with torch (CUDA) + Triton + pytest-xdist; the vLLM stand-in the TurboQuant backend test
 # imports (`.venv/bin/python tests/gpu_lane_stub.py .gpustub` on a machine with the test venv; carried to the
@@ -85,18 +86,19 @@ fi
 
 if ((bench)); then
   declare -A cmds=(
-    [turboquant]="bench/kernels/turboquant.py --out $out/turboquant_$gpu.json ${quick[*]}"
-    [turboquant_prefill]="bench/kernels/turboquant.py --prefill --out $out/turboquant_prefill_$gpu.json ${quick[*]}"
-    [lm_head]="bench/kernels/lm_head.py --out $out/lm_head_$gpu.json"
-    [lm_head_glue]="bench/kernels/lm_head_glue.py --out $out/lm_head_glue_$gpu.json"
-    [draft_head]="bench/kernels/draft_head.py --out $out/draft_head_$gpu.json")
+    [turboquant]="bench/lab/turboquant.py --out $out/turboquant_$gpu.json ${quick[*]}"
+    [turboquant_prefill]="bench/lab/turboquant.py --prefill --out $out/turboquant_prefill_$gpu.json ${quick[*]}"
+    [lm_head]="bench/lab/lm_head.py --out $out/lm_head_$gpu.json"
+    [lm_head_glue]="bench/lab/lm_head_glue.py --out $out/lm_head_glue_$gpu.json"
+    [draft_head]="bench/lab/draft_head.py --out $out/draft_head_$gpu.json")
   IFS=, read -ra picked <<<"$names"
   for name in "${picked[@]}"; do
     cmd=${cmds[$name]:-}
     [[ -n $cmd ]] || { echo "tests/gpu.sh: unknown benchmark '$name' (turboquant, turboquant_prefill, lm_head, lm_head_glue, draft_head)" >&2; exit 2; }
     echo "== $cmd"
+    # No -P here: a script's own folder (bench/lab/, the harness) must be on sys.path; the checkout root is not.
     # shellcheck disable=SC2086  # word splitting wanted: the command's arguments
-    "$py" -P $cmd --git-sha "$sha" || rc=1
+    "$py" $cmd --git-sha "$sha" || rc=1
   done
 fi
 exit "$rc"

@@ -5,9 +5,8 @@ The H200 host has torch and Triton but no vLLM; the backend imports only vLLM 0.
 Run here, where the test venv has vLLM 0.19.1, then carry the folder to the GPU host:
 
     .venv/bin/python tests/gpu_lane_stub.py .gpustub        # .gpustub is git-ignored via .git/info/exclude
-    # on the GPU host, with onespark importable (onespark/, kernels/ -> onespark/kernels, patches/ -> onespark/patches):
-    PYTHONPATH=$PWD:$PWD/.gpustub python3 -P -m pytest -n 8 tests/test_turboquant_triton.py \
-        tests/test_kernels_lm_head.py tests/test_turboquant_backend.py::test_cuda_path_triton_kernels
+    # on the GPU host: tests/gpu.sh installs onespark into a scratch folder and puts .gpustub on PYTHONPATH
+    tests/gpu.sh --tests-only
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 
-from onespark.bench.turboquant_quality import structured
 from onespark.kernels import turboquant as tq
 
 PAPER_BOUND = math.sqrt(3) * math.pi / 2  # 2.72
@@ -183,7 +182,7 @@ ATTN_LIMITS = {
 
 @pytest.mark.parametrize("kind", list(ATTN_LIMITS))
 def test_attention_output_error_vs_unquantized(kind):
-    k, v, q = structured(kind, 4096)
+    k, v, q = tq.structured_kv(kind, 4096)
     r = tq.rotation(tq.rotation_seed(0), dtype=torch.float64)
     ref = tq.attention_reference(q[:, None], k[:, None], v[:, None], 1 / 16)
     errs = []

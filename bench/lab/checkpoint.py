@@ -1,6 +1,6 @@
 """Step 1's speed against `cp -r` of the same bytes, and its peak memory (a benchmark, not a test).
 
-    python -m onespark.bench.checkpoint --work /var/tmp/ckbench [--size-gb 4] [--shard-gb 2] [--repeats 3]
+    python bench/lab/checkpoint.py --work /var/tmp/ckbench [--size-gb 4] [--shard-gb 2] [--repeats 3]
 
 Synthesizes an INT4 checkpoint of about --size-gb (Intel layout, shards of about --shard-gb) and a matching
 FP8 source, then times, alternately and --repeats times each:
@@ -15,8 +15,6 @@ child; the target: < 1 GB whatever the shard size). Results: bench/results/check
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
 import platform
 import resource
@@ -27,9 +25,11 @@ import sys
 import time
 from pathlib import Path
 
+import harness
+
 from onespark import __version__
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = harness.ROOT
 
 
 def _timed(cmd: list[str], cwd: Path) -> tuple[float, int]:
@@ -106,12 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     med = {k: statistics.median(w for w, _ in v) for k, v in runs.items()}
     rss = {k: max(r for _, r in v) for k, v in runs.items()}
     parent_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # the floor of every child's figure
-    result = {
-        "schema_version": 1, "what": "step 1 (onespark hybrid) vs cp -r of the same bytes",
-        "command": " ".join(["python -m onespark.bench.checkpoint"] + (argv if argv is not None else sys.argv[1:])),
-        "tool_version": __version__,
-        "git_sha": subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip(),
-        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    result = harness.header(gpu=False, argv=argv) | {
+        "what": "step 1 (onespark hybrid) vs cp -r of the same bytes", "tool_version": __version__,
         "host": platform.node(), "cpu": _cpu(), "cpus": os.cpu_count(), "filesystem": _fstype(work),
         "input_bytes": in_bytes, "output_bytes": out_bytes, "largest_shard_bytes": shard_bytes,
         "repeats": args.repeats,
@@ -120,9 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_hybrid_nohash_over_cp": med["hybrid-nohash"] / med["cp"],
         "runs": {k: [{"wall_s": w, "peak_rss_bytes": r} for w, r in v] for k, v in runs.items()},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"checkpoint-{platform.node()}-{result['date_utc'][:16].replace(':', '')}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    path = harness.write_result(args.out / f"checkpoint-{platform.node()}-{result['date'][:16].replace(':', '')}.json",
+                                result)
     if not args.keep:
         shutil.rmtree(int4, ignore_errors=True)
         shutil.rmtree(fp8, ignore_errors=True)

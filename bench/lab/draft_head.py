@@ -1,7 +1,7 @@
 """The MTP draft's subset head against the full INT8 head, real shape (Qwen3.5-122B-A10B: N = 248,320, K = 3,072).
 
-    python bench/kernels/draft_head.py --git-sha SHA [--out bench/results/draft_head_<gpu>.json] [--m 1,2,3]
-                                       [--k-sub 32768]
+    python bench/lab/draft_head.py --git-sha SHA [--out bench/results/draft_head_<gpu>.json] [--m 1,2,3]
+                                   [--k-sub 32768]
 
 Per row count m (1 = one sequence's draft pass; MTP-2 drafts 1 token per pass per sequence, so m = the number
 of sequences in flight; 2, 3, 4, 8 for concurrency):
@@ -11,12 +11,12 @@ of sequences in flight; 2, 3, 4, 8 for concurrency):
               int8_gemv over the K_sub contiguous rows, the -inf fill of the [m, N] output and the scatter
   draft_gemv  the subset GEMV alone ([m, K_sub] output): draft - draft_gemv is the fill + scatter
   int4_draft  the same head with the subset rows in INT4 groups of 128 (int4_gemv), fill + scatter
-Times are medians of CUDA-graph replays (device time; the harness of bench/kernels/lm_head.py, _time_graph)
-and, for int8 and draft, `*_eager_ms`: back-to-back Python calls between CUDA events, as vLLM calls the
-draft's compute_logits (outside the CUDA graph of the draft's forward), so launch overhead counts.
+Times are medians of CUDA-graph replays (device time) and, for int8 and draft, `*_eager_ms`: 50 back-to-back
+Python calls between CUDA events, as vLLM calls the draft's compute_logits (outside the CUDA graph of the
+draft's forward), so launch overhead counts; both harness.median_ms.
 Subset: the K_sub lowest ids minus 33, plus the 33 top ids 248,044..248,076 where Qwen3.5's added tokens
 sit (the shape `onespark draft-vocab` gives with BPE merge order: ids follow merges, added tokens last; the
-real file needs the checkpoint's tokenizer, which the GPU host does not have). Weights as in lm_head.py:
+real file needs the checkpoint's tokenizer, which the GPU host does not have). Weights as in lm_head.py (its Data):
 BF16 N(0, 0.02^2), quantized per row; x N(0.01, 1) in BF16, 4 rotating buffers.
 Bytes: weight + scales + x read + the output written ([m, N] for int8 and draft; [m, K_sub] for draft_gemv).
 Spark estimate (`spark_*`): the same bytes at the GB10's 273 GB/s (LPDDR5X peak), two draft passes per MTP-2
@@ -29,26 +29,19 @@ Exit 1 when an error check fails.
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import os
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
+import harness
 import torch
+from lm_head import Data, K, N  # the sibling benchmark's real-shape head, in every form
 
 from onespark.kernels import int8_gemv
+from onespark.kernels import lm_head as kernel
 from onespark.kernels.draft_head import draft_logits_int4, subset_int4_rows, subset_rows
 from onespark.patches.draft_head import draft_head_logits
 
-_spec = importlib.util.spec_from_file_location("onespark_bench_lm_head", Path(__file__).with_name("lm_head.py"))
-_harness = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_harness)  # one harness: lm_head.py's CUDA-graph timer, copy probe, Data, GPU name
-
-N, K = _harness.N, _harness.K
 MS = [1, 2, 3, 4, 8]
 K_SUB = 32_768  # onespark draft-vocab's default: 1/8 of N, FR-Spec's 32K
 QWEN_ADDED = range(248_044, 248_077)  # Qwen3.5's 33 added tokens (<|endoftext|> ... </think>), top of the vocab
@@ -61,23 +54,6 @@ def subset_ids(k_sub: int) -> torch.Tensor:
     top = [i for i in QWEN_ADDED if i < N]
     low = list(range(k_sub - len(top)))
     return torch.tensor(sorted(set(low) | set(top)), dtype=torch.int64, device="cuda")
-
-
-def _eager_ms(fn, reps: int = 50) -> float:
-    """Median ms per call of back-to-back eager calls (host launch cost included), 7 rounds."""
-    for i in range(NBUF):
-        fn(i)
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(7):
-        t0.record()
-        for r in range(reps):
-            fn(r % NBUF)
-        t1.record()
-        torch.cuda.synchronize()
-        times.append(t0.elapsed_time(t1) / reps)
-    return statistics.median(times)
 
 
 def _bytes(kind: str, m: int, k_sub: int) -> int:
@@ -93,7 +69,7 @@ def _bytes(kind: str, m: int, k_sub: int) -> int:
     raise ValueError(kind)
 
 
-def bench_row(d, q_sub, s_sub, q4_sub, s4_sub, ids, w8_sub64, w4_sub64, m: int) -> dict:
+def bench_row(d: Data, q_sub, s_sub, q4_sub, s4_sub, ids, w8_sub64, w4_sub64, m: int) -> dict:
     k_sub = ids.numel()
     xs = [d.x(m) for _ in range(NBUF)]
     full = [torch.empty(m, N, device="cuda", dtype=torch.bfloat16) for _ in range(NBUF)]
@@ -109,8 +85,8 @@ def bench_row(d, q_sub, s_sub, q4_sub, s4_sub, ids, w8_sub64, w4_sub64, m: int) 
         "draft_gemv": lambda i: int8_gemv(xs[i], q_sub, s_sub, out=sub[i]),
         "int4_draft": lambda i: draft_logits_int4(xs[i], q4_sub, s4_sub, ids, N, out=full[i]),
     }
-    ms = {k: _harness._time_graph(f, NBUF) for k, f in fns.items()}
-    eager = {k: _eager_ms(fns[k]) for k in ("int8", "draft")}
+    ms = {k: harness.median_ms(f, nbuf=NBUF) for k, f in fns.items()}
+    eager = {k: harness.median_ms(fns[k], nbuf=NBUF, calls=50, graph=False) for k in ("int8", "draft")}
     # correctness, outside the graphs
     draft(0)
     int4_out = draft_logits_int4(xs[0], q4_sub, s4_sub, ids, N)
@@ -118,7 +94,7 @@ def bench_row(d, q_sub, s_sub, q4_sub, s4_sub, ids, w8_sub64, w4_sub64, m: int) 
     ref8, ref4 = x64 @ w8_sub64.T, x64 @ w4_sub64.T
 
     def check(out, ref):
-        return {"rel_err": _harness._rel(out[:, ids], ref),
+        return {"rel_err": harness.rel_err(out[:, ids], ref),
                 "neg_inf_per_row_ok": bool((torch.isneginf(out).sum(1) == N - k_sub).all()
                                            and torch.isfinite(out[:, ids]).all()),
                 "argmax_in_subset": bool(torch.isin(out.argmax(1), ids).all())}
@@ -153,12 +129,9 @@ def bench_row(d, q_sub, s_sub, q4_sub, s4_sub, ids, w8_sub64, w4_sub64, m: int) 
         "spark_int4_draft_ms": round(b["int4_draft"] / SPARK_GBPS / 1e6, 3),
         "spark_saved_ms_per_mtp2_step": round(2 * (b["int8"] - b["draft"]) / SPARK_GBPS / 1e6, 3),
         "spark_saved_ms_per_mtp2_step_int4": round(2 * (b["int8"] - b["int4_draft"]) / SPARK_GBPS / 1e6, 3),
-        "int8_config": _harness.lm_head._chosen.get(("int8", _harness.lm_head._bucket(m), N, K, torch.bfloat16,
-                                                     xs[0].device)),
-        "draft_config": _harness.lm_head._chosen.get(("int8", _harness.lm_head._bucket(m), k_sub, K, torch.bfloat16,
-                                                      xs[0].device)),
-        "int4_draft_config": _harness.lm_head._chosen.get(("int4", _harness.lm_head._bucket(m), k_sub, K,
-                                                           torch.bfloat16, xs[0].device)),
+        "int8_config": kernel._chosen.get(("int8", kernel._bucket(m), N, K, torch.bfloat16, xs[0].device)),
+        "draft_config": kernel._chosen.get(("int8", kernel._bucket(m), k_sub, K, torch.bfloat16, xs[0].device)),
+        "int4_draft_config": kernel._chosen.get(("int4", kernel._bucket(m), k_sub, K, torch.bfloat16, xs[0].device)),
     }
 
 
@@ -188,33 +161,23 @@ def main(argv=None) -> int:
     if not 34 <= args.k_sub <= N:
         print(f"--k-sub must be in 34..{N}, got {args.k_sub}", file=sys.stderr)
         return 2
-    import triton
-
     ms = [int(v) for v in args.m.split(",")] if args.m else MS
-    d = _harness.Data()
+    d = Data()
     ids = subset_ids(args.k_sub)
     q_sub, s_sub = subset_rows(d.q8, d.s8, ids)
     q4_sub, s4_sub = subset_int4_rows(d.q8, d.s8, ids)
     w8_sub64 = d.w8_64[ids]
-    w4_sub64 = _harness.lm_head.dequantize_int4_groups(q4_sub, s4_sub, K).double()
+    w4_sub64 = kernel.dequantize_int4_groups(q4_sub, s4_sub, K).double()
     del d.w64, d.w4_64, d.q4, d.s4  # only the INT8 head and the subset are needed here
     torch.cuda.empty_cache()
-    res = {
-        "schema_version": 1,
-        "gpu": _harness._gpu_name(),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "git_sha": args.git_sha,
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    res = harness.header(args.git_sha, argv=argv) | {
         "shape": {"n": N, "k": K},
         "k_sub": int(ids.numel()),
         "subset": f"ids 0..{args.k_sub - len(QWEN_ADDED) - 1} and {QWEN_ADDED.start}..{QWEN_ADDED.stop - 1}",
         "spark_gbps": SPARK_GBPS,
         "goal": f"draft_ms <= {GOAL_M1} x int8_ms at m = 1",
     }
-    copies = _harness._copy_gbps()
+    copies = harness.copy_gbps()
     res["copy_gbps"] = max(copies.values())
     res["copy_gbps_by_method"] = copies
     res["rows"] = []
@@ -227,10 +190,7 @@ def main(argv=None) -> int:
     m1 = next((r for r in res["rows"] if r["m"] == 1), None)
     res["goal_met"] = None if m1 is None else m1["draft_over_int8"] <= GOAL_M1
     out = Path(args.out or f"bench/results/draft_head_{res['gpu']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
-        json.dump(res, f, indent=1, default=str)
-    os.replace(f.name, out)
+    harness.write_result(out, res)
     print(_table(res))
     bad = [r["m"] for r in res["rows"] if not (r["draft_rel_err"] < 1e-2 and r["int4_draft_rel_err"] < 1e-2
                                               and r["draft_checks_ok"] and r["int4_draft_checks_ok"])]

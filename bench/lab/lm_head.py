@@ -1,29 +1,28 @@
 """LM-head kernel benchmark on the real shape: cuBLAS BF16 vs onespark INT8 vs INT4-draft.
 
-    python bench/kernels/lm_head.py --git-sha SHA [--out bench/results/lm_head_<gpu>.json] [--m 1,3,16]
-    python bench/kernels/lm_head.py --sweep [--m ...]        # time every candidate config instead
+    python bench/lab/lm_head.py --git-sha SHA [--out bench/results/lm_head_<gpu>.json] [--m 1,3,16]
+    python bench/lab/lm_head.py --sweep [--m ...]        # time every candidate config instead
 
 Shape: Qwen3.5-122B-A10B's head, N = 248,320 x K = 3,072. Inputs are random (never zero): weight
 N(0, 0.02^2) in BF16, then quantized; x N(0.01, 1) in BF16. Each method is timed as a CUDA graph of
-R calls over 4 rotated x/out buffers (2 at M > 1024), replayed 7 times: the median per call. The
+R calls over 4 rotated x/out buffers (2 at M > 1024), replayed 7 times: the median per call
+(harness.median_ms; R fills ~25 ms). The
 weights (>= 381 MB) are 6x the H200's 60 MB L2, so no call finds another's weight in cache.
 Errors are ||out - ref|| / ||ref|| against float64 references on up to 64 rows; top-1 agreement
 compares argmax over the vocabulary with the float64 logits of the BF16 weight on up to 256 rows.
 Bandwidth counts each input read once and the output written once; copy_gbps is a 2 GiB
-device-to-device copy counting bytes read + written (the practical ceiling).
+device-to-device copy counting bytes read + written (harness.copy_gbps: the practical ceiling).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 
 from onespark.kernels import int4_gemv, int8_gemv, lm_head, quantize_int4_groups, quantize_int8_rows
@@ -63,63 +62,6 @@ def _target(m: int) -> float:
     return next(t for up_to, t in TARGETS if m <= up_to)
 
 
-def _time_graph(fn, nbuf: int) -> float:
-    """Median ms per call of fn(i) (i = buffer index), as CUDA-graph replays of R calls."""
-    for i in range(nbuf):
-        fn(i)
-    torch.cuda.synchronize()
-    t0 = torch.cuda.Event(enable_timing=True)
-    t1 = torch.cuda.Event(enable_timing=True)
-    t0.record()
-    fn(0)
-    t1.record()
-    torch.cuda.synchronize()
-    est = max(t0.elapsed_time(t1), 1e-3)
-    reps = int(min(64, max(nbuf, round(25.0 / est))))
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for r in range(reps):
-            fn(r % nbuf)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        t0.record()
-        graph.replay()
-        t1.record()
-        torch.cuda.synchronize()
-        times.append(t0.elapsed_time(t1) / reps)
-    return statistics.median(times)
-
-
-def _copy_gbps() -> dict:
-    """Device-to-device copy of 2 GiB, bytes read + written: cudaMemcpy and an elementwise kernel."""
-    a = torch.randn(1 << 29, device="cuda")
-    b = torch.empty_like(a)
-    nbytes = 2 * a.numel() * a.element_size()
-    memcpy = nbytes / _time_graph(lambda i: b.copy_(a), 1) / 1e6
-    kernel = nbytes / _time_graph(lambda i: torch.neg(a, out=b), 1) / 1e6
-    return {"memcpy": round(memcpy, 1), "elementwise": round(kernel, 1)}
-
-
-def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a = a.double()
-    if not bool(torch.isfinite(a).all()):
-        return float("inf")
-    return float((a - ref).norm() / ref.norm())
-
-
-def _gpu_name() -> str:
-    name = torch.cuda.get_device_name().lower()
-    for short in ("h200", "h100", "gb10", "b200", "a100"):
-        if short in name:
-            return short
-    return name.replace(" ", "_")
-
-
 class Data:
     """The real-shape weights in every form, and float64 references on demand."""
 
@@ -154,7 +96,7 @@ def bench_row(d: Data, m: int) -> dict:
         "int8": lambda i: int8_gemv(xs[i], d.q8, d.s8, out=outs["int8"][i]),
         "int4": lambda i: int4_gemv(xs[i], d.q4, d.s4, out=outs["int4"][i]),
     }
-    ms = {k: _time_graph(f, nbuf) for k, f in fns.items()}
+    ms = {k: harness.median_ms(f, nbuf=nbuf) for k, f in fns.items()}
     r = min(m, 64)
     x64 = xs[0][:r].double()
     ref8 = x64 @ d.w8_64.T
@@ -177,10 +119,10 @@ def bench_row(d: Data, m: int) -> dict:
         "int8_gbps": round(_bytes("int8", m) / ms["int8"] / 1e6, 1),
         "int4_gbps": round(_bytes("int4", m) / ms["int4"] / 1e6, 1),
         "int8_tflops": round(2 * m * N * K / ms["int8"] / 1e9, 1),
-        "int8_rel_err": _rel(outs["int8"][0][:r], ref8),
-        "int4_rel_err": _rel(outs["int4"][0][:r], ref4),
-        "bf16_rel_err": _rel(outs["bf16"][0][:r], refb),
-        "int8_vs_bf16_weight_rel_err": _rel(outs["int8"][0][:r], refb),
+        "int8_rel_err": harness.rel_err(outs["int8"][0][:r], ref8),
+        "int4_rel_err": harness.rel_err(outs["int4"][0][:r], ref4),
+        "bf16_rel_err": harness.rel_err(outs["bf16"][0][:r], refb),
+        "int8_vs_bf16_weight_rel_err": harness.rel_err(outs["int8"][0][:r], refb),
         "int8_top1": top1("int8"),
         "int4_top1": top1("int4"),
         "bf16_top1": top1("bf16"),
@@ -222,36 +164,45 @@ def _compile_one(item):
         return kind, cfg, f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
+def _config_ms(launch, xs, q, s, out, cfg) -> float:
+    """ms per call of one explicit config (lm_head._launch_int8 / _launch_int4) over the buffers xs."""
+    return harness.median_ms(lambda i: launch(xs[i], q, s, out, cfg), nbuf=len(xs))
+
+
+def _sweep_m(d: Data, m: int) -> list[dict]:
+    """Every SWEEP config of M's bucket, both kinds, against cuBLAS BF16 at the same M."""
+    xs = [d.x(m) for _ in range(4 if m <= 1024 else 2)]
+    out = torch.empty(m, N, device="cuda", dtype=torch.bfloat16)
+    bf16 = harness.median_ms(lambda i: torch.matmul(xs[i], d.w.T), nbuf=len(xs))
+    r = min(m, 16)
+    x64 = xs[0][:r].double()
+    refs = {"int8": x64 @ d.w8_64.T, "int4": x64 @ d.w4_64.T}
+    rows = []
+    for kind in ("int8", "int4"):
+        launch = lm_head._launch_int8 if kind == "int8" else lm_head._launch_int4
+        q, s = (d.q8, d.s8) if kind == "int8" else (d.q4, d.s4)
+        for cfg in SWEEP[(kind, lm_head._bucket(m))]:
+            try:
+                t = _config_ms(launch, xs, q, s, out, cfg)
+                launch(xs[0], q, s, out, cfg)
+                err = harness.rel_err(out[:r], refs[kind])
+            except Exception as e:
+                t, err = float("nan"), f"{type(e).__name__}"
+            row = {"m": m, "kind": kind, "cfg": cfg, "ms": t, "bf16_ms": bf16, "speedup": bf16 / t, "rel_err": err,
+                   "gbps": _bytes(kind, m) / t / 1e6}  # fmt: skip
+            rows.append(row)
+            print(
+                f"M={m:5d} {kind} {str(cfg):36s} {t:8.4f} ms  x{bf16 / t:5.2f}  {row['gbps']:7.0f} GB/s  err {err}",
+                flush=True,
+            )
+    return rows
+
+
 def sweep(d: Data, ms: list[int]) -> list[dict]:
     buckets = {lm_head._bucket(m) for m in ms}
     todo = sorted({(kind, c) for (kind, b), cs in SWEEP.items() if b in buckets for c in cs})
     _precompile(todo)
-    rows = []
-    for m in ms:
-        xs = [d.x(m) for _ in range(4 if m <= 1024 else 2)]
-        out = torch.empty(m, N, device="cuda", dtype=torch.bfloat16)
-        bf16 = _time_graph(lambda i: torch.matmul(xs[i], d.w.T), len(xs))
-        r = min(m, 16)
-        x64 = xs[0][:r].double()
-        refs = {"int8": x64 @ d.w8_64.T, "int4": x64 @ d.w4_64.T}
-        for kind in ("int8", "int4"):
-            launch = lm_head._launch_int8 if kind == "int8" else lm_head._launch_int4
-            q, s = (d.q8, d.s8) if kind == "int8" else (d.q4, d.s4)
-            for cfg in SWEEP[(kind, lm_head._bucket(m))]:
-                try:
-                    t = _time_graph(lambda i: launch(xs[i], q, s, out, cfg), len(xs))
-                    launch(xs[0], q, s, out, cfg)
-                    err = _rel(out[:r], refs[kind])
-                except Exception as e:
-                    t, err = float("nan"), f"{type(e).__name__}"
-                row = {"m": m, "kind": kind, "cfg": cfg, "ms": t, "bf16_ms": bf16, "speedup": bf16 / t, "rel_err": err,
-                       "gbps": _bytes(kind, m) / t / 1e6}  # fmt: skip
-                rows.append(row)
-                print(
-                    f"M={m:5d} {kind} {str(cfg):36s} {t:8.4f} ms  x{bf16 / t:5.2f}  {row['gbps']:7.0f} GB/s  err {err}",
-                    flush=True,
-                )
-    return rows
+    return [row for m in ms for row in _sweep_m(d, m)]
 
 
 def _table(res: dict) -> str:
@@ -281,22 +232,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA GPU: run it on the H200 (or the Spark)", file=sys.stderr)
         return 1
-    import triton
-
     ms = [int(v) for v in args.m.split(",")] if args.m else (SWEEP_MS if args.sweep else MS)
     d = Data()
-    res = {
-        "schema_version": 1,
-        "gpu": _gpu_name(),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "git_sha": args.git_sha,
-        "command": "python " + " ".join([sys.argv[0], *(argv if argv is not None else sys.argv[1:])]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "shape": {"n": N, "k": K},
-    }
-    copies = _copy_gbps()
+    res = harness.header(args.git_sha, argv=argv) | {"shape": {"n": N, "k": K}}
+    copies = harness.copy_gbps()
     res["copy_gbps"] = max(copies.values())
     res["copy_gbps_by_method"] = copies
     out = Path(args.out or f"bench/results/lm_head_{res['gpu']}{'_sweep' if args.sweep else ''}.json")
@@ -312,10 +251,7 @@ def main(argv=None) -> int:
             r = res["rows"][-1]
             print(f"M={m}: bf16 {r['bf16_ms']:.4f} int8 {r['int8_ms']:.4f} (x{r['int8_speedup']}) "
                   f"int4 {r['int4_ms']:.4f} (x{r['int4_speedup']})", flush=True)  # fmt: skip
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=out.parent, delete=False, suffix=".tmp") as f:
-        json.dump(res, f, indent=1, default=str)
-    os.replace(f.name, out)
+    harness.write_result(out, res)
     if not args.sweep:
         print(_table(res))
         bad = [r["m"] for r in res["rows"] if not r["int8_rel_err"] < 1e-2 or not r["int4_rel_err"] < 1e-2]

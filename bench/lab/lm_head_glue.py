@@ -1,6 +1,6 @@
 """The INT8 LM head as the vLLM plugin runs it, against F.linear on the BF16 weight (real shape).
 
-    python bench/kernels/lm_head_glue.py --git-sha SHA [--out bench/results/lm_head_glue_h200.json]
+    python bench/lab/lm_head_glue.py --git-sha SHA [--out bench/results/lm_head_glue_h200.json]
 
 What is timed, per M (tokens per logits call: 1 decode, 3 MTP-2 verify, 12 = 4 x 3 concurrent, 96 prefill
 chunk / 32 x 3):
@@ -12,7 +12,7 @@ chunk / 32 x 3):
 each two ways: `eager` = median per call of back-to-back Python calls between CUDA events, which is how
 vLLM 0.19.1 calls it (GPUModelRunner runs compute_logits outside the CUDA graph of the forward pass), so
 host cost of the glue and the launch counts where the GPU waits for it; `graph` = median per call of
-CUDA-graph replays (device time only). Three interleaved rounds per variant; the median round is reported. glue_us =
+CUDA-graph replays (device time only); both harness.median_ms. Three interleaved rounds per variant; the median round is reported. glue_us =
 method - kernel; kernel_spread_us = the kernel's max - min over the rounds (a smaller glue_us is noise). Shape: N = 248,320 (vocab; a multiple of 64, so vLLM's
 padding adds nothing at TP = 1) x K = 3,072. Weight N(0, 0.02^2) in BF16 (never zero), x N(0, 1);
 x rotates over 8 buffers; the weights (763 MB INT8, 1,526 MB BF16) are 13x / 25x the H200's 60 MB L2.
@@ -23,25 +23,15 @@ and top-1 agreement with the float64 logits of the BF16 weight.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
+import harness
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-try:
-    from onespark.patches.int8_head import int8_logits, quantize_head
-except ImportError:  # a bare checkout (the GPU host has no `pip install -e .`): map onespark.X onto ./X
-    sys.path.insert(0, str(ROOT))
-    import onespark
-
-    onespark.__path__.append(str(ROOT))
-    from onespark.patches.int8_head import int8_logits, quantize_head
 from onespark.kernels import int8_gemv, int8_gemv_ref
+from onespark.patches.int8_head import int8_logits, quantize_head
 
 N, K = 248_320, 3_072
 MS = [1, 3, 12, 96]
@@ -49,38 +39,40 @@ NBUF = 8
 ROUNDS = 3
 
 
-def _median_ms(fn, reps: int, graph: bool) -> float:
-    for i in range(NBUF):  # warm-up: compilation, autotune, handles
-        fn(i)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    if graph:
-        stream = torch.cuda.Stream()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(g, stream=stream):
-            for r in range(reps):
-                fn(r % NBUF)
-        run = g.replay
-    else:
-        def run():
-            for r in range(reps):
-                fn(r % NBUF)
-    run()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(9):
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) / reps)
-    return statistics.median(samples)
+def _row(m: int, w, w_int8, scale, reps: int) -> dict:
+    xs = [torch.randn(m, K, device="cuda").to(torch.bfloat16) for _ in range(NBUF)]
+    fns = {
+        "bf16": lambda i: torch.nn.functional.linear(xs[i], w),
+        "kernel": lambda i: int8_gemv(xs[i], w_int8, scale),
+        "method": lambda i: int8_logits(xs[i], w_int8, scale),
+    }
+    row = {"m": m}
+    for mode in ("graph", "eager"):
+        # ROUNDS interleaved rounds (bf16, kernel, method, ...): the median of the rounds is reported, and
+        # the kernel's own spread across rounds says how small a glue difference is still noise.
+        times = {name: [] for name in fns}
+        for _ in range(ROUNDS):
+            for name, fn in fns.items():
+                times[name].append(harness.median_ms(fn, nbuf=NBUF, calls=reps, samples=9, graph=mode == "graph"))
+        for name, t in times.items():
+            row[f"{name}_{mode}_ms"] = round(statistics.median(t), 5)
+        row[f"glue_{mode}_us"] = round(1000 * (row[f"method_{mode}_ms"] - row[f"kernel_{mode}_ms"]), 2)
+        row[f"kernel_spread_{mode}_us"] = round(1000 * (max(times["kernel"]) - min(times["kernel"])), 2)
+        row[f"speedup_{mode}"] = round(row[f"bf16_{mode}_ms"] / row[f"method_{mode}_ms"], 3)
+    x = xs[0]
+    out = int8_logits(x, w_int8, scale)
+    ref = int8_gemv_ref(x, w_int8, scale, acc_dtype=torch.float64, out_dtype=torch.float64)
+    full = torch.nn.functional.linear(x.double(), w.double())
+    row["method_rel_err"] = harness.rel_err(out, ref)
+    row["top1_vs_bf16_weight"] = float((out.argmax(-1) == full.argmax(-1)).double().mean())
+    row["method_gbps_graph"] = round((N * K + 4 * N + 2 * m * (K + N)) / row["method_graph_ms"] / 1e6, 1)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--git-sha", required=True)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lm_head_glue_h200.json")
+    ap.add_argument("--out", type=Path, default=harness.ROOT / "bench" / "results" / "lm_head_glue_h200.json")
     ap.add_argument("--reps", type=int, default=32, help="calls per timed sample (default 32)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -89,53 +81,14 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
     w_int8, scale = quantize_head(w)
-    rows = []
-    for m in MS:
-        xs = [torch.randn(m, K, device="cuda").to(torch.bfloat16) for _ in range(NBUF)]
-        fns = {
-            "bf16": lambda i: torch.nn.functional.linear(xs[i], w),
-            "kernel": lambda i: int8_gemv(xs[i], w_int8, scale),
-            "method": lambda i: int8_logits(xs[i], w_int8, scale),
-        }
-        row = {"m": m}
-        for mode in ("graph", "eager"):
-            # ROUNDS interleaved rounds (bf16, kernel, method, ...): the median of the rounds is reported, and
-            # the kernel's own spread across rounds says how small a glue difference is still noise.
-            times = {name: [] for name in fns}
-            for _ in range(ROUNDS):
-                for name, fn in fns.items():
-                    times[name].append(_median_ms(fn, args.reps, mode == "graph"))
-            for name, t in times.items():
-                row[f"{name}_{mode}_ms"] = round(statistics.median(t), 5)
-            row[f"glue_{mode}_us"] = round(1000 * (row[f"method_{mode}_ms"] - row[f"kernel_{mode}_ms"]), 2)
-            row[f"kernel_spread_{mode}_us"] = round(1000 * (max(times["kernel"]) - min(times["kernel"])), 2)
-            row[f"speedup_{mode}"] = round(row[f"bf16_{mode}_ms"] / row[f"method_{mode}_ms"], 3)
-        x = xs[0]
-        out = int8_logits(x, w_int8, scale)
-        ref = int8_gemv_ref(x, w_int8, scale, acc_dtype=torch.float64, out_dtype=torch.float64)
-        full = torch.nn.functional.linear(x.double(), w.double())
-        row["method_rel_err"] = float((out.double() - ref).norm() / ref.norm())
-        row["top1_vs_bf16_weight"] = float((out.argmax(-1) == full.argmax(-1)).double().mean())
-        row["method_gbps_graph"] = round((N * K + 4 * N + 2 * m * (K + N)) / row["method_graph_ms"] / 1e6, 1)
-        rows.append(row)
-        del xs, fns
-    result = {
-        "schema_version": 1,
+    rows = [_row(m, w, w_int8, scale, args.reps) for m in MS]
+    result = harness.header(args.git_sha, argv=argv) | {
         "what": "INT8 LM head as Int8LMHeadMethod.apply runs it (onespark.patches.int8_head.int8_logits) vs F.linear BF16",
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": __import__("triton").__version__,
-        "git_sha": args.git_sha,
-        "command": f"python bench/kernels/lm_head_glue.py --git-sha {args.git_sha}",
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "shape": {"n": N, "k": K, "dtype": "bfloat16"},
         "reps_per_sample": args.reps,
         "rows": rows,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    os.replace(tmp, args.out)
+    harness.write_result(args.out, result)
     print(f"{result['device']}, torch {result['torch']}, N={N} K={K}; ms per call (median), graph | eager")
     print(f"{'M':>4} {'bf16':>8} {'kernel':>8} {'method':>8} {'glue us':>8} {'spread':>7} {'x bf16':>7} | "
           f"{'bf16':>8} {'method':>8} {'glue us':>8} {'x bf16':>7} {'relerr':>8} {'top1':>5}")

@@ -1,46 +1,40 @@
 """TurboQuant decode attention on a GPU: speed against BF16 FlashAttention and the BF16 bytes floor,
 correctness against the reference, and the needle test at 32K / 128K / 256K keys.
 
-    python bench/kernels/turboquant.py --out bench/results/turboquant_h200.json --git-sha SHA
-    python bench/kernels/turboquant.py --prefill --out bench/results/turboquant_prefill_h200.json --git-sha SHA
+    python bench/lab/turboquant.py --out bench/results/turboquant_h200.json --git-sha SHA
+    python bench/lab/turboquant.py --prefill --out bench/results/turboquant_prefill_h200.json --git-sha SHA
 
 --prefill: one 2,048-token prompt chunk (vLLM's default long-prefill chunk here) that continues a sequence at
 depths 2K (a fresh prompt) to 128K. Baseline: torch SDPA on the same keys in BF16, lower-right causal with
 GQA, which torch dispatches to FlashAttention-2 (what a BF16 cache pays). Against it: the backend's default
 path `prefill_attention_flash` (decode into BF16 32K keys at a time + the same flash op + log-sum-exp merge),
 the fused Triton kernel `prefill_attention`, and the plain-torch fallback (dequantize, then SDPA with an
-explicit mask in blocks of rows). Plain event timing (every case takes ms).
+explicit mask in blocks of rows). Eager calls between CUDA events (every case takes ms).
 
 Decode baseline: torch FlashAttention on a BF16 cache with the 16 query heads of each KV head folded into
 query rows (`fa_bf16_folded_ms`: what FlashInfer's and FlashAttention's GQA decode kernels do); the unfolded
 GQA call (`fa_bf16_ms`) is kept only as what a naive call costs.
 
 Shape: Qwen3.5-122B-A10B full-attention layer: 32 query heads, 2 KV heads, head_dim 256, one layer.
-Times are per layer and decode step, medians of CUDA-graph replays; each replay walks several
-disjoint copies of the cache (different blocks) so that no config is timed out of the 60 MB L2.
-BF16 floor = BF16 K+V bytes / measured device-to-device copy bandwidth (read + write counted).
+Times are per layer and decode step, medians of CUDA-graph replays (harness.median_ms; one call per
+graph); each call walks several disjoint copies of the cache (different blocks) so that no config is
+timed out of the 60 MB L2. BF16 floor = BF16 K+V bytes / measured device-to-device copy bandwidth of a
+4 GiB buffer (harness.copy_gbps, read + write counted).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import statistics
 import sys
 import time
 
+import harness
 import torch
 import torch.nn.functional as F
 
-try:
-    from onespark.kernels import turboquant as tq
-    from onespark.kernels import turboquant_triton as tt
-except ImportError:  # a bare checkout (the GPU box): import the folder as a package
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-    from kernels import turboquant as tq
-    from kernels import turboquant_triton as tt
+from onespark.kernels import turboquant as tq
+from onespark.kernels import turboquant_triton as tt
 
 HQ, HKV, D = 32, 2, 256
 PAGE = 16
@@ -48,47 +42,14 @@ SM_SCALE = 1 / 16
 DEPTHS = [8192, 32768, 65536, 131072, 262144]
 
 
-def median_ms(fn, reps=15):
-    """fn() runs on the GPU; median of reps graph replays, in ms (fn captured once)."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        with torch.cuda.graph(g):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+def graph_ms(fn, calls=1):
+    """Median ms per call of fn(), `calls` calls captured in one CUDA graph, 15 replays."""
+    return harness.median_ms(lambda i: fn(), calls=calls, samples=15)
 
 
-def copy_gbps():
-    """Device-to-device copy of 4 GiB, bytes read + written; the faster of cudaMemcpy (a graph's memcpy
-    node runs on the copy engines: ~2.8 TB/s on an H200) and an elementwise kernel (~4.2 TB/s)."""
-    n = 1 << 31
-    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(100):  # ~0.2 s of copies first: the clocks start low on an idle card
-        torch.neg(src, out=dst)
-    by = {"memcpy": 2 * n * 2 / median_ms(lambda: dst.copy_(src), reps=30) / 1e6,
-          "elementwise": 2 * n * 2 / median_ms(lambda: torch.neg(src, out=dst), reps=30) / 1e6}
-    del src, dst
-    return max(by.values()), by
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
+def eager_ms(fn, samples):
+    """Median ms of fn() called eagerly between CUDA events (prefill: every case takes ms)."""
+    return harness.median_ms(lambda i: fn(), samples=samples, calls=1, graph=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +85,7 @@ def check_correctness(out_rows):
             q = torch.randn(2, HQ, T, D, device="cuda", generator=g).to(torch.bfloat16)
             out = tt.decode_attention(q, cache_k, lay, bt, sl, seed, SM_SCALE, max(lens))
             ref = tq.decode_attention_reference(q, cache_k, lay, bt, sl, tq.rotation(seed, device="cuda"), SM_SCALE)
-            out_rows.append(dict(preset=name, q_len=T, lens=lens, decode_rel_err=rel(out, ref), encode_code_mismatch=code_mismatch))
+            out_rows.append(dict(preset=name, q_len=T, lens=lens, decode_rel_err=harness.rel_err(out, ref), encode_code_mismatch=code_mismatch))
             print(f"check {name} T={T}: decode rel err {out_rows[-1]['decode_rel_err']:.2e}, encode code mismatch {code_mismatch:.1e}", flush=True)
 
 
@@ -173,7 +134,7 @@ def bench_config(pools, name, depth, T, B, copies_cap=32, **kcfg):
         for c in range(copies):
             tt.decode_attention(q, cache, lay, tables[c], seq_lens, seed, SM_SCALE, depth, out=outs[c], **kcfg)
 
-    tq_ms = median_ms(run_tq) / copies
+    tq_ms = graph_ms(run_tq) / copies
     return tq_ms, copies
 
 
@@ -185,18 +146,18 @@ def bench_fa(pools, depth, T, B, copies_cap=32):
     q = torch.randn(B, HQ, T, D, device="cuda", dtype=torch.bfloat16)
     # folded: the 16 query heads of a KV head (x T positions) as the query length of one KV head
     qf = q.view(B, HKV, (HQ // HKV) * T, D)
-    res = {}
-    for label, fn in (
-        ("gqa", lambda c: F.scaled_dot_product_attention(q, ks[c], vs[c], scale=SM_SCALE, enable_gqa=True)),
-        ("folded", lambda c: F.scaled_dot_product_attention(qf, ks[c], vs[c], scale=SM_SCALE)),
-    ):
+
+    def flash_ms(label, attend):
         try:
             with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
-                res[label] = median_ms(lambda: [fn(c) for c in range(copies)]) / copies
+                return graph_ms(lambda: [attend(c) for c in range(copies)]) / copies
         except RuntimeError as e:  # flash refuses this shape: say so, no number
             print(f"  flash {label} refused depth={depth} T={T} B={B}: {str(e).splitlines()[0][:120]}")
-            res[label] = None
-    return res
+            return None
+
+    return {"gqa": flash_ms("gqa", lambda c: F.scaled_dot_product_attention(q, ks[c], vs[c], scale=SM_SCALE,
+                                                                            enable_gqa=True)),
+            "folded": flash_ms("folded", lambda c: F.scaled_dot_product_attention(qf, ks[c], vs[c], scale=SM_SCALE))}
 
 
 def bench_encode(pools, name, T, B):
@@ -205,12 +166,16 @@ def bench_encode(pools, name, T, B):
     k = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
     slots = torch.randperm(cache.shape[0] * PAGE, device="cuda")[:n]
-    return median_ms(lambda: [tt.encode(k, v, slots, cache, lay, tq.rotation_seed(0)) for _ in range(ENC_REPS)]) / ENC_REPS
+    return encode_ms(k, v, slots, cache, lay)
 
 
 # A replay of a one-kernel graph, timed by events, reads 10-18 us on an H200 whatever the kernel does, so
 # encode (a few us of work) is timed as ENC_REPS back-to-back calls in one graph, as in a captured decode step.
 ENC_REPS = 16
+
+
+def encode_ms(k, v, slots, cache, lay, **kw):
+    return graph_ms(lambda: tt.encode(k, v, slots, cache, lay, tq.rotation_seed(0), **kw), calls=ENC_REPS)
 
 
 SWEEP = {  # decode_attention keyword sets tried per q_len ({} = the library defaults); the best
@@ -224,14 +189,14 @@ def encode_sweep(pools, log):
     """Encode of one decode step's tokens (B x T) per rows-per-program, against an empty graph replay."""
     lay, cache = pools.tq_cache(tq.DEFAULT_PRESET)
     empty = torch.empty(1, device="cuda")
-    log.append(dict(what="graph of one tiny kernel", ms=median_ms(lambda: empty.add_(0))))
-    log.append(dict(what=f"{ENC_REPS} tiny kernels in one graph, per kernel", ms=median_ms(lambda: [empty.add_(0) for _ in range(ENC_REPS)]) / ENC_REPS))
+    log.append(dict(what="graph of one tiny kernel", ms=graph_ms(lambda: empty.add_(0))))
+    log.append(dict(what=f"{ENC_REPS} tiny kernels in one graph, per kernel", ms=graph_ms(lambda: empty.add_(0), calls=ENC_REPS)))
     print(f"encode: graph of one tiny kernel {log[-2]['ms'] * 1000:.1f} us, per kernel of {ENC_REPS} {log[-1]['ms'] * 1000:.1f} us", flush=True)
     for n in (1, 24, 4096):
         k = torch.randn(n, HKV, D, device="cuda", dtype=torch.bfloat16)
         slots = torch.randperm(cache.shape[0] * PAGE, device="cuda")[:n]
         for bt in (1, 4, 16):
-            ms = median_ms(lambda: [tt.encode(k, k, slots, cache, lay, tq.rotation_seed(0), block_t=bt) for _ in range(ENC_REPS)]) / ENC_REPS
+            ms = encode_ms(k, k, slots, cache, lay, block_t=bt)
             log.append(dict(tokens=n, block_t=bt, ms=ms))
             print(f"encode {n} tokens, block_t {bt}: {ms * 1000:.1f} us", flush=True)
 
@@ -308,20 +273,6 @@ PREFILL_CHUNK = 2048
 PREFILL_DEPTHS = [2048, 16384, 65536, 131072]
 
 
-def event_ms(fn, reps):
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
 def prefill_case(name, L, ql, seed=0):
     """A cache holding one sequence of L random tokens (encoded by the kernel), its last ql as queries."""
     lay = tq.CacheLayout(tq.PRESETS[name], HKV, PAGE)
@@ -354,15 +305,38 @@ def bf16_sdpa(q, k, v):
     qq, kk, vv = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     mask = causal_lower_right(q.shape[0], k.shape[0])
     try:
-        fn = lambda: F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=SM_SCALE, enable_gqa=True)  # noqa: E731
+        fn = lambda: F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=SM_SCALE, enable_gqa=True)
         fn()
         return fn, "causal_lower_right, enable_gqa"
     except (RuntimeError, TypeError, NotImplementedError):
         G = HQ // HKV
         ke, ve = kk.repeat_interleave(G, 1), vv.repeat_interleave(G, 1)
-        fn = lambda: F.scaled_dot_product_attention(qq, ke, ve, attn_mask=mask, scale=SM_SCALE)  # noqa: E731
+        fn = lambda: F.scaled_dot_product_attention(qq, ke, ve, attn_mask=mask, scale=SM_SCALE)
         fn()
         return fn, "causal_lower_right, K/V repeated per query head"
+
+
+def fused_ms(case, cfg):
+    """The fused prefill_attention over one prefill_case, a config of tiles (empty: the library's)."""
+    lay, cache, tseed, q, _, _, (bt, sl, qsl) = case
+    return eager_ms(lambda: tt.prefill_attention(q, cache, lay, bt, sl, qsl, tseed, SM_SCALE, q.shape[0], **cfg), 5)
+
+
+def prefill_row(L, best):
+    """One depth of the table: the default path, the fused kernel, BF16 SDPA and the previous path."""
+    case = prefill_case(tq.DEFAULT_PRESET, L, PREFILL_CHUNK)
+    lay, cache, tseed, q, k, v, (bt, _, _) = case
+    ql = PREFILL_CHUNK
+    tq_ms = fused_ms(case, best)
+    flash_ms = eager_ms(lambda: tt.prefill_attention_flash(q, cache, lay, bt[0], L, tseed, SM_SCALE), 5)
+    fa, method = bf16_sdpa(q, k, v)
+    fa_ms = eager_ms(fa, 5)
+    prev_ms = eager_ms(lambda: previous_path(q, cache, lay, bt, L, tseed), 2)
+    pairs = ql * (L - ql) + ql * (ql + 1) // 2  # (query, key) pairs the causal chunk computes
+    flops = 4 * HQ * D * pairs
+    return dict(preset=tq.DEFAULT_PRESET, depth=L, q_len=ql, flash_path_ms=flash_ms, tq_ms=tq_ms, fa_bf16_ms=fa_ms,
+                fa_method=method, previous_path_ms=prev_ms, tq_tflops=flops / tq_ms / 1e9,
+                flash_path_tflops=flops / flash_ms / 1e9, fa_tflops=flops / fa_ms / 1e9)
 
 
 def prefill(result, quick):
@@ -374,17 +348,18 @@ def prefill(result, quick):
         ref = tq.decode_attention_reference(q.transpose(0, 1)[None], cache, lay, bt, sl,
                                             tq.rotation(tseed, device="cuda"), SM_SCALE)[0].transpose(0, 1)
         flash = tt.prefill_attention_flash(q, cache, lay, bt[0], 1500, tseed, SM_SCALE, kv_chunk=512)
-        checks.append(dict(preset=name, seq_len=1500, q_len=300, rel_err=rel(out, ref), flash_rel_err=rel(flash, ref)))
+        checks.append(dict(preset=name, seq_len=1500, q_len=300, rel_err=harness.rel_err(out, ref),
+                           flash_rel_err=harness.rel_err(flash, ref)))
         print(f"prefill check {name}: rel err {checks[-1]['rel_err']:.2e}, flash path {checks[-1]['flash_rel_err']:.2e}",
               flush=True)
     # tile sweep at 64K (K4V4): positions per program (x16 query heads = tile rows), keys per tile, warps
-    lay, cache, tseed, q, k, v, (bt, sl, qsl) = prefill_case(tq.DEFAULT_PRESET, 65536, PREFILL_CHUNK)
+    case = prefill_case(tq.DEFAULT_PRESET, 65536, PREFILL_CHUNK)
     best, best_ms = {}, float("inf")
     for bp, bn, w in ((4, 64, 4), (4, 32, 4), (8, 64, 8), (8, 32, 4), (2, 64, 4)):
         cfg = dict(block_p=bp, block_n=bn, num_warps=w)
         try:
-            ms = event_ms(lambda: tt.prefill_attention(q, cache, lay, bt, sl, qsl, tseed, SM_SCALE, PREFILL_CHUNK, **cfg), 5)
-        except Exception as e:  # noqa: BLE001 - a config the GPU refuses (shared memory) is recorded
+            ms = fused_ms(case, cfg)
+        except Exception as e:  # a config the GPU refuses (shared memory) is recorded
             sweep_rows.append(dict(cfg, error=f"{type(e).__name__}: {e}"[:200]))
             continue
         sweep_rows.append(dict(cfg, ms=ms))
@@ -392,41 +367,22 @@ def prefill(result, quick):
         if ms < best_ms:
             best, best_ms = cfg, ms
     result["prefill_tile_config"] = best
-    del cache, k, v
+    del case
     torch.cuda.empty_cache()
     for L in ([2048, 65536] if quick else PREFILL_DEPTHS):
-        lay, cache, tseed, q, k, v, (bt, sl, qsl) = prefill_case(tq.DEFAULT_PRESET, L, PREFILL_CHUNK)
-        ql = PREFILL_CHUNK
-        tq_ms = event_ms(lambda: tt.prefill_attention(q, cache, lay, bt, sl, qsl, tseed, SM_SCALE, ql, **best), 5)
-        flash_ms = event_ms(lambda: tt.prefill_attention_flash(q, cache, lay, bt[0], L, tseed, SM_SCALE), 5)
-        fa, method = bf16_sdpa(q, k, v)
-        fa_ms = event_ms(fa, 5)
-        prev_ms = event_ms(lambda: previous_path(q, cache, lay, bt, L, tseed), 2)
-        pairs = ql * (L - ql) + ql * (ql + 1) // 2  # (query, key) pairs the causal chunk computes
-        flops = 4 * HQ * D * pairs
-        rows.append(dict(preset=tq.DEFAULT_PRESET, depth=L, q_len=ql, flash_path_ms=flash_ms, tq_ms=tq_ms, fa_bf16_ms=fa_ms,
-                         fa_method=method, previous_path_ms=prev_ms, tq_tflops=flops / tq_ms / 1e9,
-                         flash_path_tflops=flops / flash_ms / 1e9, fa_tflops=flops / fa_ms / 1e9))
-        print(f"prefill L={L:>6} chunk {ql}: flash path {flash_ms:8.2f} ms  fused {tq_ms:8.2f} ms  bf16 sdpa {fa_ms:8.2f} ms"
-              f"  previous {prev_ms:8.1f} ms"
-              f"  tq {rows[-1]['tq_tflops']:.0f} TFLOP/s  sdpa {rows[-1]['fa_tflops']:.0f} TFLOP/s", flush=True)
-        del cache, k, v
+        rows.append(prefill_row(L, best))
+        r = rows[-1]
+        print(f"prefill L={L:>6} chunk {r['q_len']}: flash path {r['flash_path_ms']:8.2f} ms  fused {r['tq_ms']:8.2f} ms"
+              f"  bf16 sdpa {r['fa_bf16_ms']:8.2f} ms  previous {r['previous_path_ms']:8.1f} ms"
+              f"  tq {r['tq_tflops']:.0f} TFLOP/s  sdpa {r['fa_tflops']:.0f} TFLOP/s", flush=True)
         torch.cuda.empty_cache()
-
-
-def write(result, path):
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, path)
 
 
 def section(result, name, fn, *a):
     """Run one part; a failure is recorded in the JSON (and printed) instead of losing the other parts."""
     try:
         return fn(*a)
-    except Exception as e:  # noqa: BLE001 - recorded, then the run goes on
+    except Exception as e:  # recorded, then the run goes on
         import traceback
 
         traceback.print_exc()
@@ -434,49 +390,15 @@ def section(result, name, fn, *a):
         return None
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--git-sha", default="unknown")
-    ap.add_argument("--quick", action="store_true", help="two depths only (a smoke run)")
-    ap.add_argument("--probe", action="store_true", help="only the correctness checks; exit 1 on any failure")
-    ap.add_argument("--prefill", action="store_true", help="the prefill table instead of the decode table")
-    args = ap.parse_args()
-    if args.probe:
-        rows = []
-        check_correctness(rows)
-        torch.cuda.synchronize()
-        bad = [r for r in rows if not r["decode_rel_err"] < 1e-2]
-        print(f"probe: {'FAILED ' + str(bad) if bad else 'ok'}")
-        return 1 if bad else 0
-    t0 = time.time()
-    torch.manual_seed(0)
-    gpu = torch.cuda.get_device_name()
-    import triton
-
-    print(f"{gpu}, torch {torch.__version__}, triton {triton.__version__}", flush=True)
-    result = dict(schema_version=1, gpu=gpu, git_sha=args.git_sha, torch=torch.__version__, triton=triton.__version__,
-                  command="python bench/kernels/turboquant.py " + " ".join(sys.argv[1:]),
-                  date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                  shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page=PAGE), rows=[], checks=[], needle=[])
-    if args.prefill:
-        result.update(prefill_rows=[], prefill_checks=[], prefill_sweep=[], chunk=PREFILL_CHUNK)
-        section(result, "prefill", prefill, result, args.quick)
-        result["wall_s"] = time.time() - t0
-        write(result, args.out)
-        print(f"\n{'depth':>6} {'chunk':>5} {'flash_ms':>8} {'fused_ms':>8} {'bf16_ms':>8} {'prev_ms':>9} {'flash/bf16':>10}"
-              f" {'fused/bf16':>10}")
-        for r in result["prefill_rows"]:
-            print(f"{r['depth']:>6} {r['q_len']:>5} {r['flash_path_ms']:8.2f} {r['tq_ms']:8.2f} {r['fa_bf16_ms']:8.2f}"
-                  f" {r['previous_path_ms']:9.1f} {r['flash_path_ms'] / r['fa_bf16_ms']:10.3f} {r['tq_ms'] / r['fa_bf16_ms']:10.2f}")
-        print(f"errors: {result.get('errors', [])}")
-        print(f"wrote {args.out} in {result['wall_s']:.0f} s")
-        return 1 if result.get("errors") else 0
-    result["copy_gbps"], result["copy_gbps_by_method"] = copy_gbps()
+def decode(result, quick, out):
+    """The decode table: copy bandwidth, correctness, the encode and tile sweeps, then every preset x depth x
+    q_len x batch against BF16 flash and the floor. The pools live in here, freed before the needle test."""
+    by = harness.copy_gbps(4 << 30)
+    result["copy_gbps"], result["copy_gbps_by_method"] = max(by.values()), by
     print(f"copy bandwidth {result['copy_gbps']:.0f} GB/s", flush=True)
     section(result, "correctness", check_correctness, result["checks"])
-    write(result, args.out)
-    depths = [8192, 262144] if args.quick else DEPTHS
+    harness.write_result(out, result)
+    depths = [8192, 262144] if quick else DEPTHS
     pools = Pools(max_tokens=8 * max(depths))
     result["encode_sweep"] = []
     section(result, "encode sweep", encode_sweep, pools, result["encode_sweep"])
@@ -509,12 +431,47 @@ def main():
             for T in (1, 3):
                 for B in (1, 8):
                     section(result, f"{name} {depth} {T} {B}", one, name, p, depth, T, B)
-        write(result, args.out)
-    del pools
+        harness.write_result(out, result)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--git-sha", default="unknown")
+    ap.add_argument("--quick", action="store_true", help="two depths only (a smoke run)")
+    ap.add_argument("--probe", action="store_true", help="only the correctness checks; exit 1 on any failure")
+    ap.add_argument("--prefill", action="store_true", help="the prefill table instead of the decode table")
+    args = ap.parse_args()
+    if args.probe:
+        rows = []
+        check_correctness(rows)
+        torch.cuda.synchronize()
+        bad = [r for r in rows if not r["decode_rel_err"] < 1e-2]
+        print(f"probe: {'FAILED ' + str(bad) if bad else 'ok'}")
+        return 1 if bad else 0
+    t0 = time.time()
+    torch.manual_seed(0)
+    result = harness.header(args.git_sha)
+    print(f"{result['device']}, torch {result['torch']}, triton {result['triton']}", flush=True)
+    result.update(shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page=PAGE), rows=[], checks=[], needle=[])
+    if args.prefill:
+        result.update(prefill_rows=[], prefill_checks=[], prefill_sweep=[], chunk=PREFILL_CHUNK)
+        section(result, "prefill", prefill, result, args.quick)
+        result["wall_s"] = time.time() - t0
+        harness.write_result(args.out, result)
+        print(f"\n{'depth':>6} {'chunk':>5} {'flash_ms':>8} {'fused_ms':>8} {'bf16_ms':>8} {'prev_ms':>9} {'flash/bf16':>10}"
+              f" {'fused/bf16':>10}")
+        for r in result["prefill_rows"]:
+            print(f"{r['depth']:>6} {r['q_len']:>5} {r['flash_path_ms']:8.2f} {r['tq_ms']:8.2f} {r['fa_bf16_ms']:8.2f}"
+                  f" {r['previous_path_ms']:9.1f} {r['flash_path_ms'] / r['fa_bf16_ms']:10.3f} {r['tq_ms'] / r['fa_bf16_ms']:10.2f}")
+        print(f"errors: {result.get('errors', [])}")
+        print(f"wrote {args.out} in {result['wall_s']:.0f} s")
+        return 1 if result.get("errors") else 0
+    decode(result, args.quick, args.out)
     torch.cuda.empty_cache()
     section(result, "needle", needle, result["needle"])
     result["wall_s"] = time.time() - t0
-    write(result, args.out)
+    harness.write_result(args.out, result)
     nan = float("nan")
     print(f"\n{'preset':<16} {'depth':>6} {'T':>2} {'B':>2} {'tq_us':>8} {'fold_us':>8} {'tq/fold':>7} {'naive_us':>8}"
           f" {'floor_us':>8} {'tq/floor':>8}")

@@ -2,7 +2,7 @@
 bounds, attention-output error against unquantized float64 on random and structured data, the needle test
 at 32K / 128K / 256K keys, and the QJL residual stage measured against spending its bit on the MSE codebook.
 
-    python -m onespark.bench.turboquant_quality --out bench/results/turboquant_quality.json
+    python bench/lab/turboquant_quality.py --out bench/results/turboquant_quality.json
 
 Writes the JSON (atomically) and prints a Markdown summary. About a minute on 2 CPU cores.
 """
@@ -16,13 +16,10 @@ import os
 import sys
 import time
 
+import harness
 import torch
 
-try:
-    from onespark.kernels import turboquant as tq
-except ImportError:  # a bare checkout
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-    from kernels import turboquant as tq
+from onespark.kernels import turboquant as tq
 
 PAPER = math.sqrt(3) * math.pi / 2  # E|u - u_hat|^2 <= 2.72 * 4^-b for unit u (TurboQuant, Zandieh et al. 2025)
 SM_SCALE = 1 / 16
@@ -71,37 +68,21 @@ def qjl_vs_mse(r, n=8000, m=256):
     return out
 
 
-def structured(kind: str, L: int = 4096, seed: int = 0, d: int = 256):
-    """K, V [L, d] and queries [16, d] for: random; outlier channels (8 channels x20 + a shared offset,
-    as LLM keys show); near-duplicate keys (64 prototypes + 5% noise, queries aligned with prototypes)."""
-    g = torch.Generator().manual_seed(seed)
-    k, v, q = (torch.randn(n, d, generator=g) for n in (L, L, 16))
-    if kind == "outlier":
-        k[:, :8] *= 20
-        k += 3 * torch.randn(d, generator=g)
-        q[:, :8] *= 3
-    elif kind == "neardup":
-        base = torch.randn(64, d, generator=g)
-        k = base[torch.randint(0, 64, (L,), generator=g)] + 0.05 * torch.randn(L, d, generator=g)
-        q = 1.5 * base[:16]
-    return k, v, q
-
-
 def attention_errors(r):
     rows = []
     for kind in ("random", "outlier", "neardup"):
-        k, v, q = structured(kind)
+        k, v, q = tq.structured_kv(kind)
         ref = tq.attention_reference(q[:, None], k[:, None], v[:, None], SM_SCALE)
-
-        def err(kh, vh):
-            out = tq.attention_reference(q[:, None], kh[:, None], vh[:, None], SM_SCALE)
-            return float((out - ref).norm() / ref.norm())
-
-        row = dict(data=kind, bf16=err(k.bfloat16().double(), v.bfloat16().double()))
+        row = dict(data=kind, bf16=_attention_err(q, ref, k.bfloat16().double(), v.bfloat16().double()))
         for name, p in tq.PRESETS.items():
-            row[name] = err(roundtrip(k, r, p.k_bits), roundtrip(v, r, p.v_bits))
+            row[name] = _attention_err(q, ref, roundtrip(k, r, p.k_bits), roundtrip(v, r, p.v_bits))
         rows.append(row)
     return rows
+
+
+def _attention_err(q, ref, kh, vh):
+    """Attention output on the decoded keys kh and values vh against ref, the unquantized output."""
+    return harness.rel_err(tq.attention_reference(q[:, None], kh[:, None], vh[:, None], SM_SCALE), ref)
 
 
 def needle(r):
@@ -140,18 +121,14 @@ def main(argv=None) -> int:
     t0 = time.time()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     r = tq.rotation(tq.rotation_seed(0), dtype=torch.float64)
-    res = dict(schema_version=1, command="python -m onespark.bench.turboquant_quality " + " ".join(argv or sys.argv[1:]),
-               date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), torch=torch.__version__, head_dim=256,
+    res = harness.header(gpu=False, argv=argv) | dict(torch=torch.__version__, head_dim=256,
                presets={n: dict(k_bits=p.k_bits, v_bits=p.v_bits, bytes_per_token_head=p.bytes_per_token_head()) for n, p in tq.PRESETS.items()})
     res["distortion"] = [distortion(b, r) for b in (3, 4, 8)]
     res["qjl"] = qjl_vs_mse(r)
     res["attention_rel_err"] = attention_errors(r)
     res["needle"] = needle(r)
     res["wall_s"] = time.time() - t0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(res, f, indent=1)
-    os.replace(args.out + ".tmp", args.out)
+    harness.write_result(args.out, res)
 
     print("| bits | codebook | MSE (unit vectors) | paper bound 2.72*4^-b | <y,e>^2 d/|y|^2 |")
     print("|---|---|---|---|---|")
