@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from onespark import draft_vocab, qwen35, specs
-from onespark.checkpoint import INDEX_FILE, MANIFEST_FILE, load_json, open_checkpoint, sha256_file
+from onespark.checkpoint import INDEX_FILE, MANIFEST_FILE, Checkpoint, load_json, open_checkpoint, sha256_file
 from onespark.errors import UserError
 
 MAX_LISTED = 10  # per kind of problem; the rest are counted
@@ -92,6 +92,21 @@ def _span(xs: list[int]) -> str:
     return f"{xs[0]}-{xs[-1]}" if len(xs) > 1 and xs == list(range(xs[0], xs[-1] + 1)) else ", ".join(map(str, xs))
 
 
+class Problems(list):
+    """The problems found, in order; past MAX_LISTED of one kind the rest are counted in one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: Counter = Counter()
+
+    def add(self, kind: str, text: str) -> None:
+        self.kinds[kind] += 1
+        if self.kinds[kind] <= MAX_LISTED:
+            self.append(text)
+        elif self.kinds[kind] == MAX_LISTED + 1:
+            self.append(f"... more problems of this kind ({kind}) not listed")
+
+
 def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) -> tuple[list[str], dict]:
     """Returns (problems, summary). Raises UserError when the directory cannot be read at all, or is another
     model than `spec` (default: the default spec)."""
@@ -99,52 +114,67 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
     spec = spec or specs.get(None)
     ck = open_checkpoint(path)
     specs.check_config(spec, ck.config, str(path / "config.json"))
-    problems: list[str] = []
-    kinds: Counter = Counter()
+    problems = Problems()
+    _index_problems(ck, problems)
+    problems += layer_problems(ck)
+    expected = qwen35.expected_tensors(ck.config)
+    _tensor_problems(ck, expected, problems)
+    mtp_required = _missing_problems(ck, expected, spec, problems)
+    hashed = _manifest_problems(ck, fast, problems)
+    problems += draft_vocab.check_file(path)
+    summary = {
+        "tensors": len(ck.where), "files": len(ck.headers),
+        "bytes": sum(h.file_size for h in ck.headers.values()),
+        "mtp_tensors": sum(1 for n in ck.where if qwen35.is_mtp(n)), "mtp_required": mtp_required,
+        "fp8_weights": sum(1 for n in ck.where if ck.info(n).dtype == "F8_E4M3"),
+        "manifest": (path / MANIFEST_FILE).is_file(), "hashed_files": hashed, "spec": spec.name,
+    }
+    return list(problems), summary
 
-    def problem(kind: str, text: str) -> None:
-        kinds[kind] += 1
-        if kinds[kind] <= MAX_LISTED:
-            problems.append(text)
-        elif kinds[kind] == MAX_LISTED + 1:
-            problems.append(f"... more problems of this kind ({kind}) not listed")
 
+def _index_problems(ck: Checkpoint, problems: Problems) -> None:
+    """Each tensor in one file, each index entry in the file it names, each tensor in the index."""
     for name, files in sorted(ck.duplicates.items()):
-        problem("duplicate", f"{name} is in {len(files)} files: {', '.join(files)}")
+        problems.add("duplicate", f"{name} is in {len(files)} files: {', '.join(files)}")
     wm = ck.weight_map
     for name, fname in sorted(wm.items()):
         if name not in ck.headers[fname].tensors:
             other = f" (it is in {ck.where[name]})" if name in ck.where else ""
-            problem("index", f"index puts {name} in {fname}, which lacks it{other}")
+            problems.add("index", f"index puts {name} in {fname}, which lacks it{other}")
     orphans = sorted(n for n in ck.where if n not in wm)
     mtp_orphans = [n for n in orphans if qwen35.is_mtp(n)]
     if mtp_orphans:
         files = sorted({ck.where[n] for n in mtp_orphans})
         problems.append(f"{len(mtp_orphans)} mtp.* tensors in {', '.join(files)} are not in the index, so vLLM "
-                        f"cannot load the MTP head: run `onespark mtp {path}`")
+                        f"cannot load the MTP head: run `onespark mtp {ck.path}`")
     for n in orphans:
         if not qwen35.is_mtp(n):
-            problem("orphan", f"{n} is in {ck.where[n]} but not in the index")
+            problems.add("orphan", f"{n} is in {ck.where[n]} but not in the index")
 
-    for p in layer_problems(ck):
-        problems.append(p)
-    expected = qwen35.expected_tensors(ck.config)
+
+def _tensor_problems(ck: Checkpoint, expected: dict, problems: Problems) -> None:
+    """Every tensor present is one the config implies, of its exact dtype and shape; FP8 weights have scales."""
     for name, fname in sorted(ck.where.items()):
         t = ck.headers[fname].tensors[name]
         exp = expected.get(name)
         if exp is None:
             if name.startswith("model.visual.") and t.dtype in qwen35.FLOAT_DTYPES:
                 continue  # vision tower: passed through untouched, shapes not derived here
-            problem("unexpected", f"{name} ({fname}) is a tensor the config implies no such thing as")
+            problems.add("unexpected", f"{name} ({fname}) is a tensor the config implies no such thing as")
             continue
         dtypes = exact_dtypes(name, exp, ck.config)
         if t.dtype not in dtypes or t.shape != exp.shape:
-            problem("shape", f"{name} ({fname}) is {t.dtype}{list(t.shape)}, the config implies "
-                             f"{'/'.join(sorted(dtypes))}{list(exp.shape)}")
+            problems.add("shape", f"{name} ({fname}) is {t.dtype}{list(t.shape)}, the config implies "
+                                  f"{'/'.join(sorted(dtypes))}{list(exp.shape)}")
         if t.dtype == "F8_E4M3" and name.endswith(".weight"):
             scale = name[: -len("weight")] + "weight_scale_inv"
             if scale not in ck.where:
-                problem("scale", f"FP8 weight {name} has no {scale}")
+                problems.add("scale", f"FP8 weight {name} has no {scale}")
+
+
+def _missing_problems(ck: Checkpoint, expected: dict, spec: specs.Spec, problems: Problems) -> int:
+    """Every tensor the config implies is present, the MTP head against the spec's published count.
+    Returns how many mtp.* tensors the config requires."""
     missing = sorted(n for n in expected if n not in ck.where and not qwen35.is_optional(n))
     mtp_missing = [n for n in missing if qwen35.is_mtp(n)]
     mtp_required = sum(1 for n in expected if qwen35.is_mtp(n) and not qwen35.is_optional(n))
@@ -156,50 +186,43 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
                         f"re-quantized checkpoint: check it with --model custom)")
     if mtp_missing:
         problems.append(f"MTP head incomplete: {len(mtp_missing)} of {mtp_required} mtp.* tensors missing "
-                        f"(e.g. {mtp_missing[0]}): run `onespark mtp {path} --source INT4_DIR`")
+                        f"(e.g. {mtp_missing[0]}): run `onespark mtp {ck.path} --source INT4_DIR`")
     for n in missing:
         if not qwen35.is_mtp(n):
-            problem("missing", f"{n} is missing (the config implies it)")
+            problems.add("missing", f"{n} is missing (the config implies it)")
+    return mtp_required
 
-    hashed = 0
-    man_path = path / MANIFEST_FILE
-    if man_path.is_file():
-        man = load_json(man_path, "manifest")
-        listed = man.get("files", {})
-        to_hash = []
-        for fname, entry in sorted(listed.items()):
-            f = path / fname
-            if not f.is_file():
-                problem("manifest", f"{fname} is in the manifest but missing: {REWRITE}")
-            elif f.stat().st_size != entry.get("size"):
-                problem("manifest", f"{fname} is {f.stat().st_size} bytes, the manifest says {entry.get('size')}: "
-                                    f"{REWRITE}")
-            elif not fast and entry.get("sha256"):
-                to_hash.append(fname)
-        # sha256 is CPU-bound (~1 GB/s a core): hash up to 4 files at once
-        with cf.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
-            digests = dict(zip(to_hash, pool.map(lambda f: sha256_file(path / f), to_hash)))
-        for fname in to_hash:
-            if digests[fname] != listed[fname]["sha256"]:
-                problem("manifest", f"{fname}: sha256 differs from the manifest (the file changed or is corrupt): "
-                                    f"delete it, then {REWRITE}")
-        hashed = len(to_hash)
-        for fname in sorted(ck.headers):
-            if fname not in listed:
-                problem("manifest", f"{fname} is not in the manifest")
-    elif (ck.config.get("onespark") or {}).get("manifest"):
-        problems.append(f"{MANIFEST_FILE} is missing although config.json says step 1 wrote one: "
-                        f"the run did not finish; run step 1 again")
-    for p in draft_vocab.check_file(path):
-        problems.append(p)
-    summary = {
-        "tensors": len(ck.where), "files": len(ck.headers),
-        "bytes": sum(h.file_size for h in ck.headers.values()),
-        "mtp_tensors": sum(1 for n in ck.where if qwen35.is_mtp(n)), "mtp_required": mtp_required,
-        "fp8_weights": sum(1 for n in ck.where if ck.info(n).dtype == "F8_E4M3"),
-        "manifest": man_path.is_file(), "hashed_files": hashed, "spec": spec.name,
-    }
-    return problems, summary
+
+def _manifest_problems(ck: Checkpoint, fast: bool, problems: Problems) -> int:
+    """The manifest's sizes (and, unless `fast`, sha256) against the files. Returns how many files were hashed."""
+    path, man_path = ck.path, ck.path / MANIFEST_FILE
+    if not man_path.is_file():
+        if (ck.config.get("onespark") or {}).get("manifest"):
+            problems.append(f"{MANIFEST_FILE} is missing although config.json says step 1 wrote one: "
+                            f"the run did not finish; run step 1 again")
+        return 0
+    listed = load_json(man_path, "manifest").get("files", {})
+    to_hash = []
+    for fname, entry in sorted(listed.items()):
+        f = path / fname
+        if not f.is_file():
+            problems.add("manifest", f"{fname} is in the manifest but missing: {REWRITE}")
+        elif f.stat().st_size != entry.get("size"):
+            problems.add("manifest", f"{fname} is {f.stat().st_size} bytes, the manifest says {entry.get('size')}: "
+                                     f"{REWRITE}")
+        elif not fast and entry.get("sha256"):
+            to_hash.append(fname)
+    # sha256 is CPU-bound (~1 GB/s a core): hash up to 4 files at once
+    with cf.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1))) as pool:
+        digests = dict(zip(to_hash, pool.map(lambda f: sha256_file(path / f), to_hash)))
+    for fname in to_hash:
+        if digests[fname] != listed[fname]["sha256"]:
+            problems.add("manifest", f"{fname}: sha256 differs from the manifest (the file changed or is corrupt): "
+                                     f"delete it, then {REWRITE}")
+    for fname in sorted(ck.headers):
+        if fname not in listed:
+            problems.add("manifest", f"{fname} is not in the manifest")
+    return len(to_hash)
 
 
 def drafter_problems(path: Path, spec: specs.Spec) -> tuple[list[str], dict]:
