@@ -10,6 +10,7 @@ scattered blocks, skipped slots, empty splits.
 
 from __future__ import annotations
 
+import operator
 import os
 
 import pytest
@@ -180,6 +181,10 @@ def test_decode_4bit_decoders_match_reference(block_n):
         assert_rel(out.float(), ref, 3e-3, f"decoder={decoder} block_n={block_n}")
 
 
+_PTX_ALU = {"and.b32": operator.and_, "or.b32": operator.or_, "xor.b32": operator.xor, "shr.b32": operator.rshift,
+            "shl.b32": operator.lshift, "sub.u32": operator.sub}  # the two-operand PTX ops _prmt_asm uses
+
+
 def _run_ptx(asm: str, x: int) -> tuple[int, int]:
     """Execute the decoder's PTX (the handful of b32 ops it uses) on one 32-bit input: -> ($0, $1)."""
     regs = {"$2": x}
@@ -199,10 +204,10 @@ def _run_ptx(asm: str, x: int) -> tuple[int, int]:
                 byte = (src >> (8 * (sel & 7))) & 0xFF
                 out |= ((0xFF if byte & 0x80 else 0) if sel & 8 else byte) << (8 * i)
             r = out
+        elif op == "mov.b32":
+            r = a[0]
         else:
-            r = {"and.b32": lambda: a[0] & a[1], "or.b32": lambda: a[0] | a[1], "xor.b32": lambda: a[0] ^ a[1],
-                 "shr.b32": lambda: a[0] >> a[1], "shl.b32": lambda: a[0] << a[1], "sub.u32": lambda: a[0] - a[1],
-                 "mov.b32": lambda: a[0]}[op]()
+            r = _PTX_ALU[op](a[0], a[1])
         regs[d] = r & 0xFFFFFFFF
     return regs["$0"], regs["$1"]
 
