@@ -36,6 +36,28 @@ REVISION=
 DRAFTER=mtp
 DRAFTER_REVISION=
 
+option() {
+  case $1 in
+    --launch) LAUNCH=1 ;;
+    --tq) TQ=1 ;;
+    --bench) BENCH=1; LAUNCH=1 ;;
+    --host) need_value "$@"; HOST=$2 ;;
+    --port) need_value "$@"; PORT=$2 ;;
+    --api-key) need_value "$@"; export ONESPARK_API_KEY=$2 ;;
+    --work) need_value "$@"; WORK=$2; WORK_SET=1 ;;
+    --vllm) need_value "$@"; TRACK=$2 ;;
+    --model) need_value "$@"; MODEL=$2 ;;
+    --revision) need_value "$@"; REVISION=$2 ;;
+    --drafter) need_value "$@"; DRAFTER=$2 ;;
+    --drafter-revision) need_value "$@"; DRAFTER_REVISION=$2 ;;
+    --nodes) need_value "$@"; NODES=$2; LAUNCH=1 ;;
+    --no-cache) NO_CACHE=1 ;;
+    --demo) DEMO=1; LAUNCH=1; BENCH=1 ;;
+    -y | --yes) ASSUME_YES=1 ;;
+    *) return 1 ;;
+  esac
+}
+
 usage() {
   cat <<USAGE
 usage: ./install.sh [options]
@@ -78,30 +100,7 @@ USAGE
 }
 
 parse_args() {
-  while (($#)); do
-    case $1 in
-      --launch) LAUNCH=1 ;;
-      --tq) TQ=1 ;;
-      --bench) BENCH=1; LAUNCH=1 ;;
-      --host) need_value "$@"; HOST=$2; shift ;;
-      --port) need_value "$@"; PORT=$2; shift ;;
-      --api-key) need_value "$@"; export ONESPARK_API_KEY=$2; shift ;;
-      --work) need_value "$@"; WORK=$2; WORK_SET=1; shift ;;
-      --vllm) need_value "$@"; TRACK=$2; shift ;;
-      --model) need_value "$@"; MODEL=$2; shift ;;
-      --revision) need_value "$@"; REVISION=$2; shift ;;
-      --drafter) need_value "$@"; DRAFTER=$2; shift ;;
-      --drafter-revision) need_value "$@"; DRAFTER_REVISION=$2; shift ;;
-      --nodes) need_value "$@"; NODES=$2; LAUNCH=1; shift ;;
-      --no-cache) NO_CACHE=1 ;;
-      --demo) DEMO=1; LAUNCH=1; BENCH=1 ;;
-      --dry-run) DRY_RUN=1 ;;
-      -y|--yes) ASSUME_YES=1 ;;
-      -h|--help) usage; exit 0 ;;
-      *) err "unknown option: $1 (see ./install.sh --help)"; exit 2 ;;
-    esac
-    shift
-  done
+  parse_options option "$@"
   [[ $PORT =~ ^[0-9]+$ ]] || die "--port must be a number, got '$PORT'"
   check_track "$TRACK"
   check_drafter
@@ -395,4 +394,4 @@ main() {
   timing_summary
 }
 
-main "$@" || exit 1; exit 0
+main "$@" || exit 1

@@ -14,6 +14,16 @@ MIRROR=http://deb.debian.org/debian
 PACKAGES=python3,python3-venv,ca-certificates,libnuma1,patch
 SUITE=bookworm
 LABEL_KEY=dev.onespark.fingerprint
+NO_CACHE=0
+
+option() {
+  case $1 in
+    --image) need_value "$@"; IMAGE=$2 ;;
+    --mirror) need_value "$@"; MIRROR=$2 ;;
+    --no-cache) NO_CACHE=1 ;;
+    *) return 1 ;;
+  esac
+}
 
 usage() {
   cat <<USAGE
@@ -27,23 +37,12 @@ USAGE
 }
 
 main() {
-  local no_cache=0
-  while (($#)); do
-    case $1 in
-      --image) need_value "$@"; IMAGE=$2; shift ;;
-      --mirror) need_value "$@"; MIRROR=$2; shift ;;
-      --no-cache) no_cache=1 ;;
-      --dry-run) DRY_RUN=1 ;;
-      -h|--help) usage; return 0 ;;
-      *) err "unknown option: $1"; usage >&2; return 2 ;;
-    esac
-    shift
-  done
+  parse_options option "$@"
   local fp
   fp=$(fingerprint "$SUITE" "$PACKAGES" "$MIRROR")
   if [[ $DRY_RUN != 1 ]]; then
     need_cmd docker "apt-get install -y docker.io"
-    if ((no_cache == 0)) && [[ $(image_label "$IMAGE" "$LABEL_KEY") == "$fp" ]]; then
+    if ((NO_CACHE == 0)) && [[ $(image_label "$IMAGE" "$LABEL_KEY") == "$fp" ]]; then
       say "demo rootfs $IMAGE is up to date ($LABEL_KEY=$fp), skipping"
       return 0
     fi
@@ -79,4 +78,4 @@ cleanup_rootfs() {
   rm -rf --one-file-system "$dir"
 }
 
-main "$@" || exit $?; exit 0
+main "$@" || exit 1

@@ -12,6 +12,14 @@ MODEL=$MODEL_DEFAULT
 DRAFTER=mtp
 EXTRA=()
 
+option() {
+  case $1 in
+    --int4-revision | --fp8-revision | --drafter-revision) need_value "$@"; EXTRA+=("$1" "$2") ;;
+    --drafter) need_value "$@"; DRAFTER=$2 ;;
+    *) checkpoint_option "$@" ;;
+  esac
+}
+
 usage() {
   cat <<USAGE
 usage: steps/0-download.sh [--model NAME] [--work DIR] [--int4-revision SHA] [--fp8-revision SHA]
@@ -32,25 +40,6 @@ Needs ~78 GB free in DIR. HF_TOKEN / HF_ENDPOINT are honoured (huggingface_hub).
 USAGE
 }
 
-parse_args() {
-  while (($#)); do
-    case $1 in
-      --work) need_value "$@"; WORK=$2; shift ;;
-      --model) need_value "$@"; MODEL=$2; shift ;;
-      --int4-revision | --fp8-revision | --drafter-revision) need_value "$@"; EXTRA+=("$1" "$2"); shift ;;
-      --drafter) need_value "$@"; DRAFTER=$2; shift ;;
-      --dry-run) DRY_RUN=1 ;;
-      -h | --help) usage; exit 0 ;;
-      *) err "unknown option: $1"; usage >&2; exit 2 ;;
-    esac
-    shift
-  done
-  if [[ -z $WORK ]]; then
-    WORK=$(model_work "$ONESPARK_ROOT/.work" "$MODEL") || exit 2
-  fi
-  SPLICE=$(spec_get "$MODEL" splice) || exit 2
-}
-
 # Complete when step 0 wrote its record in both directories (it does so last).
 done_already() {
   grep -q '"complete": true' "$WORK/int4/onespark-download.json" 2>/dev/null &&
@@ -59,7 +48,9 @@ done_already() {
 }
 
 main() {
-  parse_args "$@"
+  parse_options option "$@"
+  checkpoint_work
+  SPLICE=$(spec_get "$MODEL" splice) || exit 2
   if ((${#EXTRA[@]} == 0)) && done_already; then
     say "step 0 already done: $WORK/int4 and $WORK/fp8 are complete"
     return 0

@@ -24,24 +24,9 @@ Needs ~72 GB free in DIR (checked before writing).
 USAGE
 }
 
-parse_args() {
-  while (($#)); do
-    case $1 in
-      --work) need_value "$@"; WORK=$2; shift ;;
-      --model) need_value "$@"; MODEL=$2; shift ;;
-      --dry-run) DRY_RUN=1 ;;
-      -h | --help) usage; exit 0 ;;
-      *) err "unknown option: $1"; usage >&2; exit 2 ;;
-    esac
-    shift
-  done
-  if [[ -z $WORK ]]; then
-    WORK=$(model_work "$ONESPARK_ROOT/.work" "$MODEL") || exit 2
-  fi
-}
-
 main() {
-  parse_args "$@"
+  parse_options checkpoint_option "$@"
+  checkpoint_work
   local splice
   splice=$(spec_get "$MODEL" splice) || exit 2
   if [[ $splice != True ]]; then

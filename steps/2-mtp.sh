@@ -11,6 +11,13 @@ WORK=
 MODEL=$MODEL_DEFAULT
 VERIFY=(--fast)
 
+option() {
+  case $1 in
+    --full-verify) VERIFY=() ;;
+    *) checkpoint_option "$@" ;;
+  esac
+}
+
 usage() {
   cat <<USAGE
 usage: steps/2-mtp.sh [--model NAME] [--work DIR] [--full-verify] [--dry-run]
@@ -24,25 +31,9 @@ usage: steps/2-mtp.sh [--model NAME] [--work DIR] [--full-verify] [--dry-run]
 USAGE
 }
 
-parse_args() {
-  while (($#)); do
-    case $1 in
-      --work) need_value "$@"; WORK=$2; shift ;;
-      --model) need_value "$@"; MODEL=$2; shift ;;
-      --full-verify) VERIFY=() ;;
-      --dry-run) DRY_RUN=1 ;;
-      -h | --help) usage; exit 0 ;;
-      *) err "unknown option: $1"; usage >&2; exit 2 ;;
-    esac
-    shift
-  done
-  if [[ -z $WORK ]]; then
-    WORK=$(model_work "$ONESPARK_ROOT/.work" "$MODEL") || exit 2
-  fi
-}
-
 main() {
-  parse_args "$@"
+  parse_options option "$@"
+  checkpoint_work
   local served
   served=$(spec_get "$MODEL" served_dir) || exit 2
   if [[ $served == int4 ]]; then  # no splice: the download itself is served, and it holds its own head

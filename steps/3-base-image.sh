@@ -10,6 +10,22 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 MAX_JOBS=${MAX_JOBS:-12}
 NVCC_THREADS=${NVCC_THREADS:-2}
 LABEL_KEY=dev.onespark.fingerprint
+TRACK=$VLLM_DEFAULT
+TAG=
+DEMO=0
+NO_CACHE=0
+FROM=
+PYTHON=
+
+option() {
+  case $1 in
+    --from) need_value "$@"; FROM=$2 ;;
+    --python) need_value "$@"; PYTHON=$2 ;;
+    --max-jobs) need_value "$@"; MAX_JOBS=$2 ;;
+    --nvcc-threads) need_value "$@"; NVCC_THREADS=$2 ;;
+    *) image_option "$@" ;;
+  esac
+}
 
 usage() {
   cat <<USAGE
@@ -32,40 +48,26 @@ USAGE
 }
 
 main() {
-  local demo=0 no_cache=0 tag="" track=$VLLM_DEFAULT from="" python=""
-  while (($#)); do
-    case $1 in
-      --vllm) need_value "$@"; track=$2; shift ;;
-      --tag) need_value "$@"; tag=$2; shift ;;
-      --demo) demo=1 ;;
-      --from) need_value "$@"; from=$2; shift ;;
-      --python) need_value "$@"; python=$2; shift ;;
-      --max-jobs) need_value "$@"; MAX_JOBS=$2; shift ;;
-      --nvcc-threads) need_value "$@"; NVCC_THREADS=$2; shift ;;
-      --no-cache) no_cache=1 ;;
-      --dry-run) DRY_RUN=1 ;;
-      -h|--help) usage; return 0 ;;
-      *) err "unknown option: $1"; usage >&2; return 2 ;;
-    esac
-    shift
-  done
-  check_track "$track"
-  if [[ -n $from && -z $tag ]]; then
-    err "--from needs --tag: an image built on a stand-in must not take the name $(base_tag "$track")"; return 2
+  parse_options option "$@"
+  check_track "$TRACK"
+  if [[ -n $FROM && -z $TAG ]]; then
+    usage_error "--from needs --tag: an image built on a stand-in must not take the name $(base_tag "$TRACK")"
   fi
-  ((demo)) && [[ -n $from || -n $python ]] && { err "--demo builds demo/Dockerfile.cpu-base: --from and --python are for Dockerfile.base"; return 2; }
+  if ((DEMO)) && [[ -n $FROM || -n $PYTHON ]]; then
+    usage_error "--demo builds demo/Dockerfile.cpu-base: --from and --python are for Dockerfile.base"
+  fi
   cd "$ONESPARK_ROOT" || die "cannot cd to $ONESPARK_ROOT"
   local dockerfile fp
   local -a args=(docker build --network host)
-  if ((demo)); then
-    tag=${tag:-$(demo_base_tag "$track")}
+  if ((DEMO)); then
+    TAG=${TAG:-$(demo_base_tag "$TRACK")}
     dockerfile=demo/Dockerfile.cpu-base
     # The CPU test lane's pins for the track (tests/run.sh): the demo base cannot drift from the tests.
     local reqs=tests/requirements.txt ovr=tests/overrides.txt torch=2.10.0
-    if [[ $track == 0.32.0 ]]; then reqs=tests/requirements-032.txt ovr=tests/overrides-032.txt torch=2.13.0; fi
+    if [[ $TRACK == 0.32.0 ]]; then reqs=tests/requirements-032.txt ovr=tests/overrides-032.txt torch=2.13.0; fi
     # The rootfs first (it skips itself when up to date): the base is only current for this rootfs.
     local -a rootfs=(demo/rootfs.sh)
-    ((no_cache)) && rootfs+=(--no-cache)
+    ((NO_CACHE)) && rootfs+=(--no-cache)
     [[ $DRY_RUN == 1 ]] && rootfs+=(--dry-run)
     timed "demo rootfs (debootstrap + docker import)" "${rootfs[@]}"
     local rootfs_id=onespark-demo/debian:bookworm
@@ -73,46 +75,46 @@ main() {
       rootfs_id=$(docker image inspect --format '{{.Id}}' onespark-demo/debian:bookworm) \
         || die "demo rootfs image missing after demo/rootfs.sh"
     fi
-    fp=$(fingerprint "$dockerfile" "$reqs" "$ovr" "$rootfs_id" "VLLM_VERSION=$track")
-    args+=(--build-arg "VLLM_VERSION=$track" --build-arg "TORCH_VERSION=$torch"
+    fp=$(fingerprint "$dockerfile" "$reqs" "$ovr" "$rootfs_id" "VLLM_VERSION=$TRACK")
+    args+=(--build-arg "VLLM_VERSION=$TRACK" --build-arg "TORCH_VERSION=$torch"
            --build-arg "REQUIREMENTS=$reqs" --build-arg "OVERRIDES=$ovr")
-  elif [[ $track == 0.32.0 ]]; then
-    tag=${tag:-$(base_tag "$track")}
+  elif [[ $TRACK == 0.32.0 ]]; then
+    TAG=${TAG:-$(base_tag "$TRACK")}
     dockerfile=Dockerfile.base
     # No DOCKER_BUILDKIT here: this stage needs no BuildKit, so Docker's default builder (BuildKit where buildx
     # is installed, as on the Spark; the classic one otherwise, as in CI) builds it.
     args+=(--target vllm-wheels)
-    [[ -n $from ]] && args+=(--build-arg "BASE_IMAGE=$from")
-    [[ -n $python ]] && args+=(--build-arg "PYTHON_VERSION=$python")
-    local from_id=$from
-    if [[ -n $from && $DRY_RUN != 1 ]]; then
-      from_id=$(docker image inspect --format '{{.Id}}' "$from" 2>/dev/null) \
-        || die "--from image $from not found (demo/rootfs.sh builds the Debian stand-in)"
+    [[ -n $FROM ]] && args+=(--build-arg "BASE_IMAGE=$FROM")
+    [[ -n $PYTHON ]] && args+=(--build-arg "PYTHON_VERSION=$PYTHON")
+    local from_id=$FROM
+    if [[ -n $FROM && $DRY_RUN != 1 ]]; then
+      from_id=$(docker image inspect --format '{{.Id}}' "$FROM" 2>/dev/null) \
+        || die "--from image $FROM not found (demo/rootfs.sh builds the Debian stand-in)"
     fi
-    fp=$(fingerprint "$dockerfile" docker/vllm-0.32.0.lock.txt docker/base-check.py "FROM=$from_id" "PYTHON=$python")
+    fp=$(fingerprint "$dockerfile" docker/vllm-0.32.0.lock.txt docker/base-check.py "FROM=$from_id" "PYTHON=$PYTHON")
   else
-    tag=${tag:-$(base_tag "$track")}
+    TAG=${TAG:-$(base_tag "$TRACK")}
     dockerfile=Dockerfile.base
-    fp=$(fingerprint "$dockerfile" docker/base-check.py "MAX_JOBS=$MAX_JOBS" "NVCC_THREADS=$NVCC_THREADS" "FROM=$from" "PYTHON=$python")
+    fp=$(fingerprint "$dockerfile" docker/base-check.py "MAX_JOBS=$MAX_JOBS" "NVCC_THREADS=$NVCC_THREADS" "FROM=$FROM" "PYTHON=$PYTHON")
     # BuildKit: the source build uses cache mounts and skips the vllm-wheels stage. Spark's Docker has buildx.
     args=(env DOCKER_BUILDKIT=1 "${args[@]}" --target vllm-base
           --build-arg "MAX_JOBS=$MAX_JOBS" --build-arg "NVCC_THREADS=$NVCC_THREADS")
-    [[ -n $from ]] && args+=(--build-arg "BASE_IMAGE=$from")
-    [[ -n $python ]] && args+=(--build-arg "PYTHON_VERSION=$python")
+    [[ -n $FROM ]] && args+=(--build-arg "BASE_IMAGE=$FROM")
+    [[ -n $PYTHON ]] && args+=(--build-arg "PYTHON_VERSION=$PYTHON")
   fi
   if [[ $DRY_RUN != 1 ]]; then
     need_cmd docker "install Docker: https://docs.docker.com/engine/install/ (DGX OS ships it)"
-    if ((no_cache == 0)) && [[ $(image_label "$tag" "$LABEL_KEY") == "$fp" ]]; then
-      say "step 3: $tag is up to date ($LABEL_KEY=$fp), skipping"
+    if ((NO_CACHE == 0)) && [[ $(image_label "$TAG" "$LABEL_KEY") == "$fp" ]]; then
+      say "step 3: $TAG is up to date ($LABEL_KEY=$fp), skipping"
       return 0
     fi
   fi
-  ((no_cache)) && args+=(--no-cache)
+  ((NO_CACHE)) && args+=(--no-cache)
   # The track label is also in the Dockerfiles; set here too, so that every base this script builds has it.
-  args+=(--label "$LABEL_KEY=$fp" --label "$TRACK_LABEL=$track" -f "$dockerfile" -t "$tag" .)
-  say "step 3: building $tag (vLLM $track) from $dockerfile"
-  timed "docker build $tag" "${args[@]}"
+  args+=(--label "$LABEL_KEY=$fp" --label "$TRACK_LABEL=$TRACK" -f "$dockerfile" -t "$TAG" .)
+  say "step 3: building $TAG (vLLM $TRACK) from $dockerfile"
+  timed "docker build $TAG" "${args[@]}"
   timing_summary
 }
 
-main "$@" || exit $?; exit 0
+main "$@" || exit 1

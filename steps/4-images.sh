@@ -9,6 +9,20 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 VERSION=$(sed -n 's/^version = "\(.*\)"/\1/p' "$ONESPARK_ROOT/pyproject.toml")
 LABEL_KEY=dev.onespark.fingerprint
+TRACK=$VLLM_DEFAULT
+BASE=
+TAG=
+TQ=0
+DEMO=0
+NO_CACHE=0
+
+option() {
+  case $1 in
+    --base) need_value "$@"; BASE=$2 ;;
+    --tq) TQ=1 ;;
+    *) image_option "$@" ;;
+  esac
+}
 
 usage() {
   cat <<USAGE
@@ -65,43 +79,28 @@ build_image() {
 }
 
 main() {
-  local tq=0 demo=0 base="" tag="" track=$VLLM_DEFAULT
-  NO_CACHE=0
-  while (($#)); do
-    case $1 in
-      --vllm) need_value "$@"; track=$2; shift ;;
-      --base) need_value "$@"; base=$2; shift ;;
-      --tag) need_value "$@"; tag=$2; shift ;;
-      --tq) tq=1 ;;
-      --demo) demo=1 ;;
-      --no-cache) NO_CACHE=1 ;;
-      --dry-run) DRY_RUN=1 ;;
-      -h|--help) usage; return 0 ;;
-      *) err "unknown option: $1"; usage >&2; return 2 ;;
-    esac
-    shift
-  done
-  check_track "$track"
+  parse_options option "$@"
+  check_track "$TRACK"
   cd "$ONESPARK_ROOT" || die "cannot cd to $ONESPARK_ROOT"
   # Dockerfile.v2-tq applies the track's TurboQuant diff (patches/turboquant.diff is 0.19.1's).
   local tq_diff=patches/turboquant.diff
-  [[ $track == "$VLLM_DEFAULT" ]] || tq_diff=patches/turboquant-$track.diff
-  if ((tq)) && [[ ! -f $tq_diff ]]; then
-    die "--tq on vLLM $track needs $tq_diff, which this checkout does not have (TurboQuant is not ported to $track yet)"
+  [[ $TRACK == "$VLLM_DEFAULT" ]] || tq_diff=patches/turboquant-$TRACK.diff
+  if ((TQ)) && [[ ! -f $tq_diff ]]; then
+    die "--tq on vLLM $TRACK needs $tq_diff, which this checkout does not have (TurboQuant is not ported to $TRACK yet)"
   fi
   [[ $DRY_RUN == 1 ]] || need_cmd docker "install Docker: https://docs.docker.com/engine/install/"
-  if ((demo)); then
-    base=${base:-$(demo_base_tag "$track")}
-    tag=${tag:-onespark-demo/v2:$VERSION$(track_suffix "$track")}
+  if ((DEMO)); then
+    BASE=${BASE:-$(demo_base_tag "$TRACK")}
+    TAG=${TAG:-onespark-demo/v2:$VERSION$(track_suffix "$TRACK")}
   else
-    base=${base:-$(base_tag "$track")}
-    tag=${tag:-onespark/v2:$VERSION$(track_suffix "$track")}
+    BASE=${BASE:-$(base_tag "$TRACK")}
+    TAG=${TAG:-onespark/v2:$VERSION$(track_suffix "$TRACK")}
   fi
-  build_image "$tag" Dockerfile.v2 "$base" VLLM_BASE "$track"
-  if ((tq)); then
-    build_image "${tag/\/v2:/\/v2-tq:}" Dockerfile.v2-tq "$tag" ONESPARK_V2 "$track"
+  build_image "$TAG" Dockerfile.v2 "$BASE" VLLM_BASE "$TRACK"
+  if ((TQ)); then
+    build_image "${TAG/\/v2:/\/v2-tq:}" Dockerfile.v2-tq "$TAG" ONESPARK_V2 "$TRACK"
   fi
   timing_summary
 }
 
-main "$@" || exit $?; exit 0
+main "$@" || exit 1

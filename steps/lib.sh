@@ -10,14 +10,38 @@ say() { printf 'onespark: %s\n' "$*"; }
 err() { printf 'onespark: error: %s\n' "$*" >&2; }
 die() { err "$@"; exit 1; }
 
-# need_value "$@" inside an option loop: the option in $1 must be followed by its value. Dies naming the option
-# (bash's own ${2:?} says "line 65: 2: ..."), also when the next word is another option (`--work --demo`).
+# ---- command lines: one option loop for install.sh, steps/*.sh and demo/rootfs.sh ----------------------
+
+# A wrong command line: one line on stderr and exit 2 (from anywhere, also inside `main "$@" || exit 1`).
+usage_error() { err "$@"; exit 2; }
+
+# parse_options HANDLER "$@": every script's option loop. --dry-run and -h/--help are everyone's; any other word
+# goes to `HANDLER "$@"`, which handles one option of its script and returns 1 when the word is none of them (an
+# unknown option: one error line, then usage, on stderr). A handler whose option takes a value calls
+# `need_value "$@"` and reads the value as $2. Each script defines usage().
+parse_options() {
+  local handler=$1
+  shift
+  while (($#)); do
+    OPTION_WORDS=1
+    case $1 in
+      --dry-run) DRY_RUN=1 ;;
+      -h | --help) usage; exit 0 ;;
+      *) "$handler" "$@" || { err "unknown option: $1"; usage >&2; exit 2; } ;;
+    esac
+    shift "$OPTION_WORDS"
+  done
+}
+
+# need_value "$@" in a handler: the option in $1 takes the next word as its value, so it must have one. Names the
+# option (bash's own ${2:?} says "line 65: 2: ..."), also when the next word is another option (`--work --demo`).
 need_value() {
   if (($# < 2)) || [[ -z $2 ]]; then
-    err "$1 needs a value (see $0 --help)"; exit 2
+    usage_error "$1 needs a value (see $0 --help)"
   elif [[ $2 == --* ]]; then
-    err "$1 needs a value, got the option $2 (see $0 --help)"; exit 2
+    usage_error "$1 needs a value, got the option $2 (see $0 --help)"
   fi
+  OPTION_WORDS=2
 }
 
 need_cmd() {
@@ -56,7 +80,19 @@ TRACK_LABEL=dev.onespark.vllm.track
 check_track() {
   local t
   for t in "${VLLM_TRACKS[@]}"; do [[ $1 == "$t" ]] && return 0; done
-  err "--vllm must be one of ${VLLM_TRACKS[*]}, got '$1'"; exit 2
+  usage_error "--vllm must be one of ${VLLM_TRACKS[*]}, got '$1'"
+}
+
+# Steps 3-4's shared options (a parse_options handler), into TRACK, TAG, DEMO and NO_CACHE.
+# shellcheck disable=SC2034  # the variables are the steps' (this file is sourced)
+image_option() {
+  case $1 in
+    --vllm) need_value "$@"; TRACK=$2 ;;
+    --tag) need_value "$@"; TAG=$2 ;;
+    --demo) DEMO=1 ;;
+    --no-cache) NO_CACHE=1 ;;
+    *) return 1 ;;
+  esac
 }
 
 # Image names per track. The default track keeps the names it always had; the other track's v2 images carry
@@ -153,6 +189,20 @@ timing_summary() {
 }
 
 # ---- checkpoint steps 0-2 (appended by the checkpoint issue) -------------------------------------
+
+# Steps 0-2's shared options (a parse_options handler): --model NAME, --work DIR (default: checkpoint_work's).
+checkpoint_option() {
+  case $1 in
+    --work) need_value "$@"; WORK=$2 ;;
+    --model) need_value "$@"; MODEL=$2 ;;
+    *) return 1 ;;
+  esac
+}
+
+# After parse_options: without --work, MODEL's directory under .work (model_work).
+checkpoint_work() {
+  [[ -n $WORK ]] || WORK=$(model_work "$ONESPARK_ROOT/.work" "$MODEL") || exit 2
+}
 
 # onespark_cli, except that --dry-run prints the command even before install.sh has created the CLI.
 onespark_step() {
