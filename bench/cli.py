@@ -241,30 +241,32 @@ async def _quality(args, ep_a: Endpoint, client_a, settings: Settings, progress:
     return q
 
 
-def run(args) -> int:
-    if args.action == "compare":
-        a, b = report.load_result(args.a), report.load_result(args.b)
-        for path, r in ((args.a, a), (args.b, b)):
-            if r.get("failed_requests"):
-                raise UserError(f"{path} has {r['failed_requests']} failed requests: its figures are incomplete; "
-                                "re-run that benchmark")
-        rows = report.compare(a, b)
-        differ = report.settings_diff(a, b)
-        if differ:  # said first, so nobody reads a delta of --max-tokens 64 vs 256 as the server's
-            print(f"note: A and B ran with different settings ({'; '.join(differ)}): a delta may come from "
-                  "them rather than from the servers\n")
-        quality = _recorded_quality(a, b, args.a, args.b)
-        if not rows and quality is None:
-            raise UserError(f"{args.a} and {args.b} share no suite and group to compare")
-        if rows:
-            print(report.compare_table(rows, args.a, args.b, md=args.markdown))
-        if quality is not None:
-            view = {"quality": quality, "endpoint": args.a, "endpoint_b": args.b}
-            for title, headers, body in report.tables(view):
-                print(report.table_text(title, headers, body, md=args.markdown))
-        return 0
+def _compare(args) -> int:
+    """`onespark bench compare A B`: the deltas of two result files, and their recorded quality."""
+    a, b = report.load_result(args.a), report.load_result(args.b)
+    for path, r in ((args.a, a), (args.b, b)):
+        if r.get("failed_requests"):
+            raise UserError(f"{path} has {r['failed_requests']} failed requests: its figures are incomplete; "
+                            "re-run that benchmark")
+    rows = report.compare(a, b)
+    differ = report.settings_diff(a, b)
+    if differ:  # said first, so nobody reads a delta of --max-tokens 64 vs 256 as the server's
+        print(f"note: A and B ran with different settings ({'; '.join(differ)}): a delta may come from "
+              "them rather than from the servers\n")
+    quality = _recorded_quality(a, b, args.a, args.b)
+    if not rows and quality is None:
+        raise UserError(f"{args.a} and {args.b} share no suite and group to compare")
+    if rows:
+        print(report.compare_table(rows, args.a, args.b, md=args.markdown))
+    if quality is not None:
+        view = {"quality": quality, "endpoint": args.a, "endpoint_b": args.b}
+        for title, headers, body in report.tables(view):
+            print(report.table_text(title, headers, body, md=args.markdown))
+    return 0
 
-    names = _suites(args.suite)
+
+def _checked_settings(args) -> Settings:
+    """The run's settings, every flag checked (and the output directory writable) before anything is sent."""
     if args.spec:
         from onespark import specs
         args.model = args.model or specs.get(args.spec, flag="--spec").name  # = the --served-model-name serve --spec sets
@@ -280,10 +282,12 @@ def run(args) -> int:
     report.check_writable(args.out)  # before the run: what it measures must have somewhere to go
     if not args.no_png:
         report.require_png()
-    created = dt.datetime.now(dt.timezone.utc)
-    body = asyncio.run(_bench(args, names, settings))
+    return settings
+
+
+def _result(args, names: list[str], settings: Settings, created: dt.datetime, body: dict) -> dict:
+    """The result file's content: what ran where, with which settings, and the measurements."""
     rows = [r for s in body["suites"].values() for r in s["rows"]]
-    failed = [r for r in rows if not r["ok"]]
     settings_record = {k: v for k, v in vars(settings).items()}
     settings_record.update(api=args.api, no_think=args.no_think, stream=not args.no_stream, timeout_s=args.timeout,
                            suites=names)
@@ -304,10 +308,12 @@ def run(args) -> int:
         **body,
         "settings": settings_record,
         "requests": len(rows),
-        "failed_requests": len(failed),
+        "failed_requests": sum(not r["ok"] for r in rows),
     }
-    result = redact(result, secrets(args))  # a key passed anywhere (--note, a URL) is never recorded
-    stem = args.name or f"{'-'.join(names)}-{created.strftime('%Y%m%dT%H%M%SZ')}"
+    return redact(result, secrets(args))  # a key passed anywhere (--note, a URL) is never recorded
+
+
+def _write(args, result: dict, stem: str) -> list[Path]:
     out = Path(args.out)
     text = json.dumps(result, indent=1)
     if len(text) > 200_000:  # e.g. whole-vocabulary logprobs: indentation would double a file nobody reads by eye
@@ -317,8 +323,22 @@ def run(args) -> int:
     wrote = [out / f"{stem}.json", out / f"{stem}.md"]
     if not args.no_png and report.plot(result, out / f"{stem}.png"):
         wrote.append(out / f"{stem}.png")
+    return wrote
+
+
+def run(args) -> int:
+    if args.action == "compare":
+        return _compare(args)
+    names = _suites(args.suite)
+    settings = _checked_settings(args)
+    created = dt.datetime.now(dt.timezone.utc)
+    body = asyncio.run(_bench(args, names, settings))
+    result = _result(args, names, settings, created, body)
+    wrote = _write(args, result, args.name or f"{'-'.join(names)}-{created.strftime('%Y%m%dT%H%M%SZ')}")
     print(report.console(result))
     print("wrote " + ", ".join(map(str, wrote)))
+    rows = [r for s in body["suites"].values() for r in s["rows"]]
+    failed = [r for r in rows if not r["ok"]]
     empty = [n for n, s in body["suites"].items() if n != "capacity" and not any(r["ok"] for r in s["rows"])]
     if empty and not failed:
         print(f"onespark bench: error: nothing measured in {', '.join(empty)} (see skipped in the JSON): "
