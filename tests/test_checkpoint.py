@@ -27,6 +27,7 @@ from onespark.mtp import mtp
 from onespark.safetensors_io import Range, read_header, write_safetensors
 from onespark.synth import REAL_TEXT, REAL_VISION, TINY_TEXT, synth
 from onespark.verify import verify
+from tests._checkpoints import load_all, synth_pair
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,22 +36,10 @@ def tree_digest(d: Path) -> dict[str, str]:
     return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
-def load_all(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as g:
-            for k in g.keys():
-                out[k] = g.get_tensor(k)
-    return out
-
-
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """One INT4 (122B-like: MTP 16-bit, not in the index) + FP8 pair from the same seed."""
-    d = tmp_path_factory.mktemp("pair")
-    synth(d / "int4", "int4", seed=7)
-    synth(d / "fp8", "fp8", seed=7)
-    return d
+    return synth_pair(tmp_path_factory.mktemp("pair"), seed=7)
 
 
 def test_synth_files_read_with_safetensors_library(pair):

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import json
 import shlex
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from onespark import specs
-from tests.test_download import NGINX, NGINX_CONF, _env, _publish
+from tests._hub import NEEDS_NGINX, NGINX, hub_env, publish, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 SHA = "d" * 40
@@ -205,35 +203,22 @@ def test_download_dflash_without_revision_is_one_line_and_creates_nothing(tmp_pa
 @pytest.fixture(scope="module")
 def drafter_hub(tmp_path_factory):
     if NGINX is None:
-        pytest.skip("needs nginx (Debian package nginx; .ci/apt-packages.txt)")
+        pytest.skip(NEEDS_NGINX)
     d = tmp_path_factory.mktemp("dflash-hub")
-    # Two revisions of one repo: test_download's _publish makes the listing folder once per call, so the bad
-    # revision is published under a scratch root and its two folders moved in.
-    _publish(d / "www", DRAFTER_REPO, SHA, make_drafter(d / "src-good"))
-    _publish(d / "www-bad", DRAFTER_REPO, "e" * 40, make_drafter(d / "src-bad", architectures=["Qwen3ForCausalLM"]))
+    # Two revisions of one repo: publish makes the listing folder once per call, so the bad revision is
+    # published under a scratch root and its two folders moved in.
+    publish(d / "www", DRAFTER_REPO, SHA, make_drafter(d / "src-good"))
+    publish(d / "www-bad", DRAFTER_REPO, "e" * 40, make_drafter(d / "src-bad", architectures=["Qwen3ForCausalLM"]))
     for sub in (Path(DRAFTER_REPO, "resolve", "e" * 40), Path("api", "models", DRAFTER_REPO, "tree", "e" * 40)):
         (d / "www-bad" / sub).rename(d / "www" / sub)
-    (d / "tmp").mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (d / "nginx.conf").write_text(NGINX_CONF.format(d=d, port=port))
-    proc = subprocess.Popen([NGINX, "-p", str(d), "-c", str(d / "nginx.conf")], stderr=subprocess.PIPE)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    yield d, f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=10)
+    with serve(d) as endpoint:
+        yield d, endpoint
 
 
 def _fetch(endpoint: str, dest: Path, revision: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "onespark", "download", "--dest", str(dest), "--skip-int4",
                            "--skip-fp8", "--drafter", "dflash", "--drafter-revision", revision],
-                          cwd=ROOT, env=_env(endpoint, dest.parent), capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=hub_env(endpoint, dest.parent), capture_output=True, text=True, timeout=300)
 
 
 def test_download_fetches_the_drafter_to_dest_dflash_and_resumes(drafter_hub, tmp_path):

@@ -9,11 +9,8 @@ the independent record of what was transferred: status and body bytes of every r
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,51 +21,13 @@ import torch
 
 from onespark import qwen35, specs
 from onespark.synth import TINY_TEXT, synth
+from tests._hub import NEEDS_NGINX, NGINX, hub_env, publish, serve
 
-NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
-pytestmark = pytest.mark.skipif(NGINX is None, reason="needs nginx (Debian package nginx; .ci/apt-packages.txt)")
+pytestmark = pytest.mark.skipif(NGINX is None, reason=NEEDS_NGINX)
 ROOT = Path(__file__).resolve().parents[1]
 INT4, FP8 = "Intel/Qwen3.5-122B-A10B-int4-AutoRound", "Qwen/Qwen3.5-122B-A10B-FP8"
 INT4_SHA, FP8_SHA = "1" * 40, "2" * 40
 SLOW = "Slow/int4"
-
-NGINX_CONF = """
-daemon off;
-master_process off;
-worker_processes 1;
-pid {d}/nginx.pid;
-error_log {d}/error.log;
-events {{ worker_connections 64; }}
-http {{
-  log_format hub '$request_method $uri $status $body_bytes_sent "$http_range"';
-  access_log {d}/access.log hub;
-  client_body_temp_path {d}/tmp; proxy_temp_path {d}/tmp; fastcgi_temp_path {d}/tmp;
-  uwsgi_temp_path {d}/tmp; scgi_temp_path {d}/tmp;
-  types {{ application/json json; }}
-  default_type application/octet-stream;
-  server {{
-    listen 127.0.0.1:{port};
-    root {d}/www;
-    location /api/ {{ default_type application/json; }}
-    location ~ ^/Slow/[^/]+/resolve/(?<srev>[^/]+)/ {{ add_header X-Repo-Commit $srev always; limit_rate 1m; }}
-    location ~ ^/[^/]+/[^/]+/resolve/(?<rev>[^/]+)/ {{ add_header X-Repo-Commit $rev always; }}
-  }}
-}}
-"""
-
-
-def _publish(www: Path, repo: str, sha: str, src: Path) -> None:
-    base = www / repo / "resolve" / sha
-    base.mkdir(parents=True)
-    tree = []
-    for p in sorted(src.iterdir()):
-        shutil.copy(p, base / p.name)
-        tree.append({"type": "file", "path": p.name, "size": p.stat().st_size,
-                     "oid": hashlib.sha1(p.read_bytes()).hexdigest()})
-    api = www / "api" / "models" / repo / "tree"
-    api.mkdir(parents=True)
-    (api / sha).write_text(json.dumps(tree))
-
 
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
@@ -76,27 +35,11 @@ def hub(tmp_path_factory):
     dims = dict(TINY_TEXT, shared_expert_intermediate_size=512)  # enough FP8 bytes that headers are small change
     synth(d / "src-int4", "int4", seed=3, dims=dims)
     synth(d / "src-fp8", "fp8", seed=3, dims=dims, shards=4)
-    _publish(d / "www", INT4, INT4_SHA, d / "src-int4")
-    _publish(d / "www", FP8, FP8_SHA, d / "src-fp8")
-    _publish(d / "www", SLOW, INT4_SHA, d / "src-int4")  # the same files, served at 1 MB/s
-    (d / "tmp").mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    (d / "nginx.conf").write_text(NGINX_CONF.format(d=d, port=port))
-    proc = subprocess.Popen([NGINX, "-p", str(d), "-c", str(d / "nginx.conf")], stderr=subprocess.PIPE)
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
-            break
-        except OSError:
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.fail(f"nginx did not start: {proc.stderr.read().decode()}")
-    yield d, f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.wait(timeout=10)
+    publish(d / "www", INT4, INT4_SHA, d / "src-int4")
+    publish(d / "www", FP8, FP8_SHA, d / "src-fp8")
+    publish(d / "www", SLOW, INT4_SHA, d / "src-int4")  # the same files, served at 1 MB/s
+    with serve(d) as endpoint:
+        yield d, endpoint
 
 
 def _log(d: Path) -> list[tuple[str, str, int, int, str]]:
@@ -107,15 +50,8 @@ def _log(d: Path) -> list[tuple[str, str, int, int, str]]:
     return out
 
 
-def _env(endpoint: str, tmp: Path) -> dict:
-    env = dict(os.environ, HF_ENDPOINT=endpoint, HF_HOME=str(tmp / "hf-home"), HF_HUB_DISABLE_XET="1",
-               HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_OFFLINE="0", NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
-    env.pop("HF_TOKEN", None)
-    return env
-
-
 def _download(endpoint: str, dest: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = _env(endpoint, dest.parent)
+    env = hub_env(endpoint, dest.parent)
     return subprocess.run([sys.executable, "-m", "onespark", "download", "--dest", str(dest),
                            "--int4-revision", INT4_SHA, "--fp8-revision", FP8_SHA, *extra],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -169,7 +105,7 @@ def test_download_int4_and_ranged_fp8_then_splice(hub, tmp_path):
 
 def test_hybrid_fetches_fp8_by_repo_id(hub, tmp_path):
     d, endpoint = hub
-    env = _env(endpoint, tmp_path)
+    env = hub_env(endpoint, tmp_path)
     out = tmp_path / "hybrid"
     r = subprocess.run([sys.executable, "-m", "onespark", "hybrid", "--model", "custom", "--int4", str(d / "src-int4"),
                         "--fp8", f"hf:{FP8}",
@@ -185,7 +121,7 @@ def test_hybrid_fetches_fp8_by_repo_id(hub, tmp_path):
 
 def test_unknown_revision_is_a_clear_error(hub, tmp_path):
     d, endpoint = hub
-    env = _env(endpoint, tmp_path)
+    env = hub_env(endpoint, tmp_path)
     r = subprocess.run([sys.executable, "-m", "onespark", "download", "--dest", str(tmp_path / "m"), "--skip-int4",
                         "--fp8-revision", "3" * 40], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1
@@ -194,7 +130,7 @@ def test_unknown_revision_is_a_clear_error(hub, tmp_path):
 
 def test_step_0_script_downloads_then_says_already_done(hub, tmp_path):
     d, endpoint = hub
-    env = dict(_env(endpoint, tmp_path), ONESPARK_VENV=str(ROOT / ".venv"))
+    env = dict(hub_env(endpoint, tmp_path), ONESPARK_VENV=str(ROOT / ".venv"))
     args = ["steps/0-download.sh", "--work", str(tmp_path / "w")]
     r = subprocess.run(args + ["--int4-revision", INT4_SHA, "--fp8-revision", FP8_SHA], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=300)
@@ -237,7 +173,7 @@ def test_killed_int4_download_keeps_finished_files_and_completes(hub, tmp_path):
     """huggingface_hub 2.4 writes each file to a per-process temp name (its PR #4228), so a killed run
     restarts the file it was in; what it finished is kept and not fetched again."""
     d, endpoint = hub
-    env = _env(endpoint, tmp_path)
+    env = hub_env(endpoint, tmp_path)
     dest = tmp_path / "m" / "int4"
     cmd = [sys.executable, "-m", "onespark", "download", "--dest", str(tmp_path / "m"), "--skip-fp8",
            "--int4-repo", SLOW, "--int4-revision", INT4_SHA]

@@ -23,8 +23,9 @@ from onespark.checkpoint import MANIFEST_FILE
 from onespark.errors import UserError
 from onespark.hybrid import hybrid
 from onespark.mtp import mtp
-from onespark.synth import synth
 from onespark.verify import verify
+from tests._checkpoints import synth_pair
+from tests._hub import hub_env
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD = "model-00002-of-00003.safetensors"
@@ -52,10 +53,7 @@ def one_line_error(r: subprocess.CompletedProcess, command: str) -> str:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pair")
-    synth(d / "int4", "int4", seed=5)
-    synth(d / "fp8", "fp8", seed=5)
-    return d
+    return synth_pair(tmp_path_factory.mktemp("pair"), seed=5)
 
 
 @pytest.fixture(scope="module")
@@ -576,18 +574,11 @@ class _Hub:
         self.server.server_close()
 
 
-def _hub_env(url: str, tmp_path: Path) -> dict:
-    env = dict(os.environ, HF_ENDPOINT=url, HF_HOME=str(tmp_path / "hf-home"), HF_HUB_DISABLE_TELEMETRY="1",
-               HF_HUB_OFFLINE="0", NO_PROXY="127.0.0.1", no_proxy="127.0.0.1")
-    env.pop("HF_TOKEN", None)
-    return env
-
-
 def test_fp8_path_shaped_like_a_repo_is_not_fetched(pair, tmp_path):
     hub = _Hub("503")
     try:
         r = cli("hybrid", "--int4", str(pair / "int4"), "--fp8", "Qwen/Qwen3.5-122B-A10B-FP8", "--out",
-                str(tmp_path / "hy"), env=_hub_env(hub.url, tmp_path))
+                str(tmp_path / "hy"), env=hub_env(hub.url, tmp_path))
     finally:
         hub.close()
     last = one_line_error(r, "hybrid")
@@ -609,7 +600,7 @@ def test_fp8_fetch_errors_are_one_line(pair, tmp_path, mode, why):
     url = "http://127.0.0.1:9" if hub is None else hub.url  # port 9 (discard): nothing listens there
     try:
         r = cli("download", "--dest", str(tmp_path / "m"), "--skip-int4", "--fp8-revision", "2" * 40,
-                env=_hub_env(url, tmp_path))
+                env=hub_env(url, tmp_path))
     finally:
         if hub is not None:
             hub.close()

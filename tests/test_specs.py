@@ -24,6 +24,8 @@ from onespark.hybrid import hybrid
 from onespark.mtp import mtp
 from onespark.synth import master_weight, synth_spec
 from onespark.verify import verify
+from tests._checkpoints import load_all
+from tests._plan import in_order
 
 ROOT = Path(__file__).resolve().parents[1]
 NAMED = list(specs.SPECS)
@@ -33,15 +35,6 @@ QUIET = dict(log=lambda m: None)
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "onespark", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, **(env or {})})
-
-
-def load_all(d: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as g:
-            for k in g.keys():
-                out[k] = g.get_tensor(k)
-    return out
 
 
 @pytest.mark.parametrize("name", NAMED)
@@ -243,20 +236,12 @@ def _install(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
                           env=env)
 
 
-def _in_order(out: str, pieces: list[str]) -> None:
-    pos = 0
-    for piece in pieces:
-        found = out.find(piece, pos)
-        assert found >= 0, f"{piece!r} missing (or out of order) in the plan:\n{out}"
-        pos = found
-
-
 def test_install_dry_run_prints_the_full_spark_plan_for_the_35b(tmp_path):
     work = tmp_path / "w"
     r = _install("--dry-run", "-y", "--model", "qwen3.5-35b-a3b", "--work", str(work), tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr
     w = f"{work}/qwen3.5-35b-a3b"  # beside the 122B's work/{int4,fp8,hybrid}, never inside them
-    _in_order(r.stdout, [
+    in_order(r.stdout, [
         "model qwen3.5-35b-a3b; work directory " + w,
         "a real run needs --revision SHA",  # no public pin for the 35B's INT4 repo
         f"onespark doctor --work {w} --spec qwen3.5-35b-a3b",
@@ -272,7 +257,7 @@ def test_install_dry_run_prints_the_full_spark_plan_for_the_35b(tmp_path):
                  "--work", str(work), tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr
     assert "a real run needs --revision" not in r.stdout
-    _in_order(r.stdout, [f"--model qwen3.5-35b-a3b --int4-revision {'a' * 40}",
+    in_order(r.stdout, [f"--model qwen3.5-35b-a3b --int4-revision {'a' * 40}",
                          f"-v {w}/hybrid:/model:ro", "--served-model-name qwen3.5-35b-a3b",
                          "--gpu-memory-utilization 0.5"])
 
@@ -285,7 +270,7 @@ def test_install_without_a_pin_stops_before_anything_and_qwen36_skips_the_splice
                  tmp_path=tmp_path)
     assert r.returncode == 0, r.stderr
     w = f"{tmp_path}/w/qwen3.6-35b-a3b"
-    _in_order(r.stdout, ["step 1 skipped for qwen3.6-35b-a3b: its shared experts are already 8-bit",
+    in_order(r.stdout, ["step 1 skipped for qwen3.6-35b-a3b: its shared experts are already 8-bit",
                          f"+ onespark mtp {w}/int4 --model qwen3.6-35b-a3b",
                          f"+ onespark verify {w}/int4 --fast --model qwen3.6-35b-a3b",
                          "onespark serve", f"--model {w}/int4 --spec qwen3.6-35b-a3b",
