@@ -107,7 +107,7 @@ def _step(preset: str, reqs: list[tuple[int, int]], dtype=torch.float16, pad: in
     # code differently at a boundary (tests/test_turboquant_triton.py), so attention is checked on what it wrote.
     read_from = want_cache if dev == "cpu" else cache.cpu()
     want = []
-    for i, (lo, hi) in enumerate(new):
+    for i, (_, hi) in enumerate(new):
         k_hat, v_hat = tq.dequantize_cache(read_from, layout, block_table[i], hi, r)
         q = query[qsl[i]: qsl[i + 1]].transpose(0, 1)  # [HQ, q_len, D]
         want.append((tq.attention_reference(q, k_hat, v_hat, SCALE).transpose(0, 1), v_hat.abs().max()))
@@ -178,7 +178,7 @@ def test_cuda_path_triton_kernels(preset, reqs, want_T, want_decodes, prefill, m
         assert (a != b).float().mean() < 5e-4 and ((a - b).abs() <= 1).all(), f"{what} differ from encode_reference"
     for what, a, b in (("K scales", got[1], ref[1]), ("V scales", got[3], ref[3])):
         assert ((a - b).abs() <= 1e-5 * b.abs()).all(), f"{what} differ from encode_reference"
-    for i, (ref, vmax) in enumerate(want):
+    for i, (ref, _) in enumerate(want):
         got = out[qsl[i]: qsl[i + 1]].double()
         # bf16 queries and outputs, fp16 codebook values and probabilities in the dots: ~2^-8 per element,
         # less normwise
