@@ -23,6 +23,7 @@ import pytest
 
 from onespark import __version__, doctor, serve
 from onespark.errors import UserError
+from tests._plan import in_order
 
 ROOT = Path(__file__).resolve().parent.parent
 BASH = shutil.which("bash")
@@ -138,7 +139,7 @@ def test_dry_run_prints_the_spark_plan_and_runs_nothing(fakebin, tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "no GB10" in out and "./install.sh --demo" in out
-    expected_in_order = [
+    in_order(out, [
         f"python3 -m venv {venv}",
         f"{venv}/bin/onespark doctor --work {work}",
         "steps/0-download.sh", "steps/1-hybrid.sh", "steps/2-mtp.sh",
@@ -147,12 +148,7 @@ def test_dry_run_prints_the_spark_plan_and_runs_nothing(fakebin, tmp_path):
         f"-f Dockerfile.v2 -t onespark/v2:{__version__}",
         "docker run -d --name onespark --network host",
         "--gpus all", f"onespark/v2:{__version__} --host 127.0.0.1 --port 8000",
-    ]
-    pos = 0
-    for piece in expected_in_order:
-        found = out.find(piece, pos)
-        assert found >= 0, f"{piece!r} missing (or out of order) in the plan:\n{out}"
-        pos = found
+    ])
     # Nothing ran: no docker call, no sudo, no venv, no work directory.
     assert _calls(fakebin) == []
     assert not venv.exists() and not work.exists()
@@ -203,14 +199,6 @@ def test_unknown_vllm_track_is_one_line(fakebin, script):
     assert _calls(fakebin) == []
 
 
-def _in_order(out: str, pieces: list[str]) -> None:
-    pos = 0
-    for piece in pieces:
-        found = out.find(piece, pos)
-        assert found >= 0, f"{piece!r} missing (or out of order) in the plan:\n{out}"
-        pos = found
-
-
 def test_dry_run_prints_the_032_plan(fakebin, tmp_path):
     venv, work = tmp_path / "venv", tmp_path / "work"
     r = _run([BASH, "install.sh", "--dry-run", "--vllm", "0.32.0", "--launch", "--work", str(work)], fakebin,
@@ -218,7 +206,7 @@ def test_dry_run_prints_the_032_plan(fakebin, tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     v2 = f"onespark/v2:{__version__}-vllm0.32.0"
-    _in_order(out, [
+    in_order(out, [
         "vLLM 0.32.0", "steps/0-download.sh", "steps/2-mtp.sh",
         "steps/3-base-image.sh --vllm 0.32.0", "docker build --network host --target vllm-wheels",
         "-f Dockerfile.base -t onespark/vllm-base:0.32.0-cu130-sm121",
@@ -241,7 +229,7 @@ def test_dry_run_prints_the_032_demo_plan(fakebin, tmp_path):
              ONESPARK_VENV=str(tmp_path / "venv"))
     assert r.returncode == 0, r.stderr
     v2 = f"onespark-demo/v2:{__version__}-vllm0.32.0"
-    _in_order(r.stdout, [
+    in_order(r.stdout, [
         "demo/rootfs.sh", "--build-arg VLLM_VERSION=0.32.0 --build-arg TORCH_VERSION=2.13.0 "
         "--build-arg REQUIREMENTS=tests/requirements-032.txt --build-arg OVERRIDES=tests/overrides-032.txt",
         "-f demo/Dockerfile.cpu-base -t onespark-demo/vllm-cpu:0.32.0",
@@ -325,12 +313,27 @@ def test_step4_needs_the_base_and_chains_tq(fakebin):
     assert r.stdout.count("up to date") == 2
 
 
-@pytest.mark.parametrize("script", ["steps/3-base-image.sh", "steps/4-images.sh", "demo/rootfs.sh"])
+SCRIPTS = ["install.sh", "steps/0-download.sh", "steps/1-hybrid.sh", "steps/2-mtp.sh", "steps/3-base-image.sh",
+           "steps/4-images.sh", "demo/rootfs.sh"]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_step_help_and_bad_option(fakebin, script):
     r = _run([BASH, script, "--help"], fakebin)
-    assert r.returncode == 0 and "usage:" in r.stdout and "default" in r.stdout
+    assert r.returncode == 0 and r.stdout.startswith("usage:") and "default" in r.stdout and "--dry-run" in r.stdout
     r = _run([BASH, script, "--nope"], fakebin)
-    assert r.returncode == 2 and "unknown option: --nope" in r.stderr
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.splitlines()[0] == "onespark: error: unknown option: --nope"
+    assert r.stderr.splitlines()[1].startswith("usage:")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_one_option_loop_and_one_ending(script):
+    """steps/lib.sh parse_options is every script's option loop; `main "$@" || exit 1` its last line, so that a
+    file cut short by a download never runs half a script."""
+    text = (ROOT / script).read_text()
+    assert "parse_options " in text and "while (($#))" not in text
+    assert text.rstrip("\n").splitlines()[-1] == 'main "$@" || exit 1'
 
 
 # ---------------------------------------------------------------------------------------------------------
