@@ -92,81 +92,101 @@ def _accept(sd: dict | None) -> str:
     return f"{sd['mean_acceptance_length']:.2f} ({100 * sd['acceptance_rate']:.0f}%)"
 
 
-def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, headers, rows) for every suite in a result."""
-    out = []
+Table = tuple[str, list[str], list[list[str]]]  # (title, headers, rows)
+
+
+def _published_table(s: dict, result: dict) -> Table:
+    """The five prompt classes, the warm-up and the cross-class line."""
+    headers = ["class", "max tok", "n", "e2e tok/s (published method)", "median", "decode tok/s", "TTFT s",
+               "tokens", "tok/chunk", "accept len"]
+    rows = []
+    for g in s["groups"]:
+        m = g["summary"]
+        rows.append([str(g["group"]), str(g["max_tokens"]), str(m["e2e_tok_s"]["n"] if m["e2e_tok_s"] else 0),
+                     _pm(m["e2e_tok_s"]), _ms(m["e2e_tok_s"], "median"), _pm(m["decode_tok_s"]),
+                     _ms(m["ttft_s"], "median", 3), _ms(m["completion_tokens"], "mean", 0),
+                     _ms(m.get("tokens_per_chunk"), "mean", 2),
+                     _accept(g.get("spec_decode") if s.get("spec_decode") else None)])
+    warm = summarize(r["e2e_tok_s"] for r in s["rows"] if r["warmup"] and r["ok"])
+    if warm:
+        rows.append(["warm-up (excluded)", "", str(warm["n"]), _pm(warm), _ms(warm, "median"), "", "", "", "",
+                     ""])
+    cc = s["cross_class"]
+    rows.append(["cross-class", "", str(cc["classes_measured"]), _pm(cc["e2e_tok_s"]),
+                 _ms(cc["e2e_tok_s"], "median"), _pm(cc["decode_tok_s"]), "", "", "", _accept(s.get("spec_decode"))])
+    how = "" if result.get("settings", {}).get("stream", True) else ", non-streamed requests timed whole"
+    return (f"published: five prompt classes, single stream, temperature 0{how}", headers, rows)
+
+
+def _depth_table(s: dict, result: dict) -> Table:
+    """Context depth vs rates; skipped depths say why."""
+    headers = ["depth", "prompt tok", "n", "TTFT s", "prefill tok/s", "decode tok/s", "e2e tok/s"]
+    rows = [[str(g["group"]), _ms(g["summary"]["prompt_tokens"], "mean", 0),
+             str(g["summary"]["requests"] - g["summary"]["failed"]), _ms(g["summary"]["ttft_s"], "median", 3),
+             _pm(g["summary"]["prefill_tok_s"], 0), _pm(g["summary"]["decode_tok_s"]),
+             _pm(g["summary"]["e2e_tok_s"])] for g in s["groups"]]
+    rows += [[str(k["depth"]), "skipped", "", k["reason"], "", "", ""] for k in s.get("skipped", [])]
+    return (f"depth: context depth vs rates, {s['max_tokens']} new tokens, accept len "
+            f"{_accept(s.get('spec_decode'))}", headers, rows)
+
+
+def _concurrency_table(s: dict, result: dict) -> Table:
+    """Per-stream and aggregate rates by number of streams."""
+    headers = ["streams", "n", "per-stream decode tok/s", "per-stream e2e tok/s", "aggregate tok/s",
+               "TTFT p50 s", "TTFT p99 s", "ITL p99 ms"]
+    rows = [[str(g["group"]), str(g["summary"]["requests"] - g["summary"]["failed"]),
+             _pm(g["summary"]["decode_tok_s"]), _pm(g["summary"]["e2e_tok_s"]), _pm(g["aggregate_tok_s"]),
+             _ms(g["summary"]["ttft_s"], "p50", 3), _ms(g["summary"]["ttft_s"], "p99", 3),
+             _ms(g["summary"].get("itl_ms"), "p99", 1)] for g in s["groups"]]
+    return (f"concurrency: {s['max_tokens']} new tokens per stream, accept len "
+            f"{_accept(s.get('spec_decode'))}", headers, rows)
+
+
+def _capacity_table(s: dict, result: dict) -> Table:
+    """Concurrent users per context length: estimates, vLLM's own figure, the measured load."""
+    headers = ["context", "KV cache tokens", "concurrent users", "source"]
+    rows = [[str(e["context"]), str(e["kv_cache_tokens"] or "-"), str(e["users"] if e["users"] is not None else "-"),
+             e["source"] or "no log and no cache_config_info"] for e in s["estimates"]]
+    log = s.get("server_log") or {}
+    if log.get("max_concurrency_at_max_model_len") is not None:
+        rows.append([str(log["max_model_len"]), str(log.get("kv_cache_tokens", "-")),
+                     f"{log['max_concurrency_at_max_model_len']:.2f}x", "server log: vLLM's own figure"])
+    if s.get("load"):
+        ld = s["load"]
+        use = "-" if ld["peak_kv_usage"] is None else f"{100 * ld['peak_kv_usage']:.3g}%"
+        rows.append([str(ld["context"]), f"peak use {use}",
+                     str(ld["users_at_context_measured"] or "-"),
+                     f"measured: {ld['streams']} streams, peak {ld['peak_running']} running"])
+    return ("capacity: KV cache and concurrent users per context length", headers, rows)
+
+
+def _quality_table(result: dict) -> Table:
+    """A/B greedy agreement and KL, or a recording waiting for its pair."""
+    q = result["quality"]
+    if "rows" in q:
+        headers = ["prompt", "tokens A/B", "identical tokens", "first divergence", "KL mean (nats)", "KL max"]
+        rows = [[str(r["group"]), f"{r['tokens_a']}/{r['tokens_b']}", f"{100 * r['identical_token_frac']:.1f}%",
+                 "none" if r["first_divergence"] is None else str(r["first_divergence"]),
+                 _f(r["kl_mean"], 5), _f(r["kl_max"], 5)] for r in q["rows"]]
+        return (f"quality A/B: greedy, top-{q['top_k']} logprobs, A={result['endpoint']} "
+                f"B={result['endpoint_b']}", headers, rows)
+    rec = q["record"]
+    rows = [[str(r["group"]), str(len(r["tokens"]))] for r in rec["rows"]]
+    return (f"quality, recorded (greedy, top-{rec['top_k']} logprobs): pair it with another "
+            "recording in `onespark bench compare`", ["prompt", "tokens"], rows)
+
+
+# suite -> its table, in the order they are printed
+_SUITE_TABLES = {"published": _published_table, "depth": _depth_table, "concurrency": _concurrency_table,
+                 "capacity": _capacity_table}
+
+
+def tables(result: dict) -> list[Table]:
+    """(title, headers, rows) for every suite in a result, then the quality comparison."""
     suites = result.get("suites", {})
-    if "published" in suites:
-        s = suites["published"]
-        headers = ["class", "max tok", "n", "e2e tok/s (published method)", "median", "decode tok/s", "TTFT s",
-                   "tokens", "tok/chunk", "accept len"]
-        rows = []
-        for g in s["groups"]:
-            m = g["summary"]
-            rows.append([str(g["group"]), str(g["max_tokens"]), str(m["e2e_tok_s"]["n"] if m["e2e_tok_s"] else 0),
-                         _pm(m["e2e_tok_s"]), _ms(m["e2e_tok_s"], "median"), _pm(m["decode_tok_s"]),
-                         _ms(m["ttft_s"], "median", 3), _ms(m["completion_tokens"], "mean", 0),
-                         _ms(m.get("tokens_per_chunk"), "mean", 2),
-                         _accept(g.get("spec_decode") if s.get("spec_decode") else None)])
-        warm = summarize(r["e2e_tok_s"] for r in s["rows"] if r["warmup"] and r["ok"])
-        if warm:
-            rows.append(["warm-up (excluded)", "", str(warm["n"]), _pm(warm), _ms(warm, "median"), "", "", "", "",
-                         ""])
-        cc = s["cross_class"]
-        rows.append(["cross-class", "", str(cc["classes_measured"]), _pm(cc["e2e_tok_s"]),
-                     _ms(cc["e2e_tok_s"], "median"), _pm(cc["decode_tok_s"]), "", "", "", _accept(s.get("spec_decode"))])
-        how = "" if result.get("settings", {}).get("stream", True) else ", non-streamed requests timed whole"
-        out.append((f"published: five prompt classes, single stream, temperature 0{how}", headers, rows))
-    if "depth" in suites:
-        s = suites["depth"]
-        headers = ["depth", "prompt tok", "n", "TTFT s", "prefill tok/s", "decode tok/s", "e2e tok/s"]
-        rows = [[str(g["group"]), _ms(g["summary"]["prompt_tokens"], "mean", 0),
-                 str(g["summary"]["requests"] - g["summary"]["failed"]), _ms(g["summary"]["ttft_s"], "median", 3),
-                 _pm(g["summary"]["prefill_tok_s"], 0), _pm(g["summary"]["decode_tok_s"]),
-                 _pm(g["summary"]["e2e_tok_s"])] for g in s["groups"]]
-        rows += [[str(k["depth"]), "skipped", "", k["reason"], "", "", ""] for k in s.get("skipped", [])]
-        out.append((f"depth: context depth vs rates, {s['max_tokens']} new tokens, accept len "
-                    f"{_accept(s.get('spec_decode'))}", headers, rows))
-    if "concurrency" in suites:
-        s = suites["concurrency"]
-        headers = ["streams", "n", "per-stream decode tok/s", "per-stream e2e tok/s", "aggregate tok/s",
-                   "TTFT p50 s", "TTFT p99 s", "ITL p99 ms"]
-        rows = [[str(g["group"]), str(g["summary"]["requests"] - g["summary"]["failed"]),
-                 _pm(g["summary"]["decode_tok_s"]), _pm(g["summary"]["e2e_tok_s"]), _pm(g["aggregate_tok_s"]),
-                 _ms(g["summary"]["ttft_s"], "p50", 3), _ms(g["summary"]["ttft_s"], "p99", 3),
-                 _ms(g["summary"].get("itl_ms"), "p99", 1)] for g in s["groups"]]
-        out.append((f"concurrency: {s['max_tokens']} new tokens per stream, accept len "
-                    f"{_accept(s.get('spec_decode'))}", headers, rows))
-    if "capacity" in suites:
-        s = suites["capacity"]
-        headers = ["context", "KV cache tokens", "concurrent users", "source"]
-        rows = [[str(e["context"]), str(e["kv_cache_tokens"] or "-"), str(e["users"] if e["users"] is not None else "-"),
-                 e["source"] or "no log and no cache_config_info"] for e in s["estimates"]]
-        log = s.get("server_log") or {}
-        if log.get("max_concurrency_at_max_model_len") is not None:
-            rows.append([str(log["max_model_len"]), str(log.get("kv_cache_tokens", "-")),
-                         f"{log['max_concurrency_at_max_model_len']:.2f}x", "server log: vLLM's own figure"])
-        if s.get("load"):
-            ld = s["load"]
-            use = "-" if ld["peak_kv_usage"] is None else f"{100 * ld['peak_kv_usage']:.3g}%"
-            rows.append([str(ld["context"]), f"peak use {use}",
-                         str(ld["users_at_context_measured"] or "-"),
-                         f"measured: {ld['streams']} streams, peak {ld['peak_running']} running"])
-        out.append(("capacity: KV cache and concurrent users per context length", headers, rows))
+    out = [table(suites[name], result) for name, table in _SUITE_TABLES.items() if name in suites]
     if "quality" in result:
-        q = result["quality"]
-        if "rows" in q:
-            headers = ["prompt", "tokens A/B", "identical tokens", "first divergence", "KL mean (nats)", "KL max"]
-            rows = [[str(r["group"]), f"{r['tokens_a']}/{r['tokens_b']}", f"{100 * r['identical_token_frac']:.1f}%",
-                     "none" if r["first_divergence"] is None else str(r["first_divergence"]),
-                     _f(r["kl_mean"], 5), _f(r["kl_max"], 5)] for r in q["rows"]]
-            out.append((f"quality A/B: greedy, top-{q['top_k']} logprobs, A={result['endpoint']} "
-                        f"B={result['endpoint_b']}", headers, rows))
-        else:
-            rec = q["record"]
-            rows = [[str(r["group"]), str(len(r["tokens"]))] for r in rec["rows"]]
-            out.append((f"quality, recorded (greedy, top-{rec['top_k']} logprobs): pair it with another "
-                        "recording in `onespark bench compare`", ["prompt", "tokens"], rows))
+        out.append(_quality_table(result))
     return out
 
 
