@@ -105,7 +105,7 @@ class Plan:
         self.sizes = {f: (int4.headers[f].file_size if f in self.verbatim else
                           len(self.headers[f]) + sum(r.length for *_, r in items)) for f, items in self.files.items()}
         self.aux = [p for p in sorted(int4.path.iterdir()) if p.is_file() and not p.name.startswith(".")
-                    and p.suffix != ".safetensors" and p.name not in CONFIG_FILES + (INDEX_FILE, MANIFEST_FILE, DOWNLOAD_RECORD)]
+                    and p.suffix != ".safetensors" and p.name not in JSON_FILES + (MANIFEST_FILE, DOWNLOAD_RECORD)]
 
     def _fp8_for(self, name: str) -> tuple:
         """The FP8 weight and scale that replace the INT4 checkpoint's 16-bit `name`, checked against it."""

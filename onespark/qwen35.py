@@ -42,6 +42,7 @@ FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
 HYBRID_KEY = "onespark_fp8"  # quantization_config[HYBRID_KEY]: written by step 1, see onespark.hybrid
 
 
+# Linear and Dense look like specs' Source and Published to `duplicates` (small frozen records): nothing to share.
 @dataclasses.dataclass(frozen=True)
 class Linear:
     """One linear layer `prefix` with weight [out, in]."""

@@ -42,6 +42,7 @@ DEFAULT = "qwen3.5-122b-a10b"
 CUSTOM = "custom"
 
 
+# Source and Published look like qwen35's Linear and Dense to `duplicates` (small frozen records): nothing to share.
 @dataclasses.dataclass(frozen=True)
 class Source:
     repo: str
@@ -119,6 +120,7 @@ class Spec:
 
 
 # The real text_config of each architecture, as transformers' Qwen3_5MoeTextConfig reads it.
+# Same shape as TINY_* below on purpose (`duplicates` pairs them): key for key, each reads against a config.json.
 TEXT_122B = dict(hidden_size=3072, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=2,
                  head_dim=256, linear_num_key_heads=16, linear_num_value_heads=64, linear_key_head_dim=128,
                  linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
@@ -132,6 +134,7 @@ TEXT_35B = dict(hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, 
 # Tiny: every dimension a multiple of the INT4 group (128) where a packed layer needs it; every 4th layer full
 # attention; vocab deliberately not a power of two. The two architectures' tiny dims differ in every fact
 # `facts()` compares, so "these files look like the other spec" is testable at tiny sizes too.
+# Same shape as TEXT_* above on purpose: the same keys in the same order, so a tiny and a real table compare by eye.
 TINY_122B = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                  head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
                  linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2,
