@@ -219,7 +219,7 @@ def _probe_main(out_path: str, ckpts: dict[str, str]) -> None:
         auto_gptq.select_wna16_moe_backend = lambda *args, **kwargs: (None, None)
 
     def methods(model):
-        table, heads = {}, {}
+        table = {}
         for _, m in model.named_modules():
             qm = getattr(m, "quant_method", None)
             if isinstance(m, LinearBase):
