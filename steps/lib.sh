@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# Shared helpers for install.sh and steps/*.sh. Sourced, never run.
+# Shared helpers for install.sh, steps/*.sh and demo/rootfs.sh. Sourced, never run.
 # Conventions: progress on stdout, errors on stderr; every external command through `run`
 # so --dry-run prints it instead; a step is "done" when its check function says so.
 
@@ -108,19 +108,12 @@ image_label() {
 }
 
 # sha256 (first 16 hex) over the named files' contents and any extra words: what an image was built from.
-# A directory argument means every file under it (sorted; caches excluded).
+# Files, not directories: image_sources lists the files a Dockerfile's COPY of a directory takes.
 fingerprint() {
   local -a files=() words=()
   local a
   for a in "$@"; do
-    if [[ -d $a ]]; then
-      while IFS= read -r -d '' f; do files+=("$f"); done \
-        < <(find "$a" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | LC_ALL=C sort -z)
-    elif [[ -f $a ]]; then
-      files+=("$a")
-    else
-      words+=("$a")
-    fi
+    if [[ -f $a ]]; then files+=("$a"); else words+=("$a"); fi
   done
   { printf '%s\n' "${words[@]}"; ((${#files[@]})) && sha256sum -- "${files[@]}"; } | sha256sum | cut -c1-16
 }

