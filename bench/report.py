@@ -228,6 +228,71 @@ def require_png() -> None:
                         "or pass --no-png (checked before the run)") from e
 
 
+def _errorbar(ax, xs: list, stats: list[dict | None], label: str, marker: str = "o") -> None:
+    """mean ± std at each x that has a summary."""
+    ok = [(x, st) for x, st in zip(xs, stats) if st]
+    ax.errorbar([x for x, _ in ok], [st["mean"] for _, st in ok], yerr=[st["std"] for _, st in ok],
+                marker=marker, capsize=3, label=label)
+
+
+def _plot_published(ax, s: dict) -> None:
+    groups = s["groups"]
+    labels = [str(g["group"]) for g in groups] + ["cross-class"]
+    series = [("end-to-end (published method)", "e2e_tok_s"), ("decode", "decode_tok_s")]
+    width = 0.38
+    for j, (lab, key) in enumerate(series):
+        means = [g["summary"][key]["mean"] if g["summary"][key] else 0 for g in groups]
+        stds = [g["summary"][key]["std"] if g["summary"][key] else 0 for g in groups]
+        cc = s["cross_class"][key]
+        means.append(cc["mean"] if cc else 0)
+        stds.append(cc["std"] if cc else 0)
+        xs = [i + (j - 0.5) * width for i in range(len(labels))]
+        ax.bar(xs, means, width, yerr=stds, capsize=3, label=lab)
+    ax.set_xticks(range(len(labels)), labels, rotation=20)
+    top = max((g["summary"][k]["mean"] + g["summary"][k]["std"]) for g in groups
+              for _, k in series if g["summary"][k]) if any(g["summary"]["e2e_tok_s"] for g in groups) else 1
+    ax.set_ylim(0, 1.3 * top)  # room for the legend above the error bars
+    ax.set_ylabel("tok/s (mean ± std over runs)")
+    ax.set_title("published prompt classes")
+    ax.legend(fontsize=8, ncol=2, loc="upper left")
+
+
+def _plot_depth(ax, s: dict) -> None:
+    groups = s["groups"]
+    xs = [g["group"] for g in groups]
+    for lab, key in (("decode", "decode_tok_s"), ("end-to-end", "e2e_tok_s")):
+        _errorbar(ax, xs, [g["summary"][key] for g in groups], lab)
+    ax.set_xlabel("context depth (tokens)")
+    ax.set_ylabel("tok/s")
+    ax2 = ax.twinx()
+    ok = [(x, g["summary"]["prefill_tok_s"]) for x, g in zip(xs, groups) if g["summary"]["prefill_tok_s"]]
+    ax2.plot([x for x, _ in ok], [st["mean"] for _, st in ok], "s--", color="gray", label="prefill")
+    ax2.set_ylabel("prefill tok/s", color="gray")
+    if max(xs) > 4096:
+        ax.set_xscale("symlog", linthresh=4096)  # 0, 4K ... 256K: spread the short depths out
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, ncol=3, loc="upper left")  # one legend for both axes
+    ax.set_title("rate vs context depth")
+
+
+def _plot_concurrency(ax, s: dict) -> None:
+    groups = s["groups"]
+    xs = [g["group"] for g in groups]
+    for lab, key in (("per-stream decode", "decode_tok_s"), ("per-stream end-to-end", "e2e_tok_s")):
+        _errorbar(ax, xs, [g["summary"][key] for g in groups], lab)
+    _errorbar(ax, xs, [g["aggregate_tok_s"] for g in groups], "aggregate", marker="s")
+    ax.set_xticks(xs)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("tok/s")
+    ax.set_title("rate vs concurrency")
+    ax.legend(fontsize=8, ncol=2, loc="upper left")
+
+
+# suite -> its panel, left to right
+_SUITE_PANELS = {"published": _plot_published, "depth": _plot_depth, "concurrency": _plot_concurrency}
+
+
 def plot(result: dict, path: str | Path) -> bool:
     """One PNG with a panel per suite that has something to draw. False when there is nothing to draw."""
     try:
@@ -238,64 +303,13 @@ def plot(result: dict, path: str | Path) -> bool:
     except ImportError as e:
         raise UserError("PNG output needs matplotlib: pip install 'onespark[bench]', or pass --no-png") from e
     suites = result.get("suites", {})
-    panels = [k for k in ("published", "depth", "concurrency") if k in suites and suites[k]["groups"]]
+    panels = [k for k in _SUITE_PANELS if k in suites and suites[k]["groups"]]
     if not panels:
         return False
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
     for ax, name in zip(axes[0], panels):
-        groups = suites[name]["groups"]
-        if name == "published":
-            labels = [str(g["group"]) for g in groups] + ["cross-class"]
-            series = [("end-to-end (published method)", "e2e_tok_s"), ("decode", "decode_tok_s")]
-            width = 0.38
-            for j, (lab, key) in enumerate(series):
-                means = [g["summary"][key]["mean"] if g["summary"][key] else 0 for g in groups]
-                stds = [g["summary"][key]["std"] if g["summary"][key] else 0 for g in groups]
-                cc = suites[name]["cross_class"][key]
-                means.append(cc["mean"] if cc else 0)
-                stds.append(cc["std"] if cc else 0)
-                xs = [i + (j - 0.5) * width for i in range(len(labels))]
-                ax.bar(xs, means, width, yerr=stds, capsize=3, label=lab)
-            ax.set_xticks(range(len(labels)), labels, rotation=20)
-            top = max((g["summary"][k]["mean"] + g["summary"][k]["std"]) for g in groups
-                      for _, k in series if g["summary"][k]) if any(g["summary"]["e2e_tok_s"] for g in groups) else 1
-            ax.set_ylim(0, 1.3 * top)  # room for the legend above the error bars
-            ax.set_ylabel("tok/s (mean ± std over runs)")
-            ax.set_title("published prompt classes")
-        elif name == "depth":
-            xs = [g["group"] for g in groups]
-            for lab, key in (("decode", "decode_tok_s"), ("end-to-end", "e2e_tok_s")):
-                ok = [(x, g["summary"][key]) for x, g in zip(xs, groups) if g["summary"][key]]
-                ax.errorbar([x for x, _ in ok], [s["mean"] for _, s in ok], yerr=[s["std"] for _, s in ok],
-                            marker="o", capsize=3, label=lab)
-            ax.set_xlabel("context depth (tokens)")
-            ax.set_ylabel("tok/s")
-            ax2 = ax.twinx()
-            ok = [(x, g["summary"]["prefill_tok_s"]) for x, g in zip(xs, groups) if g["summary"]["prefill_tok_s"]]
-            ax2.plot([x for x, _ in ok], [s["mean"] for _, s in ok], "s--", color="gray", label="prefill")
-            ax2.set_ylabel("prefill tok/s", color="gray")
-            if max(xs) > 4096:
-                ax.set_xscale("symlog", linthresh=4096)  # 0, 4K ... 256K: spread the short depths out
-            h1, l1 = ax.get_legend_handles_labels()
-            h2, l2 = ax2.get_legend_handles_labels()
-            ax.legend(h1 + h2, l1 + l2, fontsize=8, ncol=3, loc="upper left")
-            ax.set_title("rate vs context depth")
-        else:
-            xs = [g["group"] for g in groups]
-            for lab, key in (("per-stream decode", "decode_tok_s"), ("per-stream end-to-end", "e2e_tok_s")):
-                ok = [(x, g["summary"][key]) for x, g in zip(xs, groups) if g["summary"][key]]
-                ax.errorbar([x for x, _ in ok], [s["mean"] for _, s in ok], yerr=[s["std"] for _, s in ok],
-                            marker="o", capsize=3, label=lab)
-            ok = [(x, g["aggregate_tok_s"]) for x, g in zip(xs, groups) if g["aggregate_tok_s"]]
-            ax.errorbar([x for x, _ in ok], [s["mean"] for _, s in ok], yerr=[s["std"] for _, s in ok],
-                        marker="s", capsize=3, label="aggregate")
-            ax.set_xticks(xs)
-            ax.set_xlabel("concurrent streams")
-            ax.set_ylabel("tok/s")
-            ax.set_title("rate vs concurrency")
+        _SUITE_PANELS[name](ax, suites[name])
         ax.grid(alpha=0.3)
-        if name != "depth":
-            ax.legend(fontsize=8, ncol=2, loc="upper left")
     fig.suptitle(textwrap.fill(_provenance(result), width=95 * len(panels)), fontsize=8)
     fig.tight_layout()
     path = Path(path)
