@@ -102,6 +102,23 @@ class Progress:
             self.bar = None
 
 
+def _load_summary(streams: int, context: int, samples: list[dict]) -> dict:
+    """The capacity load's /metrics samples: peaks, and the users a full cache holds at that load."""
+    usage = [s["kv_usage"] for s in samples if s["kv_usage"] is not None]
+    running = [s["running"] for s in samples if s["running"] is not None]
+    peak_usage = max(usage) if usage else None
+    peak_running = max(running) if running else None
+    users = None
+    if peak_usage and peak_running:
+        # KV share per running request at the peak, extrapolated to a full cache.
+        users = int(peak_running / peak_usage)
+    return {"streams": streams, "context": context, "samples": len(samples),
+            "samples_after_all_started": sum(s["after_all_started"] for s in samples),
+            "peak_kv_usage": peak_usage, "peak_running": peak_running,
+            "peak_waiting": max((s["waiting"] or 0) for s in samples) if samples else None,
+            "users_at_context_measured": users}
+
+
 class Runner:
     def __init__(self, client: httpx.AsyncClient, ep: Endpoint, settings: Settings, max_model_len: int | None,
                  progress: Progress):
@@ -424,16 +441,4 @@ class Runner:
             for r in await asyncio.gather(poller, full, return_exceptions=True):
                 if isinstance(r, Exception):  # a cancelled sampler is a BaseException: expected, not raised
                     raise r
-        usage = [s["kv_usage"] for s in samples if s["kv_usage"] is not None]
-        running = [s["running"] for s in samples if s["running"] is not None]
-        peak_usage = max(usage) if usage else None
-        peak_running = max(running) if running else None
-        users = None
-        if peak_usage and peak_running:
-            # KV share per running request at the peak, extrapolated to a full cache.
-            users = int(peak_running / peak_usage)
-        return rows, {"streams": streams, "context": context, "samples": len(samples),
-                      "samples_after_all_started": sum(s["after_all_started"] for s in samples),
-                      "peak_kv_usage": peak_usage,
-                      "peak_running": peak_running, "peak_waiting": max((s["waiting"] or 0) for s in samples)
-                      if samples else None, "users_at_context_measured": users}
+        return rows, _load_summary(streams, context, samples)
