@@ -106,6 +106,8 @@ class Plan:
                           len(self.headers[f]) + sum(r.length for *_, r in items)) for f, items in self.files.items()}
         self.aux = [p for p in sorted(int4.path.iterdir()) if p.is_file() and not p.name.startswith(".")
                     and p.suffix != ".safetensors" and p.name not in JSON_FILES + (MANIFEST_FILE, DOWNLOAD_RECORD)]
+        # Written last, from the plan: quantization_config.json only where the input has one.
+        self.json_files = [f for f in JSON_FILES if f != "quantization_config.json" or (int4.path / f).is_file()]
 
     def _fp8_for(self, name: str) -> tuple:
         """The FP8 weight and scale that replace the INT4 checkpoint's 16-bit `name`, checked against it."""
@@ -259,10 +261,12 @@ def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None
     _check_dirs(int4_dir, fp8_local, out)
     int4 = open_checkpoint(int4_dir)
     specs.check_config(spec, int4.config, f"--int4 {int4_dir}")
-    man = _finished_manifest(out, int4, log)
-    if man is not None and man.get("done"):
-        return man["manifest"]
-    carried, old_steps = (man["carried"], man["steps"]) if man else ({}, {})
+    man = _finished_manifest(out, int4)
+    bad = _damaged(out, man, log) if man else {}
+    if man and not bad:
+        return man
+    carried = {f: v for f, v in man.get("files", {}).items() if f not in bad} if man else {}
+    old_steps = man.get("steps", {}) if man else {}
     with Writer(out, PROGRESS_FILE, hash_outputs=hash_outputs, log=log) as w:
         if not carried:
             w.refuse_foreign("`onespark hybrid`", "--out", LOCK_FILE)
@@ -271,7 +275,7 @@ def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None
         specs.check_config(spec, fp8.config, f"--fp8 {fp8_dir}")
         plan = Plan(int4, fp8, fp8_source)
         outputs = plan.outputs()
-        w.resume(plan.fingerprint(), {**{o.name: o.size for o in outputs}, **dict.fromkeys(JSON_FILES)},
+        w.resume(plan.fingerprint(), {**{o.name: o.size for o in outputs}, **dict.fromkeys(plan.json_files)},
                  carried, keep=LOCK_FILE)
         _open_inputs(plan)
         _check_disk(out, [o for o in outputs if o.name not in w.done])
@@ -296,25 +300,28 @@ def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None
     return manifest
 
 
-def _finished_manifest(out: Path, int4: Checkpoint, log) -> dict | None:
-    """Already done? A finished output carries a manifest whose fingerprint matches these inputs, and every file
-    it lists is still there as written; a damaged one is rewritten, the intact ones are kept (`carried`).
-    None: no finished run here."""
+def _finished_manifest(out: Path, int4: Checkpoint) -> dict | None:
+    """The manifest of a finished step 1 on these inputs in `out`, or None when there is none."""
     if not (out / MANIFEST_FILE).is_file():
         return None
     man = load_json(out / MANIFEST_FILE, "manifest", "delete it and re-run step 1")
     if man.get("steps", {}).get("hybrid", {}).get("int4_fingerprint") != _int4_fingerprint(int4):
         raise UserError(f"{out} holds a different finished checkpoint: choose a new --out (nothing was changed)")
+    return man
+
+
+def _damaged(out: Path, man: dict, log) -> dict[str, str]:
+    """Already done? Only when every file the manifest lists is still there as written; a damaged one is
+    rewritten, the intact ones are kept. Says which, and returns the damaged files."""
     bad = damaged_files(out, man)
     if not bad:
         log(f"step 1 already done: {out} (every file the manifest lists is intact; "
             f"`onespark verify {out}` checks hashes too)")
-        return {"done": True, "manifest": man}
-    log(f"step 1 output damaged: {'; '.join(list(bad.values())[:3])}"
-        f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}: rewriting {len(bad)} file(s), "
-        f"keeping the {len(man.get('files', {})) - len(bad)} intact ones")
-    return {"carried": {f: v for f, v in man.get("files", {}).items() if f not in bad},
-            "steps": man.get("steps", {})}
+    else:
+        log(f"step 1 output damaged: {'; '.join(list(bad.values())[:3])}"
+            f"{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}: rewriting {len(bad)} file(s), "
+            f"keeping the {len(man.get('files', {})) - len(bad)} intact ones")
+    return bad
 
 
 def _open_inputs(plan: Plan) -> None:
@@ -336,13 +343,10 @@ def _write_json_files(w: Writer, plan: Plan) -> list[str]:
     """The index, config.json and quantization_config.json (where the input has one), unless kept from a
     finished run: an intact index of a repaired checkpoint carries what step 2 added. Returns those written."""
     config = _hybrid_config(plan.int4.config, plan)
-    written = []
-    for f, doc in ((INDEX_FILE, plan.index()), ("config.json", config),
-                   ("quantization_config.json", config["quantization_config"])):
-        if f in w.done or (f == "quantization_config.json" and not (plan.int4.path / f).is_file()):
-            continue
-        w.write_json(f, doc)
-        written.append(f)
+    docs = {INDEX_FILE: plan.index(), "config.json": config, "quantization_config.json": config["quantization_config"]}
+    written = [f for f in plan.json_files if f not in w.done]
+    for f in written:
+        w.write_json(f, docs[f])
     return written
 
 
