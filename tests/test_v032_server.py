@@ -29,19 +29,8 @@ from pathlib import Path
 import pytest
 
 from tests._scripted_model import write_scripted_model
+from tests._tool_calls import PARSERS, REPLY, chat_exchange, check_chat_answers, check_responses
 from tests.test_plugin_server import GEN_TOKENS, PROMPTS, score
-from tests.test_tool_calls_streaming import (
-    PARSERS,
-    REASONING,
-    REPLY,
-    WANT_CALLS,
-    _check_responses_stream,
-    _post,
-    _responses_body,
-    _responses_events,
-    _streamed,
-)
-from tests.test_tool_calls_streaming import _body as chat_body
 from tests.vllm_server import VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm032_only, pytest.mark.timeout(1500)]
@@ -176,25 +165,15 @@ def test_int8_head_matches_bf16_head_teacher_forced(plain_server, bf16_server, r
 def test_chat_tool_calls_streamed_under_mtp_equal_the_whole_answer(mtp_server, scripted_qwen35):
     _, tokens = scripted_qwen35
     before = spec_counters(mtp_server)
-    with _post(mtp_server, chat_body(mtp_server, stream=False)) as r:
-        whole = json.load(r)["choices"][0]
-    streamed, chunks = _streamed(mtp_server)
+    whole, streamed, chunks = chat_exchange(mtp_server)
     after = spec_counters(mtp_server)
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     print(f"MTP-2 chat: {tokens} tokens in {chunks} chunks; {accepted:.0f} drafts accepted over both requests")
-    msg = whole["message"]
-    assert whole["finish_reason"] == "tool_calls"
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == WANT_CALLS
-    assert msg["reasoning"] == REASONING and not msg.get("content")
-    assert [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"]] == WANT_CALLS, streamed
-    assert all(c["id"] for c in streamed["tool_calls"]) and len({c["id"] for c in streamed["tool_calls"]}) == 2
-    assert streamed["reasoning"] == REASONING
     # The one difference, and not MTP's: 0.32.0's qwen3_xml is its new parser engine, which knows <tool_call> by
     # token id; the script spells the second call's <tool_call> in pieces (no token can repeat in it), and that
     # text streams as content ("\n<tool_call>\n" at 1 token per chunk without MTP, measured 2026-12-01). A real
     # Qwen3.5 emits the single <tool_call> token every time. Any other text in content fails.
-    assert streamed["content"].strip() in ("", SPELLED_MARKER), f"text leaked into content: {streamed['content']!r}"
-    assert streamed["finish_reason"] == "tool_calls"
+    check_chat_answers(whole, streamed, stray_text=SPELLED_MARKER)
     # Real MTP steps, not --stream-interval: over the two requests (2 x tokens generated) at least half the
     # tokens were accepted drafts, so steps carried up to 3 tokens. (Chunk counts prove nothing here: 0.32.0's
     # parser engine holds text back and sends fewer chunks than steps even at 1 token per step.)
@@ -205,11 +184,8 @@ def test_responses_tool_calls_streamed_under_mtp_equal_the_whole_answer(mtp_serv
     """Stock vLLM 0.32.0, no patches/responses-tool-calls.diff: one function_call item per call, typed arguments
     ("days": 3), every item finished, equal to the non-streamed output. This is the test that says 0.32.0 does
     not need the diff (0.19.1 merges both calls into one item: test_tool_calls_streaming.py)."""
-    with _post(mtp_server, _responses_body(mtp_server, stream=False), "/responses") as r:
-        output = json.load(r)["output"]
-    assert [(o["name"], json.loads(o["arguments"])) for o in output if o["type"] == "function_call"] == WANT_CALLS
     # stray_text: the script's spelled second <tool_call> (see the chat test), nothing else
-    assert _check_responses_stream(_responses_events(mtp_server), stray_text=SPELLED_MARKER) == WANT_CALLS
+    check_responses(mtp_server, stray_text=SPELLED_MARKER)
 
 
 # -- TurboQuant KV cache on the hybrid model (patches/turboquant-0.32.0.diff + the backend) -------------------
