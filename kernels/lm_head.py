@@ -32,24 +32,20 @@ memory (`_SMALL_SMEM_CONFIGS` where none fits) and timed once per (bucket, N, K)
 Bytes and floors (Qwen3.5-122B-A10B head, N = 248,320, K = 3,072; H200, 4.26 TB/s measured copy
 rate, read + write, bench/lab/lm_head.py): INT8 762.8 MB weight + 1.0 MB scales -> 0.179 ms;
 BF16 1,525.6 MB -> 0.358 ms; INT4 381.4 MB + 11.9 MB scales -> 0.092 ms.
-Measured (bench/results/lm_head_h200.json, 2026-11-30, medians of CUDA-graph replays, cuBLAS BF16
-in the same run): INT8 M = 1: 0.187 ms = 4.08 TB/s = 95% of the floor, 1.98x cuBLAS (0.371 ms);
-M = 2-4: 1.87-1.97x; 6-12: 1.80-1.88x; 16: 1.67x (1.84x in the sweep run: runs differ by up to
-10% here); 32: 1.31x; 64: 1.11x; 128: 0.84x; 256: 0.71x; 1,024: 0.85x; 4,096: 0.96x; 8,192: 0.91x
-(1.00x with 4,096-row chunks in the sweep). INT4 M <= 3: 0.153-0.157 ms = 2.4x, 60% of its floor.
-Where targets are missed, and why (numbers from SASS of the shipped configs, sm_90):
-  * M <= 4 (target 2.0x): 2.0x needs the INT8 read to run at the bandwidth cuBLAS gets for BF16
+Measured speed per M against cuBLAS BF16: bench/results/lm_head_h200.json (the table is in README's "Kernels:
+the INT8 LM head"; _CONFIGS come from bench/results/lm_head_h200_sweep.json). Where the targets are missed,
+and why (from SASS of the shipped configs, sm_90):
+  * M <= 4 (target 2.0x over cuBLAS): 2.0x needs the INT8 read at the bandwidth cuBLAS gets for BF16
     (4.12 TB/s); we reach 3.8-4.1. The loop issues 4.3 instructions per weight byte (PRMT 1.5,
     FADD 1, IMAD moves 0.6, LDS/LDGSTS/HMMA ...), ~0.1 ms of issue per SM against 0.187 ms.
   * M = 64-1,024 (targets 1.3x / 1.0x): the "std" kernel's dequantise -> st.shared -> fence -> wgmma
-    chain is not overlapped with the previous wgmma by Triton's pipeliner (M = 8,192: 27.5 ms, 450
-    TFLOP/s, vs cuBLAS 18.4 ms), and the cuBLAS path pays the dequant pass plus small GEMMs (M =
-    1,024: 2.91 vs 2.47 ms). A warp-specialised kernel (producer warps dequantising into shared
+    chain is not overlapped with the previous wgmma by Triton's pipeliner, and the cuBLAS path pays the
+    dequant pass plus small GEMMs. A warp-specialised kernel (producer warps dequantising into shared
     memory for consumer warpgroups) is the known fix and is not written: Triton 3.6's automatic warp
     specialisation (`tl.range(..., warp_specialize=True)`) is documented as Blackwell-only, so on sm_90
-    it takes a hand-written mixed-input mainloop (CUTLASS-style); the Spark's sm_121 has no wgmma at all. In vLLM the head sees
-    only sampled positions (decode batch x (1 + draft tokens)), so M > 64 means > 21 sequences
-    in flight under MTP-2.
+    it takes a hand-written mixed-input mainloop (CUTLASS-style); the Spark's sm_121 has no wgmma at all.
+    In vLLM the head sees only sampled positions (decode batch x (1 + draft tokens)), so M > 64 means
+    > 21 sequences in flight under MTP-2.
   * INT4 (target 3.5x): 5.1 instructions per byte (~0.06 ms of issue) yet 0.153 ms: not issue-bound;
     likely latency with 4 programs of 2 warps per SM (shared memory); not resolved.
 """
@@ -179,14 +175,8 @@ def dequantize_int4_groups(w_int4: torch.Tensor, scale: torch.Tensor, k: int) ->
 # --------------------------------------------------------------------------- references (plain torch)
 
 
-def int8_gemv_ref(
-    x: torch.Tensor,
-    w_int8: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    acc_dtype: torch.dtype = torch.float32,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+def int8_gemv_ref(x: torch.Tensor, w_int8: torch.Tensor, scale: torch.Tensor, *, acc_dtype: torch.dtype = torch.float32,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Plain-torch INT8 head: (x @ w_int8.T) * scale computed in acc_dtype, returned in out_dtype
     (default x's dtype). Tests use acc_dtype=out_dtype=torch.float64 as the exact reference; with the
     defaults it is also a (slow, 4 x K x N-byte temporary) fallback where Triton cannot run."""
@@ -194,14 +184,8 @@ def int8_gemv_ref(
     return out.to(out_dtype or x.dtype)
 
 
-def int4_gemv_ref(
-    x: torch.Tensor,
-    w_int4: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    acc_dtype: torch.dtype = torch.float32,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+def int4_gemv_ref(x: torch.Tensor, w_int4: torch.Tensor, scale: torch.Tensor, *, acc_dtype: torch.dtype = torch.float32,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Plain-torch INT4 head: x @ (q * scale).T in acc_dtype, returned in out_dtype (default x's)."""
     w = dequantize_int4_groups(w_int4, scale, x.shape[1]).to(acc_dtype)
     return torch.nn.functional.linear(x.to(acc_dtype), w).to(out_dtype or x.dtype)
@@ -300,9 +284,10 @@ def _u4_to(b, HIGH: tl.constexpr, DTYPE: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
-def _tile_ids(M, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_N: tl.constexpr):
-    """Program id -> (weight tile, token tile). GROUP_N weight tiles form a band that stays in L2
-    while every token tile passes over it (at M <= BLOCK_M this is just pid)."""
+def _tile_rows(M, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_N: tl.constexpr):
+    """Program id -> its tile's weight rows rn [BLOCK_N] and token rows rm [BLOCK_M] (either may run past
+    N or M). GROUP_N weight tiles form a band that stays in L2 while every token tile passes over it (at
+    M <= BLOCK_M the weight tile is just pid)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -312,9 +297,28 @@ def _tile_ids(M, N, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_N: tl.co
     band_n = min(num_n - first_n, GROUP_N)
     pid_n = first_n + (pid % per_band) % band_n
     pid_m = (pid % per_band) // band_n
-    return pid_n, pid_m
+    return pid_n * BLOCK_N + tl.arange(0, BLOCK_N), pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
 
 
+@triton.jit
+def _swap_ptrs(x_ptr, w_ptr, rn, rm, rk, N, stride_xm, stride_xk, stride_wn):
+    """The "swap" kernels' pointers to their first weight tile [BLOCK_N, len(rk)] and x.T tile [len(rk), BLOCK_M].
+    Weight rows past N wrap onto valid rows (rn % N): their loads need no mask and the store drops them.
+    Token rows past M are not wrapped; the caller masks them (m_ok): at M = 1 wrapping made every program
+    fetch 16 copies of one x row, all from the same L2 lines (H200: 0.227 ms at M = 1 vs 0.194 ms at M = 3)."""
+    w_ptrs = w_ptr + (rn % N)[:, None].to(tl.int64) * stride_wn + rk[None, :]
+    x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None] * stride_xk
+    return w_ptrs, x_ptrs
+
+
+@triton.jit
+def _store_swapped(o_ptr, acc, rn, rm, M, N, stride_om):
+    """A "swap" kernel's acc [BLOCK_N, BLOCK_M] (a tile of out.T) into out[rm, rn], rows past M or N dropped."""
+    o_ptrs = o_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
+    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rm[None, :] < M))
+
+
+# Deliberately the signature of _int8_mm_large_kernel: _launch_int8 launches either with one argument list.
 @triton.jit(do_not_specialize=["M"])
 def _int8_mm_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr,
@@ -323,18 +327,10 @@ def _int8_mm_kernel(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_N: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
-    pid_n, pid_m = _tile_ids(M, N, BLOCK_N, BLOCK_M, GROUP_N)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    # Wrap out-of-range rows onto valid ones: loads need no mask (they hit L1/L2), the store masks.
-    # Weight rows past N wrap onto valid rows (unmasked wide loads; the store masks them). Token
-    # rows past M are masked, not wrapped: at M = 1 wrapping made every program fetch 16 copies of
-    # one x row, all from the same L2 lines (H200: 0.227 ms at M = 1 vs 0.194 ms at M = 3).
-    rn_ld = rn % N
+    rn, rm = _tile_rows(M, N, BLOCK_N, BLOCK_M, GROUP_N)
     m_ok = rm < M
     rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rn_ld[:, None].to(tl.int64) * stride_wn + rk[None, :]
-    x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None] * stride_xk
+    w_ptrs, x_ptrs = _swap_ptrs(x_ptr, w_ptr, rn, rm, rk, N, stride_xm, stride_xk, stride_wn)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
@@ -348,10 +344,10 @@ def _int8_mm_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K * stride_xk
     acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0)[:, None]
-    o_ptrs = o_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rm[None, :] < M))
+    _store_swapped(o_ptr, acc, rn, rm, M, N, stride_om)
 
 
+# Deliberately the signature of _int8_mm_kernel: _launch_int8 launches either with one argument list.
 @triton.jit(do_not_specialize=["M"])
 def _int8_mm_large_kernel(
     x_ptr, w_ptr, s_ptr, o_ptr,
@@ -364,10 +360,8 @@ def _int8_mm_large_kernel(
     The weight tile is loaded 16 bytes a thread along K, dequantised in that layout and stored to
     shared memory as wgmma's B operand (the swapped form keeps it in registers as A, which Triton
     loads 2 bytes at a time: H200, M = 8192: 25 ms vs cuBLAS 18 ms)."""
-    pid_n, pid_m = _tile_ids(M, N, BLOCK_N, BLOCK_M, GROUP_N)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn_ld = rn % N
+    rn, rm = _tile_rows(M, N, BLOCK_N, BLOCK_M, GROUP_N)
+    rn_ld = rn % N  # rows past N or M wrap onto valid ones: unmasked loads, the store drops them
     rm_ld = rm % M
     rk = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rm_ld[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
@@ -408,15 +402,11 @@ def _int4_mm_kernel(
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, FAST: tl.constexpr,
 ):  # fmt: skip
     HALF: tl.constexpr = 64  # INT4_GROUP // 2: bytes per group and row; lo nibbles = first 64 of K
-    pid_n, pid_m = _tile_ids(M, N, BLOCK_N, BLOCK_M, GROUP_N)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn_ld = rn % N
+    rn, rm = _tile_rows(M, N, BLOCK_N, BLOCK_M, GROUP_N)
     m_ok = rm < M
     rj = tl.arange(0, HALF)
-    w_ptrs = w_ptr + rn_ld[:, None].to(tl.int64) * stride_wn + rj[None, :]
-    x_ptrs = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rj[:, None] * stride_xk
-    s_ptrs = s_ptr + rn_ld.to(tl.int64) * stride_sn
+    w_ptrs, x_ptrs = _swap_ptrs(x_ptr, w_ptr, rn, rm, rj, N, stride_xm, stride_xk, stride_wn)
+    s_ptrs = s_ptr + (rn % N).to(tl.int64) * stride_sn
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for g in range(0, tl.cdiv(K, 2 * HALF)):
         b = tl.load(w_ptrs)
@@ -432,8 +422,7 @@ def _int4_mm_kernel(
         acc += part * tl.load(s_ptrs + g).to(tl.float32)[:, None]
         w_ptrs += HALF
         x_ptrs += 2 * HALF * stride_xk
-    o_ptrs = o_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None]
-    tl.store(o_ptrs, acc.to(o_ptr.dtype.element_ty), mask=(rn[:, None] < N) & (rm[None, :] < M))
+    _store_swapped(o_ptr, acc, rn, rm, M, N, stride_om)
 
 
 # --------------------------------------------------------------------------- configs and dispatch
@@ -594,19 +583,7 @@ def int8_gemv(
         raise ValueError("w_int8 must have unit stride along K (call .contiguous() once at load time)")
     if scale.shape != (n,) or scale.dtype != torch.float32 or scale.device != w_int8.device:
         raise ValueError(f"scale must be fp32 [{n}] on {w_int8.device}, got {scale.dtype} {tuple(scale.shape)}")
-    out = _make_out(x, n, out)
-    m = x.shape[0]
-    if m == 0 or n == 0:
-        return out
-    if k == 0:
-        return out.zero_()
-    scale = scale.contiguous()
-
-    def launch(cfg):
-        _launch_int8(x, w_int8, scale, out, cfg)
-
-    launch(_pick("int8", _bucket(m), x, n, k, launch))
-    return out
+    return _gemv("int8", x, w_int8, scale.contiguous(), n, k, out)
 
 
 def int4_gemv(
@@ -633,17 +610,24 @@ def int4_gemv(
     _check_x(x, k, w_int4.device, "INT4")
     if w_int4.stride(1) != 1 or scale.stride(1) != 1 or scale.device != w_int4.device:
         raise ValueError("w_int4 and scale must be on one device with unit stride along groups/bytes")
+    return _gemv("int4", x, w_int4, scale, n, k, out)
+
+
+def _gemv(kind: str, x, w, scale, n: int, k: int, out) -> torch.Tensor:
+    """int8_gemv's and int4_gemv's common part, after their checks: the output, the empty cases, then one
+    launch with the config _pick chose for this bucket and shape."""
     out = _make_out(x, n, out)
     m = x.shape[0]
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
+    launcher = _launch_int8 if kind == "int8" else _launch_int4
 
     def launch(cfg):
-        _launch_int4(x, w_int4, scale, out, cfg)
+        launcher(x, w, scale, out, cfg)
 
-    launch(_pick("int4", _bucket(m), x, n, k, launch))
+    launch(_pick(kind, _bucket(m), x, n, k, launch))
     return out
 
 

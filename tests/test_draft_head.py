@@ -33,19 +33,26 @@ from onespark.kernels.draft_head import (
 from onespark.kernels.lm_head import dequantize_int4_groups
 from tests._compare import assert_close
 from tests._interpreter import run_interpreter_lane
+from tests._kernel_lane import ACC, CUDA, DEVICE, DTYPES, INTERPRET, P_BITS, kernel_lane
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if CUDA else "cpu"
-DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float16, torch.float32]
-kernel_lane = pytest.mark.skipif(not (CUDA or INTERPRET), reason="CPU: runs in test_interpreter_lane's child")
 parent_only = pytest.mark.skipif(INTERPRET, reason="not a kernel test: runs in the parent")
 HERE = Path(__file__).resolve()
 
-# Tolerances as tests/test_kernels_lm_head.py: output rounding 2^-P of the value, fp32 accumulation 2^-16 of
-# sum|x w| (~10x margin at K = 3072 over sqrt(K) 2^-24; a wrong row or scale is >= 1e-2 of sum|x w|).
-_P = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
-_ACC = 2.0**-16
+
+def _marks(*marks):
+    """Several marks as one decorator: the plugin-probe tests share four, the MTP-2 server tests four others."""
+    def apply(fn):
+        for mark in reversed(marks):
+            fn = mark(fn)
+        return fn
+
+    return apply
+
+
+# vLLM's classes in a fresh process (the probe fixture), on both tracks
+probe_test = _marks(parent_only, pytest.mark.vllm, pytest.mark.vllm032, pytest.mark.timeout(900))
+# a real vLLM 0.32.0 server with MTP-2: 0.19.1's CPU build has no speculative decoding
+server_test = _marks(parent_only, pytest.mark.vllm, pytest.mark.vllm032_only, pytest.mark.timeout(1500))
 N, K = 2053, 200  # vocabulary no power of two, K with a tail past the 32/128 tiles
 
 
@@ -70,7 +77,7 @@ def _check(out, x, q, s, ids, what, w4=None):
         w = dequantize_int4_groups(w4[0], w4[1], x.shape[1]).abs().to(torch.float64)
         abs_sum = torch.full_like(ref, float("-inf"))
         abs_sum[:, ids] = x.abs().to(torch.float64) @ w.T
-    tol = torch.where(torch.isinf(ref), torch.zeros_like(ref), ref.abs() * 2.0 ** -_P[x.dtype] + abs_sum * _ACC)
+    tol = torch.where(torch.isinf(ref), torch.zeros_like(ref), ref.abs() * 2.0 ** -P_BITS[x.dtype] + abs_sum * ACC)
     assert_close(out, ref, tol, what)  # -inf must be exactly where the reference has it
 
 
@@ -281,10 +288,7 @@ def probe(tmp_path_factory):
     return json.loads(out.read_text()), r.stderr + r.stdout, json.loads((model / draft_vocab.FILE).read_text())
 
 
-@parent_only
-@pytest.mark.vllm
-@pytest.mark.vllm032
-@pytest.mark.timeout(900)
+@probe_test
 def test_plugin_gives_the_draft_a_subset_head_and_keeps_the_targets(probe):
     got, log, doc = probe
     r = got["on"]
@@ -305,10 +309,7 @@ def test_plugin_gives_the_draft_a_subset_head_and_keeps_the_targets(probe):
     assert "INT4 groups of 128 (ONESPARK_DRAFT_INT4=1)" in log
 
 
-@parent_only
-@pytest.mark.vllm
-@pytest.mark.vllm032
-@pytest.mark.timeout(900)
+@probe_test
 def test_plugin_switch_file_and_mismatch(probe):
     got, log, _ = probe
     assert got["off"]["attached"] is False and got["off"]["draft_head_is_target_head"]
@@ -370,10 +371,7 @@ def subset_run(subset_server):
     return srv, ids, prompts, outs, {k: after[k] - before[k] for k in after}
 
 
-@parent_only
-@pytest.mark.vllm
-@pytest.mark.vllm032_only
-@pytest.mark.timeout(1500)
+@server_test
 def test_server_logs_the_subset_draft_head(subset_server):
     srv, _, ids = subset_server
     log = srv.log_text()
@@ -382,10 +380,7 @@ def test_server_logs_the_subset_draft_head(subset_server):
     assert "Sharing target model lm_head weights with the draft model" in log
 
 
-@parent_only
-@pytest.mark.vllm
-@pytest.mark.vllm032_only
-@pytest.mark.timeout(1500)
+@server_test
 def test_server_greedy_output_is_the_targets_and_drafts_stay_in_the_subset(subset_run, record_property):
     srv, ids, prompts, outs, c = subset_run
     emitted = [t for o in outs for t in o]

@@ -14,7 +14,6 @@ H200 used for bench/results), with onespark importable: python -P -m pytest test
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -32,22 +31,11 @@ from onespark.kernels import (
 )
 from tests._compare import assert_close
 from tests._interpreter import run_interpreter_lane
-
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cuda" if CUDA else "cpu"
-DTYPES = [torch.bfloat16, torch.float16] if CUDA else [torch.float16, torch.float32]
-kernel_lane = pytest.mark.skipif(not (CUDA or INTERPRET), reason="CPU: runs in test_interpreter_lane's child")
-
-# Significand bits of each output dtype: rounding to it moves a value by at most 2^-P of itself.
-_P = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 24}
-# fp32 accumulation over K terms: realistic error ~sqrt(K) 2^-24 of sum|x w|; 2^-16 leaves ~10x margin
-# at K = 3072 yet is far below what a lost K block or a wrong scale does (>= 1e-2 of sum|x w|).
-_ACC = 2.0**-16
+from tests._kernel_lane import ACC, CUDA, DEVICE, DTYPES, INTERPRET, P_BITS, kernel_lane
 
 
 def _tol(ref64: torch.Tensor, abs_sum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return ref64.abs() * 2.0 ** -_P[dtype] + abs_sum * _ACC + 1e-30
+    return ref64.abs() * 2.0 ** -P_BITS[dtype] + abs_sum * ACC + 1e-30
 
 
 def _rand_x(m, k, dtype, gen, device=DEVICE):
@@ -73,7 +61,7 @@ def _check_int8(x, q, s, out, what, folded=None):
     if folded is None:
         folded = lm_head._bucket(x.shape[0]) == 8192
     if folded:
-        tol = tol + abs_sum * 2.0 ** -_P[x.dtype]
+        tol = tol + abs_sum * 2.0 ** -P_BITS[x.dtype]
     assert_close(out, ref, tol, what)
 
 
