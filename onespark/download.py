@@ -235,7 +235,7 @@ def _fp8_wanted(f: Fetcher) -> tuple[dict, dict, list[str]]:
         raise UserError(f"{f.repo}: config.json does not describe an FP8 checkpoint: wrong --fp8-repo?")
     names = []
     for w in qwen35.shared_expert_weights(config):
-        names += [w, w[: -len("weight")] + "weight_scale_inv"]
+        names += [w, qwen35.scale_name(w)]
     missing = [n for n in names if n not in wm]
     if missing:
         raise UserError(f"{f.repo}: its index lacks {len(missing)} of the {len(names)} tensors step 1 needs "

@@ -62,11 +62,6 @@ from onespark.safetensors_io import Header, Range, copy_file_tmp, encode_header,
 PROGRESS_FILE = ".onespark-hybrid-progress.json"
 CONFIG_FILES = ("config.json", "quantization_config.json")  # rewritten, not copied
 JSON_FILES = (INDEX_FILE,) + CONFIG_FILES  # written last, from the plan
-SCALE_SUFFIX = "weight_scale_inv"
-
-
-def _scale_name(weight: str) -> str:
-    return weight[: -len("weight")] + SCALE_SUFFIX
 
 
 def _check_dirs(int4: Path, fp8: Path | None, out: Path) -> None:
@@ -119,7 +114,7 @@ class Plan:
             raise UserError(f"{int4.path}: {name} is already FP8: give the original INT4 download as --int4")
         if old.dtype not in qwen35.FLOAT_DTYPES:
             raise UserError(f"{int4.path}: {name} is {old.dtype}, expected a 16-bit weight")
-        sname = _scale_name(name)
+        sname = qwen35.scale_name(name)
         for n in (name, sname):
             if n not in fp8.where:
                 raise UserError(f"{fp8.path}: has no {n}: the FP8 source is incomplete; run step 0 again")
@@ -135,7 +130,7 @@ class Plan:
 
     def _unmatched(self) -> dict[str, int]:
         """What the FP8 checkpoint offers that we leave alone, counted by family (not 400 warnings)."""
-        used = set(self.replace) | {_scale_name(n) for n in self.replace}
+        used = set(self.replace) | {qwen35.scale_name(n) for n in self.replace}
         unmatched: dict[str, int] = {}
         for name in sorted(set(self.fp8.where) | set(self.fp8.weight_map)):
             if name in used:
@@ -177,7 +172,7 @@ class Plan:
         """The input's index with each scale beside its weight; every other entry (mtp.* included) as it was."""
         wm = dict(self.int4.weight_map)
         for name in self.replace:
-            wm[_scale_name(name)] = self.int4.where[name]
+            wm[qwen35.scale_name(name)] = self.int4.where[name]
         return rewrite_index(self.int4.index, wm, {n: r.length for items in self.files.values() for n, *_, r in items})
 
     def fingerprint(self) -> str:
@@ -280,8 +275,8 @@ def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None
         _open_inputs(plan)
         _check_disk(out, [o for o in outputs if o.name not in w.done])
         w.begin(MANIFEST_FILE)
-        log(f"splicing {len(plan.replace)} shared-expert weights (FP8 + {SCALE_SUFFIX}) into {len(plan.files)} "
-            f"files -> {out}")
+        log(f"splicing {len(plan.replace)} shared-expert weights (FP8 + {qwen35.SCALE_SUFFIX}) into "
+            f"{len(plan.files)} files -> {out}")
         for o in outputs:
             if o.name not in w.done:
                 size = w.write(o)
@@ -361,7 +356,7 @@ def _manifest(plan: Plan, old_steps: dict, files: dict) -> dict:
                    "fp8": plan.fp8_source},
         "steps": {**old_steps, "hybrid": {
             "int4_fingerprint": _int4_fingerprint(int4),
-            "replaced": sorted(plan.replace), "added": sorted(_scale_name(n) for n in plan.replace),
+            "replaced": sorted(plan.replace), "added": sorted(qwen35.scale_name(n) for n in plan.replace),
             "fp8_weight_block_size": list(plan.block),
             "bytes_before": sum(int4.info(n).nbytes for n in plan.replace),
             "bytes_after": sum(w.nbytes + s.nbytes for w, s in plan.replace.values()),
@@ -398,7 +393,7 @@ def _hybrid_config(config: dict, plan: Plan) -> dict:
         "weight_block_size": list(plan.block),
         "activation_scheme": fqc.get("activation_scheme", "dynamic"),
         "fmt": fqc.get("fmt", "e4m3"),
-        "scale_name": SCALE_SUFFIX,
+        "scale_name": qwen35.SCALE_SUFFIX,
         "scale_dtype": scale_dtypes.pop() if len(scale_dtypes) == 1 else sorted(scale_dtypes),
         "source": {"repo": plan.fp8_source.get("repo"), "revision": plan.fp8_source.get("revision")},
     }

@@ -39,6 +39,7 @@ MTP_PREFIX = "mtp."  # the MTP head's tensors (vLLM's qwen3_5_mtp.py); the main 
 EXTRA_FILE = "model_extra_tensors.safetensors"  # where the Intel releases keep the MTP head (onespark.mtp)
 SHARED_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
+SCALE_SUFFIX = "weight_scale_inv"  # an FP8 weight's per-block scale: `X.weight` -> `X.weight_scale_inv`
 HYBRID_KEY = "onespark_fp8"  # quantization_config[HYBRID_KEY]: written by step 1, see onespark.hybrid
 
 
@@ -56,6 +57,11 @@ class Dense:
     """A non-linear tensor stored as is (norms, embeddings, conv, A_log...)."""
     name: str
     shape: tuple[int, ...]
+
+
+def scale_name(weight: str) -> str:
+    """The per-block scale tensor of an FP8 weight `X.weight`."""
+    return weight[: -len("weight")] + SCALE_SUFFIX
 
 
 def is_mtp(name: str) -> bool:
@@ -252,7 +258,7 @@ def expected_tensors(config: dict, *, include_mtp: bool = True) -> dict[str, Exp
         p = m.prefix
         if p in fp8_layers or (method == "fp8" and fp8_layer_quantized(p, qc)):
             out[p + ".weight"] = Expect(frozenset({"F8_E4M3"}), (m.out, m.inp))
-            out[p + ".weight_scale_inv"] = Expect(frozenset({"BF16", "F32"}),
+            out[scale_name(p + ".weight")] = Expect(frozenset({"BF16", "F32"}),
                                                   (math.ceil(m.out / block[0]), math.ceil(m.inp / block[1])))
         elif method in ("auto-round", "intel/auto-round") and (bits := int4_layer_bits(p, qc)) < 16:
             group = int(qc["group_size"])

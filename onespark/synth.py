@@ -265,7 +265,7 @@ def tensors_for(config: dict, fmt: str, seed: int, *, mtp: bool, g_idx: bool):
             sshape = (math.ceil(m.out / bs[0]), math.ceil(m.inp / bs[1]))
             if expert:
                 yield p + ".weight", "F8_E4M3", shape, lambda p=p, s=shape: _random_fp8(_rng(seed, p), s)
-                yield p + ".weight_scale_inv", "BF16", sshape, lambda p=p, s=sshape: (
+                yield qwen35.scale_name(p + ".weight"), "BF16", sshape, lambda p=p, s=sshape: (
                     _rng(seed, p + "#s").uniform(1e-4, 1e-3, s).astype(ml_dtypes.bfloat16))
             else:
                 cache = {}
@@ -275,7 +275,7 @@ def tensors_for(config: dict, fmt: str, seed: int, *, mtp: bool, g_idx: bool):
                         cache["q"], cache["s"] = quantize_fp8_block(master_weight(seed, p, shape), bs)
                     return cache.pop(part)
                 yield p + ".weight", "F8_E4M3", shape, lambda f=fp8: f("q")
-                yield p + ".weight_scale_inv", "BF16", sshape, lambda f=fp8: f("s")
+                yield qwen35.scale_name(p + ".weight"), "BF16", sshape, lambda f=fp8: f("s")
         elif fmt == "int4" and (bits := qwen35.int4_layer_bits(p, qc)) < 16:
             groups = m.inp // GROUP
             if expert and bits == 4:

@@ -63,8 +63,9 @@ def exact_dtypes(name: str, exp: qwen35.Expect, config: dict) -> frozenset:
     if name.endswith(".scales") and "auto_gptq" in str(qc.get("packing_format", "")):
         return frozenset({"F16"})
     hybrid = qc.get(qwen35.HYBRID_KEY) or {}
-    if name.endswith(".weight_scale_inv") and isinstance(hybrid.get("scale_dtype"), str) \
-            and name[: -len(".weight_scale_inv")] in set(hybrid.get("layers", [])):
+    scale = "." + qwen35.SCALE_SUFFIX
+    if name.endswith(scale) and isinstance(hybrid.get("scale_dtype"), str) \
+            and name[: -len(scale)] in set(hybrid.get("layers", [])):
         return frozenset({hybrid["scale_dtype"]})
     return exp.dtypes
 
@@ -167,7 +168,7 @@ def _tensor_problems(ck: Checkpoint, expected: dict, problems: Problems) -> None
             problems.add("shape", f"{name} ({fname}) is {t.dtype}{list(t.shape)}, the config implies "
                                   f"{'/'.join(sorted(dtypes))}{list(exp.shape)}")
         if t.dtype == "F8_E4M3" and name.endswith(".weight"):
-            scale = name[: -len("weight")] + "weight_scale_inv"
+            scale = qwen35.scale_name(name)
             if scale not in ck.where:
                 problems.add("scale", f"FP8 weight {name} has no {scale}")
 

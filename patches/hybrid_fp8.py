@@ -34,7 +34,8 @@ from typing import Any
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.inc import INCConfig
 
-from onespark.qwen35 import HYBRID_KEY  # the config key step 1 writes; qwen35 imports only the standard library
+# What step 1 writes; onespark.qwen35 imports only the standard library, so the plugin may import it anywhere.
+from onespark.qwen35 import HYBRID_KEY, SCALE_SUFFIX
 
 logger = logging.getLogger("vllm.onespark")
 
@@ -75,7 +76,7 @@ class OnesparkHybridConfig(INCConfig):
         layers = spec.get("layers")
         if not isinstance(layers, list) or not layers or not all(isinstance(x, str) for x in layers):
             raise ValueError(f"{where}.layers must be a non-empty list of module names, got {layers!r}")
-        expect = {"fmt": "e4m3", "scale_name": "weight_scale_inv", "activation_scheme": "dynamic"}
+        expect = {"fmt": "e4m3", "scale_name": SCALE_SUFFIX, "activation_scheme": "dynamic"}
         for key, want in expect.items():
             if spec.get(key, want) != want:
                 raise ValueError(f"{where}.{key} is {spec.get(key)!r}; this plugin loads only {want!r}")
