@@ -13,11 +13,11 @@ needs. Repos and pinned revisions come from the spec (onespark.specs; default qw
 A spec without a public pin (qwen3.5-35b-a3b's INT4 repo, `custom`) needs --revision SHA; a spec without an FP8
 source (qwen3.6-35b-a3b) skips DEST/fp8 and says why.
 
-Both directories carry `onespark-download.json` (repo, revision, bytes); step 1 copies that into its manifest.
+Every directory carries `onespark-download.json` (repo, revision, bytes); step 1 copies that into its manifest.
 Re-running resumes: snapshot_download keeps every file it finished (huggingface_hub 2.4 starts the file it
 was in again: it writes each download to a per-process temp name, its PR #4228); fetched FP8 byte ranges are
-kept as parts until the file is assembled.
-A finished directory is reported "already done".
+kept as parts until the file is assembled. The files are written by onespark.checkpoint.Writer (temp name, fsync,
+rename), the download record last: a directory whose record says complete is reported as already fetched.
 Endpoint: HF_ENDPOINT (as huggingface_hub reads it); token: HF_TOKEN or `hf auth login`, never printed.
 """
 

@@ -5,9 +5,10 @@ they look like; a spec without an FP8 source (qwen3.6-35b-a3b) skips the step an
 Replaces the 3 x num_hidden_layers BF16 `mlp.shared_expert.{gate,up,down}_proj.weight` tensors of the
 Intel INT4 checkpoint (144 for the 122B) by the FP8 weights of the Qwen FP8 checkpoint and adds each one's
 `weight_scale_inv`. Every other tensor, `mtp.*` included, is copied byte for byte with os.copy_file_range;
-no shard is ever read into memory. Each output file is written under a temporary name and renamed; an
-interrupted run resumes (files already written are kept when their size and the inputs still match).
-The input directories are only read.
+no shard is ever read into memory. Plan decides every output file before a byte is written; the writer
+(onespark.checkpoint.Writer) writes each under a temporary name, fsyncs and renames it, and keeps a progress
+record, so an interrupted run resumes (files already written are kept when their size and the inputs still
+match). The input directories are only read.
 
 What config.json says afterwards (the vLLM plugin reads this; nothing else changes in the config):
 
