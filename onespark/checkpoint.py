@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from onespark.errors import UserError
+from onespark.lock import LOCK_FILE
 from onespark.safetensors_io import REDOWNLOAD, Header, TensorInfo, finalize, read_header, write_json_atomic
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -161,14 +162,15 @@ class Writer:
       is whole;
     - the progress record (the hidden file `progress`) lists the files written so far with their sizes, under the
       fingerprint of the inputs: a re-run on the same inputs keeps them, a run on other inputs starts over;
-    - the record that says "complete" (step 1's manifest, step 0's download record) is written last, and the
+    - the `record` that says "complete" (step 1's manifest, step 0's download record) is written last, and the
       progress record removed after it: its presence means the step finished.
 
-    As a context manager it runs two thread pools: one file's fsync overlaps the next file's copy, and with
-    `hash_outputs` each written file is hashed from the page cache while the next one is copied."""
+    Two thread pools (shut down on leaving the `with` block): one file's fsync overlaps the next file's copy, and
+    with `hash_outputs` each written file is hashed from the page cache while the next one is copied."""
 
-    def __init__(self, out: Path, progress: str, *, hash_outputs: bool = False, log=print):
-        self.out, self.progress_path, self.hash_outputs, self.log = Path(out), Path(out) / progress, hash_outputs, log
+    def __init__(self, out: Path, progress: str, record: str, *, hash_outputs: bool = False, log=print):
+        self.out, self.hash_outputs, self.log = Path(out), hash_outputs, log
+        self.progress_path, self.record_path = self.out / progress, self.out / record
         self.progress = load_json(self.progress_path, "progress") if self.progress_path.is_file() else None
         self.fingerprint = ""
         self.done: dict[str, dict] = {}  # file -> {"size": n}, written and renamed
@@ -176,29 +178,29 @@ class Writer:
         self._lock = threading.Lock()
         self._hashes: dict[str, cf.Future] = {}
         self._synced: list[cf.Future] = []
-
-    def __enter__(self) -> Writer:
         # sha256 runs at ~1 GB/s a core (SHA-NI Xeon, measured): hash up to 4 files at once beside the copy.
         self._pool = cf.ThreadPoolExecutor(max_workers=max(1, min(4, os.cpu_count() or 1)))
-        self._syncer = cf.ThreadPoolExecutor(max_workers=1)
+        self._syncer = cf.ThreadPoolExecutor(max_workers=1)  # threads start on the first submit
+
+    def __enter__(self) -> Writer:
         return self
 
     def __exit__(self, *exc) -> None:
         self._syncer.shutdown(wait=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def refuse_foreign(self, tool: str, flag: str, lock_file: str) -> None:
+    def refuse_foreign(self, tool: str, flag: str) -> None:
         """A directory this writer did not start (no progress record) must be empty: it is never overwritten."""
-        if self.out.exists() and self.progress is None and any(p.name != lock_file for p in self.out.iterdir()):
+        if self.out.exists() and self.progress is None and any(p.name != LOCK_FILE for p in self.out.iterdir()):
             raise UserError(f"{self.out} exists, is not empty and was not written by {tool}: choose a new {flag} "
                             f"(nothing was changed)")
 
-    def resume(self, fingerprint: str, expect: dict[str, int | None], carried: dict | None, keep: str) -> None:
+    def resume(self, fingerprint: str, expect: dict[str, int | None], carried: dict | None = None) -> None:
         """Decide what is written already, before the first byte:
         - a repair (`carried`: a finished run's intact files, by its manifest): those the plan still makes at that
           size (`expect`: file -> size, None where only writing tells, as for JSON files);
         - a killed run on the same inputs: the files its progress record lists, still of the recorded size;
-        - a killed run on other inputs: nothing, and every file it left is deleted (but `keep`, the lock).
+        - a killed run on other inputs: nothing, and every file it left is deleted (not the lock: onespark.lock).
         Then the temp files of a killed run go: never renamed, so never trusted."""
         self.fingerprint = fingerprint
         if carried:
@@ -213,16 +215,16 @@ class Writer:
         elif self.progress:
             self.log("inputs changed since the interrupted run: starting over")
             for p in self.out.iterdir():
-                if p.is_file() and p.name != keep:
+                if p.is_file() and p.name != LOCK_FILE:
                     p.unlink()
         self.out.mkdir(parents=True, exist_ok=True)
         for p in self.out.glob(".*.tmp-*"):
             p.unlink()
 
-    def begin(self, manifest: str) -> None:
+    def begin(self) -> None:
         """From here on a repair is a killed run like any other: the progress record says what is done."""
         self._record()
-        (self.out / manifest).unlink(missing_ok=True)
+        self.record_path.unlink(missing_ok=True)
 
     def _record(self) -> None:
         write_json_atomic(self.progress_path, {"fingerprint": self.fingerprint, "done": self.done})
@@ -269,8 +271,8 @@ class Writer:
                     entry["sha256"] = (self._hashes.get(f) or self._pool.submit(sha256_file, self.out / f)).result()
         return dict(sorted(files.items()))
 
-    def finish(self, record: str, doc: dict) -> None:
+    def finish(self, doc: dict) -> None:
         """The "complete" record, last; then the progress record goes."""
         self.wait()
-        write_json_atomic(self.out / record, doc)
+        write_json_atomic(self.record_path, doc)
         self.progress_path.unlink(missing_ok=True)

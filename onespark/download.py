@@ -34,7 +34,7 @@ from pathlib import Path
 from onespark import qwen35, specs
 from onespark.checkpoint import DOWNLOAD_RECORD, INDEX_FILE, Output, Writer, load_json, open_checkpoint, rewrite_index
 from onespark.errors import UserError, at_path
-from onespark.lock import LOCK_FILE, locked
+from onespark.lock import locked
 from onespark.safetensors_io import MAX_HEADER_BYTES, Range, encode_header, parse_header, write_safetensors_tmp
 
 # The default spec's pinned commits (every spec's repos, pins and where each pin comes from: onespark.specs).
@@ -203,9 +203,8 @@ def _fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
     items.sort(key=lambda i: names.index(i[0]))
     needed = sum(r.length for *_, r in items)
     header = encode_header([(n, d, s) for n, d, s, _ in items], {"format": "pt"})
-    with Writer(dest, FETCH_PROGRESS, log=log) as w:
-        w.resume(f"{repo}@{revision}", {FP8_FILE: len(header) + needed, "config.json": None, INDEX_FILE: None},
-                 None, keep=LOCK_FILE)
+    with Writer(dest, FETCH_PROGRESS, DOWNLOAD_RECORD, log=log) as w:
+        w.resume(f"{repo}@{revision}", {FP8_FILE: len(header) + needed, "config.json": None, INDEX_FILE: None})
         if FP8_FILE not in w.done:
             w.write(Output(FP8_FILE, len(header) + needed,
                            lambda dst: write_safetensors_tmp(dst, items, header=header)))
@@ -219,7 +218,7 @@ def _fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
         rec = {"repo": repo, "revision": revision, "complete": True, "tensors": len(names),
                "bytes_needed": needed, "bytes_fetched": f.bytes, "requests": f.requests,
                "source_tensors": len(wm)}
-        w.finish(DOWNLOAD_RECORD, rec)
+        w.finish(rec)
     log(f"fetched {f.bytes / 1e6:.1f} MB in {f.requests} requests for {needed / 1e6:.1f} MB of FP8 tensors "
         f"(x{f.bytes / max(needed, 1):.3f}; {len(wm) - len(names)} other tensors of {repo} not fetched)")
     return rec
@@ -315,8 +314,8 @@ def _download_whole(repo: str, revision: str, dest: Path, what: str, check, log)
     _snapshot(repo, revision, dest)
     fields, summary = check(dest)
     rec = {"repo": repo, "revision": revision, "complete": True, **fields}
-    with Writer(dest, FETCH_PROGRESS, log=log) as w:
-        w.finish(DOWNLOAD_RECORD, rec)
+    with Writer(dest, FETCH_PROGRESS, DOWNLOAD_RECORD, log=log) as w:
+        w.finish(rec)
     log(f"downloaded {what}: {summary}")
     return rec
 

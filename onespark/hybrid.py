@@ -57,7 +57,7 @@ from onespark.checkpoint import (
     rewrite_index,
 )
 from onespark.errors import UserError
-from onespark.lock import LOCK_FILE, locked
+from onespark.lock import locked
 from onespark.safetensors_io import Header, Range, copy_file_tmp, encode_header, write_safetensors_tmp
 
 PROGRESS_FILE = ".onespark-hybrid-progress.json"
@@ -263,19 +263,19 @@ def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None
         return man
     carried = {f: v for f, v in man.get("files", {}).items() if f not in bad} if man else {}
     old_steps = man.get("steps", {}) if man else {}
-    with Writer(out, PROGRESS_FILE, hash_outputs=hash_outputs, log=log) as w:
+    with Writer(out, PROGRESS_FILE, MANIFEST_FILE, hash_outputs=hash_outputs, log=log) as w:
         if not carried:
-            w.refuse_foreign("`onespark hybrid`", "--out", LOCK_FILE)
+            w.refuse_foreign("`onespark hybrid`", "--out")
         fp8_dir, fp8_source = _resolve_fp8(fp8_arg, out, fp8_revision, spec)
         fp8 = open_checkpoint(fp8_dir)
         specs.check_config(spec, fp8.config, f"--fp8 {fp8_dir}")
         plan = Plan(int4, fp8, fp8_source)
         outputs = plan.outputs()
         w.resume(plan.fingerprint(), {**{o.name: o.size for o in outputs}, **dict.fromkeys(plan.json_files)},
-                 carried, keep=LOCK_FILE)
+                 carried)
         _open_inputs(plan)
         _check_disk(out, [o for o in outputs if o.name not in w.done])
-        w.begin(MANIFEST_FILE)
+        w.begin()
         log(f"splicing {len(plan.replace)} shared-expert weights (FP8 + {qwen35.SCALE_SUFFIX}) into "
             f"{len(plan.files)} files -> {out}")
         for o in outputs:
@@ -289,7 +289,7 @@ def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None
             log(f"the index was rewritten from --int4: run step 2 again (`onespark mtp {out} --source "
                 f"{int4.path}`) to list the mtp.* tensors")
         manifest = _manifest(plan, old_steps, w.files())
-        w.finish(MANIFEST_FILE, manifest)
+        w.finish(manifest)
     if fp8_local is None and fp8_dir.name.endswith(".fp8-fetch"):
         shutil.rmtree(fp8_dir, ignore_errors=True)
     _report(plan, manifest, log)

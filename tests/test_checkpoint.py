@@ -342,31 +342,31 @@ def test_writer_resumes_the_same_inputs_starts_over_on_others_and_records_comple
         return Output(name, len(data), lambda dst: copy_file_tmp(src, dst))
 
     first = [output("a.bin", b"aaa"), output("b.bin", b"bb")]
-    with Writer(out, ".progress.json", log=logs.append) as w:  # a run killed after its first file
-        w.resume("inputs-1", {o.name: o.size for o in first}, None, keep=LOCK_FILE)
+    with Writer(out, ".progress.json", "record.json", log=logs.append) as w:  # a run killed after its first file
+        w.resume("inputs-1", {o.name: o.size for o in first})
         w.write(first[0])
     assert (out / "a.bin").read_bytes() == b"aaa" and (out / ".progress.json").is_file()
     (out / ".b.bin.tmp-99").write_bytes(b"b")  # a temp file a killed run left: never trusted
-    with Writer(out, ".progress.json", log=logs.append) as w:
-        w.resume("inputs-1", {o.name: o.size for o in first}, None, keep=LOCK_FILE)
+    with Writer(out, ".progress.json", "record.json", log=logs.append) as w:
+        w.resume("inputs-1", {o.name: o.size for o in first})
         assert set(w.done) == {"a.bin"} and logs[-1] == "resuming: 1 of 2 files already written"
         assert not (out / ".b.bin.tmp-99").exists()
         w.write(first[1])
         w.write_json("index.json", {"n": 2})
         assert not (out / "record.json").exists()
-        w.finish("record.json", {"files": w.files()})
+        w.finish({"files": w.files()})
     assert json.loads((out / "record.json").read_text())["files"] == {
         "a.bin": {"size": 3, "sha256": None}, "b.bin": {"size": 2, "sha256": None},
         "index.json": {"size": (out / "index.json").stat().st_size, "sha256": None}}
     assert not (out / ".progress.json").exists()  # the record says complete; no progress is left to resume
-    with Writer(out, ".progress.json", log=logs.append) as w:  # killed again, then inputs changed
-        w.resume("inputs-1", {}, None, keep=LOCK_FILE)
+    with Writer(out, ".progress.json", "record.json", log=logs.append) as w:  # killed again, then inputs changed
+        w.resume("inputs-1", {})
         w.write(output("c.bin", b"c"))
     (out / LOCK_FILE).write_text("")
-    with Writer(out, ".progress.json", log=logs.append) as w:
-        w.resume("inputs-2", {"c.bin": 1}, None, keep=LOCK_FILE)
+    with Writer(out, ".progress.json", "record.json", log=logs.append) as w:
+        w.resume("inputs-2", {"c.bin": 1})
         assert w.done == {} and logs[-1] == "inputs changed since the interrupted run: starting over"
     assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]
     (out / "precious.txt").write_text("keep me")
     with pytest.raises(UserError, match="not empty and was not written by"):
-        Writer(out, ".progress.json").refuse_foreign("the writer", "--out", LOCK_FILE)
+        Writer(out, ".progress.json", "record.json").refuse_foreign("the writer", "--out")
