@@ -264,7 +264,7 @@ def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None
     carried = {f: v for f, v in man.get("files", {}).items() if f not in bad} if man else {}
     old_steps = man.get("steps", {}) if man else {}
     with Writer(out, PROGRESS_FILE, MANIFEST_FILE, hash_outputs=hash_outputs, log=log) as w:
-        if not carried:
+        if man is None:  # a finished run's manifest says the directory is ours, even with every file damaged
             w.refuse_foreign("`onespark hybrid`", "--out")
         fp8_dir, fp8_source = _resolve_fp8(fp8_arg, out, fp8_revision, spec)
         fp8 = open_checkpoint(fp8_dir)
@@ -284,7 +284,7 @@ def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None
                 if o.name in plan.files:
                     log(f"  {o.name}: {size / 1e6:.1f} MB")
         written = _write_json_files(w, plan)
-        if carried and INDEX_FILE in written:
+        if man and INDEX_FILE in written:
             old_steps.pop("mtp", None)
             log(f"the index was rewritten from --int4: run step 2 again (`onespark mtp {out} --source "
                 f"{int4.path}`) to list the mtp.* tensors")

@@ -103,6 +103,18 @@ def test_damaged_hybrid_output_is_repaired_not_already_done(pair, finished, tmp_
     assert any("step 1 already done" in m for m in logs), logs
 
 
+def test_every_file_damaged_is_a_repair_not_a_foreign_directory(pair, finished, tmp_path):
+    out = _clone(finished, tmp_path / "hy")
+    for f in json.loads((out / MANIFEST_FILE).read_text())["files"]:
+        (out / f).unlink()
+    logs: list[str] = []
+    hybrid(pair / "int4", str(pair / "fp8"), out, log=logs.append)
+    assert any("step 1 output damaged" in m for m in logs) and any("run step 2 again" in m for m in logs), logs
+    assert "mtp" not in json.loads((out / MANIFEST_FILE).read_text())["steps"]  # its index entries are gone
+    mtp(out, log=lambda m: None)
+    assert digest(out) == digest(finished) and verify(out)[0] == []
+
+
 def test_damaged_index_is_rewritten_and_step_2_is_asked_for(pair, finished, tmp_path):
     out = _clone(finished, tmp_path / "hy")
     (out / "model.safetensors.index.json").write_text("{")
