@@ -327,18 +327,12 @@ def test_serve_reports_a_dying_container(tmp_path):
 def test_the_image_streams_tool_calls_in_multi_token_steps(tmp_path):
     """The demo v2 image as built (patches/responses-tool-calls.diff applied by Dockerfile.v2) serving the scripted
     Qwen3.5-style answer with the image's parser flags, 3 tokens per chunk: both APIs stream the two calls intact
-    (tests/test_tool_calls_streaming.py has the same checks against a patched vLLM outside the image)."""
+    (tests/_tool_calls.py's checks, which tests/test_tool_calls_streaming.py runs against a patched vLLM outside
+    the image)."""
     from types import SimpleNamespace
 
     from tests._scripted_model import write_scripted_model
-    from tests.test_tool_calls_streaming import (
-        PARSERS,
-        REPLY,
-        WANT_CALLS,
-        _check_responses_stream,
-        _responses_events,
-        _streamed,
-    )
+    from tests._tool_calls import PARSERS, REPLY, WANT_CALLS, check_responses_stream, responses_events, streamed_chat
 
     _demo_v2_image()
     model = tmp_path / "scripted"
@@ -352,8 +346,8 @@ def test_the_image_streams_tool_calls_in_multi_token_steps(tmp_path):
                            capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
         srv = SimpleNamespace(openai_url=f"http://127.0.0.1:{port}/v1", model="onespark-tiny")
-        assert _check_responses_stream(_responses_events(srv)) == WANT_CALLS
-        streamed, _ = _streamed(srv)
+        assert check_responses_stream(responses_events(srv)) == WANT_CALLS
+        streamed, _ = streamed_chat(srv)
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"]] == WANT_CALLS, streamed
     finally:
         subprocess.run(["docker", "rm", "-f", name], capture_output=True)
