@@ -12,8 +12,9 @@ chunk / 32 x 3):
 each two ways: `eager` = median per call of back-to-back Python calls between CUDA events, which is how
 vLLM 0.19.1 calls it (GPUModelRunner runs compute_logits outside the CUDA graph of the forward pass), so
 host cost of the glue and the launch counts where the GPU waits for it; `graph` = median per call of
-CUDA-graph replays (device time only); both harness.median_ms. Three interleaved rounds per variant; the median round is reported. glue_us =
-method - kernel; kernel_spread_us = the kernel's max - min over the rounds (a smaller glue_us is noise). Shape: N = 248,320 (vocab; a multiple of 64, so vLLM's
+CUDA-graph replays (device time only); both harness.median_ms, 9 samples of --reps calls. Three interleaved
+rounds per variant; the median round is reported. glue_us = method - kernel; kernel_spread_us = the kernel's
+max - min over the rounds (a smaller glue_us is noise). Shape: N = 248,320 (vocab; a multiple of 64, so vLLM's
 padding adds nothing at TP = 1) x K = 3,072. Weight N(0, 0.02^2) in BF16 (never zero), x N(0, 1);
 x rotates over 8 buffers; the weights (763 MB INT8, 1,526 MB BF16) are 13x / 25x the H200's 60 MB L2.
 Correctness: the method's logits vs a float64 reference of the same INT8 weight (rel. Frobenius error)
