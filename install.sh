@@ -310,7 +310,8 @@ step_launch() {
     [[ $DRAFTER == dflash ]] && args+=(--drafter dflash --drafter-dir "$MODEL_WORK/dflash")
   fi
   if [[ $DRY_RUN == 1 ]]; then
-    # serve needs only the standard library: show its docker command even before the venv exists.
+    # serve --dry-run needs only the standard library (it imports httpx only to send a request): show its docker
+    # command even before the venv exists.
     run "$VENV/bin/onespark" "${args[@]}"
     # --dry-run right after `serve`: anything after a `--` in args is vLLM's.
     PYTHONPATH=$ONESPARK_ROOT python3 -m onespark serve --dry-run "${args[@]:1}" | sed 's/^/    /' \

@@ -30,8 +30,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-
 from onespark import __version__, memory
 from onespark.errors import UserError
 
@@ -229,6 +227,10 @@ def _port_open(host: str, port: int) -> bool:
 
 
 def _http(url: str, body: dict | None = None, api_key: str | None = None, timeout: float = 10) -> tuple[int, bytes]:
+    # Imported here, not at the top: install.sh --dry-run runs `python3 -m onespark serve --dry-run` with the
+    # system Python before the venv (and httpx) exists, and a dry run sends no request.
+    import httpx
+
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
