@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import NamedTuple
 
 TEXT_PREFIX = "model.language_model."
 LAYERS = TEXT_PREFIX + "layers."
@@ -43,17 +44,16 @@ SCALE_SUFFIX = "weight_scale_inv"  # an FP8 weight's per-block scale: `X.weight`
 HYBRID_KEY = "onespark_fp8"  # quantization_config[HYBRID_KEY]: written by step 1, see onespark.hybrid
 
 
-# Linear and Dense look like specs' Source and Published to `duplicates` (small frozen records): nothing to share.
-@dataclasses.dataclass(frozen=True)
-class Linear:
+# Tuples, not dataclasses, as safetensors_io.TensorInfo: the 122B's layer list has ~37k of them (256 experts x 3
+# projections x 48 layers).
+class Linear(NamedTuple):
     """One linear layer `prefix` with weight [out, in]."""
     prefix: str
     out: int
     inp: int
 
 
-@dataclasses.dataclass(frozen=True)
-class Dense:
+class Dense(NamedTuple):
     """A non-linear tensor stored as is (norms, embeddings, conv, A_log...)."""
     name: str
     shape: tuple[int, ...]

@@ -42,7 +42,6 @@ DEFAULT = "qwen3.5-122b-a10b"
 CUSTOM = "custom"
 
 
-# Source and Published look like qwen35's Linear and Dense to `duplicates` (small frozen records): nothing to share.
 @dataclasses.dataclass(frozen=True)
 class Source:
     repo: str
