@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+from onespark.checkpoint import INDEX_FILE
+
 GIB = 1024**3
 MIB = 1024**2
 
@@ -128,7 +130,7 @@ def weights_bytes(model: str | os.PathLike) -> tuple[int, str]:
     """(bytes, where the number came from): the index's metadata.total_size, else the sizes of the shard
     files its weight_map names, else of every *.safetensors file in the directory."""
     d = Path(model)
-    index = d / "model.safetensors.index.json"
+    index = d / INDEX_FILE
     try:
         doc = json.loads(index.read_text(encoding="utf-8"))
     except FileNotFoundError:
