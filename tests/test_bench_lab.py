@@ -39,6 +39,7 @@ def test_result_file_is_written_whole_with_its_header(tmp_path):
     assert got["git_sha"] == "abc123" and got["schema_version"] == harness.SCHEMA_VERSION and got["rows"] == [1]
     assert got["command"].endswith("--out 'a b'") and got["date"].endswith("Z")
     assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # no temporary file left behind
+    assert path.stat().st_mode & 0o777 == 0o644  # not the temporary file's 0600
 
 
 def test_rel_err_is_frobenius_and_never_a_silent_nan():

@@ -144,5 +144,6 @@ def write_result(path, result: dict) -> Path:
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
         json.dump(result, f, indent=1, default=str)
         f.write("\n")
+    os.chmod(f.name, 0o644)  # NamedTemporaryFile makes it 0600; a result is for everyone who reads the repo
     os.replace(f.name, path)
     return path
