@@ -11,13 +11,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The requirement files pin what we name; what those pull in (vLLM's ~180 dependencies) resolves as PyPI stood
+# at this instant, so a release tomorrow cannot change the lane. Moving it rebuilds both venvs.
+RESOLVE_AT=2026-11-28T00:00:00Z
+
 build_venv() {  # VENV REQUIREMENTS OVERRIDES
   local venv=$1 req=$2 ovr=$3
-  if [[ ! -x $venv/bin/python || $req -nt $venv/.installed || $ovr -nt $venv/.installed ]]; then
+  if [[ ! -x $venv/bin/python || $req -nt $venv/.installed || $ovr -nt $venv/.installed
+        || $(cat "$venv/.installed" 2>/dev/null) != "$RESOLVE_AT" ]]; then
     python3 -m venv "$venv"
     "$venv/bin/python" -m pip install -q uv==0.9.5
-    "$venv/bin/python" -m uv pip install --python "$venv/bin/python" -r "$req" --override "$ovr" -e ".[bench]"
-    touch "$venv/.installed"
+    "$venv/bin/python" -m uv pip install --python "$venv/bin/python" --exclude-newer "$RESOLVE_AT" \
+      -r "$req" --override "$ovr" -e ".[bench]"
+    echo "$RESOLVE_AT" > "$venv/.installed"
   fi
 }
 
