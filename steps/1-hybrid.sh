@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step 1: splice the FP8 shared experts into the INT4 checkpoint: WORK/int4 + WORK/fp8 -> WORK/hybrid.
 # Streams bytes (no shard in memory), resumes after an interruption, writes onespark-manifest.json last.
-# Skipped when WORK/hybrid has its manifest.
+# Already done when every file the manifest lists is intact (onespark hybrid decides; a damaged one is rewritten).
 set -euo pipefail
 
 # shellcheck source-path=SCRIPTDIR source=lib.sh
