@@ -86,7 +86,7 @@ def check_chat_answers(whole: dict, streamed: dict, stray_text: str = "") -> Non
     # streamed == non-streamed, field by field
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed["tool_calls"]] == WANT_CALLS, streamed
     assert all(c["id"] for c in streamed["tool_calls"]) and len({c["id"] for c in streamed["tool_calls"]}) == 2
-    assert streamed["reasoning"] == REASONING
+    assert streamed["reasoning"] == REASONING, f"streamed reasoning {streamed['reasoning']!r} != {REASONING!r}"
     assert streamed["content"].strip() in ("", stray_text), \
         f"text outside the tool calls leaked into content: {streamed['content']!r}"
     assert streamed["finish_reason"] == "tool_calls"
