@@ -49,6 +49,7 @@ DIFF = Path(__file__).resolve().parent.parent / "patches" / "responses-tool-call
 TARGETS = ["vllm/entrypoints/openai/responses/serving.py", "vllm/tool_parsers/qwen3xml_tool_parser.py"]
 BOUNDARY_DIFF = DIFF.with_name("reasoning-boundary.diff")
 BOUNDARY_TARGETS = ["vllm/entrypoints/openai/chat_completion/serving.py"]
+DIFFS = ((DIFF, TARGETS), (BOUNDARY_DIFF, BOUNDARY_TARGETS))  # as Dockerfile.v2 applies them, in order
 BOUNDARY_CHUNK = 4  # tokens per chunk at which the script's `</think>` shares a chunk with reasoning text
 
 
@@ -60,8 +61,7 @@ def scripted_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def patched_vllm(tmp_path_factory) -> Path:
-    return make_patched_tree(tmp_path_factory.mktemp("vllm-responses"),
-                             diffs=((DIFF, TARGETS), (BOUNDARY_DIFF, BOUNDARY_TARGETS)))
+    return make_patched_tree(tmp_path_factory.mktemp("vllm-responses"), diffs=DIFFS)
 
 
 @pytest.fixture(scope="module", params=[1, 3, BOUNDARY_CHUNK],
@@ -73,8 +73,7 @@ def server(request, scripted_model, patched_vllm):
         yield srv, request.param, tokens
 
 
-@pytest.mark.parametrize("diff, targets", [(DIFF, TARGETS), (BOUNDARY_DIFF, BOUNDARY_TARGETS)],
-                         ids=["responses-tool-calls", "reasoning-boundary"])
+@pytest.mark.parametrize("diff, targets", DIFFS, ids=["responses-tool-calls", "reasoning-boundary"])
 def test_the_diff_touches_only_its_files_and_applies_once(patched_vllm, diff, targets):
     assert sorted(re.findall(r"^\+\+\+ b/(\S+)", diff.read_text(), flags=re.M)) == sorted(targets)
     from tests.test_turboquant_patch import apply
