@@ -11,7 +11,8 @@ Checks, each against what the Dockerfile pinned:
     vllm._C_stable_libtorch and vllm._moe_C_stable_libtorch): an ABI mismatch with torch shows there. 0.32.0's
     link the driver's libcuda.so.1, which no docker build has; then they are imported against the CUDA
     toolkit's stub (lib64/stubs/libcuda.so), and where there is none (CI's stand-in base has no toolkit) the
-    output says they were not checked;
+    output says they were not checked; each is imported in a child, so a CPU that lacks the wheel's instruction
+    set (SIGILL) is reported as not checked on this CPU, not as a crash;
   - FlashInfer and Triton import at their pins;
   - the ptxas that Triton uses for sm_121 (the GB10) knows `sm_121a`: Triton >= 3.7 picks its bundled
     CUDA 13 `ptxas-blackwell` for sm_100+, older ones use TRITON_PTXAS_PATH (triton-lang/triton#8539).
@@ -24,6 +25,7 @@ import argparse
 import importlib
 import importlib.metadata as md
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,14 +52,32 @@ def ptxas_for_sm121() -> tuple[str, str]:
         return path, "TRITON_PTXAS_PATH (this Triton has one ptxas for every architecture)"
 
 
+def _import_in_child(module: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """A compiled module is imported in a child: an illegal instruction kills the process that loads it, and this
+    checker must live to say so."""
+    return subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True)
+
+
+def _last_line(r: subprocess.CompletedProcess) -> str:
+    return r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
+
+
 def import_compiled(module: str) -> str:
-    """Import a compiled extension; returns how it was checked, raises on a real failure."""
-    try:
-        importlib.import_module(module)
+    """Import a compiled extension in a child; returns how it was checked, raises ImportError on a real failure.
+
+    Two outcomes are not failures of the image, and are reported as "NOT checked": the module links the GPU
+    driver's libcuda.so.1 and no toolkit stub stands in for it, or the child died of SIGILL (the wheel was built
+    for CPU features this CPU lacks: vLLM's x86_64 CPU wheel imports its AVX-512 `_C` on a CPU with AVX2 only,
+    while its server picks the AVX2 kernels at run time). An ABI mismatch with torch is an ImportError in the
+    child (exit 1), and still fails."""
+    r = _import_in_child(module)
+    if r.returncode == -signal.SIGILL:
+        return (f"{module} NOT checked on this CPU: importing it is an illegal instruction (SIGILL; the wheel was "
+                "built for CPU features this CPU lacks)")
+    if r.returncode == 0:
         return f"{module} imports"
-    except ImportError as e:
-        if "libcuda.so.1" not in str(e):
-            raise
+    if "libcuda.so.1" not in r.stderr:
+        raise ImportError(_last_line(r))
     cuda = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     stub = Path(cuda, "lib64", "stubs", "libcuda.so")
     if not stub.is_file():
@@ -65,9 +85,9 @@ def import_compiled(module: str) -> str:
     with tempfile.TemporaryDirectory() as d:
         os.symlink(stub, Path(d, "libcuda.so.1"))
         env = dict(os.environ, LD_LIBRARY_PATH=os.pathsep.join(filter(None, [d, os.environ.get("LD_LIBRARY_PATH")])))
-        r = subprocess.run([sys.executable, "-c", f"import {module}"], env=env, capture_output=True, text=True)
+        r = _import_in_child(module, env)
     if r.returncode != 0:
-        raise ImportError(r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}")
+        raise ImportError(_last_line(r))
     return f"{module} imports (against the driver stub {stub})"
 
 

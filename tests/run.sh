@@ -10,6 +10,7 @@
 # file on the 0.32.0 track) counts as passed when another track ran tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source .ci/stages.sh  # stage: wall time per venv build and per track, for .ci/run's table
 
 # The requirement files pin what we name; what those pull in (vLLM's ~180 dependencies) resolves as PyPI stood
 # at this instant, so a release tomorrow cannot change the lane. Moving it rebuilds both venvs.
@@ -19,12 +20,17 @@ build_venv() {  # VENV REQUIREMENTS OVERRIDES
   local venv=$1 req=$2 ovr=$3
   if [[ ! -x $venv/bin/python || $req -nt $venv/.installed || $ovr -nt $venv/.installed
         || $(cat "$venv/.installed" 2>/dev/null) != "$RESOLVE_AT" ]]; then
-    python3 -m venv "$venv"
-    "$venv/bin/python" -m pip install -q uv==0.9.5
-    "$venv/bin/python" -m uv pip install --python "$venv/bin/python" --exclude-newer "$RESOLVE_AT" \
-      -r "$req" --override "$ovr" -e ".[bench]"
-    echo "$RESOLVE_AT" > "$venv/.installed"
+    stage "venv $venv (built)" install_venv "$venv" "$req" "$ovr" || return
   fi
+}
+
+install_venv() {  # VENV REQUIREMENTS OVERRIDES (&&-chained: stage runs it where set -e does not apply)
+  local venv=$1 req=$2 ovr=$3
+  python3 -m venv "$venv" &&
+    "$venv/bin/python" -m pip install -q uv==0.9.5 &&
+    "$venv/bin/python" -m uv pip install --python "$venv/bin/python" --exclude-newer "$RESOLVE_AT" \
+      -r "$req" --override "$ovr" -e ".[bench]" &&
+    echo "$RESOLVE_AT" > "$venv/.installed"
 }
 
 main() {
@@ -37,7 +43,7 @@ main() {
     esac
     echo "== tests/run.sh: vLLM $track track ($venv) =="
     rc=0
-    "$venv/bin/python" -m pytest "$@" || rc=$?
+    stage "pytest, vLLM $track track" "$venv/bin/python" -m pytest "$@" || rc=$?
     if [[ $rc -eq 0 ]]; then
       ran=1
     elif [[ $rc -ne 5 && $first_fail -eq 0 ]]; then

@@ -770,3 +770,31 @@ def test_base_check_passes_and_fails_on_the_truth(tmp_path):
     assert any("2 distributions install the torch package" in x and "torch_cpu_copy==1.0" in x for x in lines)
     assert any(f"{fake} (Triton's choice for sm_121 (get_ptxas(121))) does not know sm_121a" in x for x in lines)
     assert len(lines) == 4, bad.stderr
+
+
+def test_base_check_tells_a_cpu_without_the_wheels_isa_from_a_broken_import(tmp_path):
+    """The 0.19.1 CPU wheel's vllm._C is built for AVX-512; on an AVX2-only CPU importing it is SIGILL (exit 132),
+    which killed base-check.py itself. Each compiled module is now imported in a child: SIGILL reads "NOT checked
+    on this CPU" (and the check passes on the rest), a real import failure (an ABI mismatch) still fails it."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sigill_ops.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGILL)\n")
+    (site / "abi_ops.py").write_text("raise ImportError('undefined symbol: _ZN3c104impl3cow')\n")
+    (site / "fine_ops.py").write_text("")
+    for name, version in (("vllm", "1.0"), ("flashinfer", "1.0"), ("triton", "1.0")):
+        (site / name).mkdir()
+        (site / name / "__init__.py").write_text(f'__version__ = "{version}"\n')
+    import torch
+
+    pins = ["--vllm", "1.0", "--torch", torch.__version__.split("+")[0], "--cuda", str(torch.version.cuda),
+            "--triton", "1.0", "--flashinfer", "1.0"]
+    ptxas = tmp_path / "ptxas"
+    _script(ptxas, 'if [ "$1" = --version ]; then echo "release 13.0"; else echo "sm_121a"; fi\n')
+    ok = _base_check(tmp_path, *pins, "--compiled-ops", "fine_ops,sigill_ops", TRITON_PTXAS_PATH=str(ptxas))
+    assert ok.returncode == 0, ok.stderr
+    assert "fine_ops imports" in ok.stdout, ok.stdout
+    assert "sigill_ops NOT checked on this CPU: importing it is an illegal instruction (SIGILL" in ok.stdout
+    bad = _base_check(tmp_path, *pins, "--compiled-ops", "sigill_ops,abi_ops", TRITON_PTXAS_PATH=str(ptxas))
+    assert bad.returncode == 1, bad.stdout
+    assert "import abi_ops failed: ImportError('ImportError: undefined symbol: _ZN3c104impl3cow')" in bad.stderr
+    assert "Traceback" not in bad.stderr.split("Dockerfile.base check failed:")[0], bad.stderr
