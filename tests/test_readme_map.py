@@ -1,4 +1,5 @@
-"""README's map ("Where things are") names files and functions a reader follows: each must exist in the code.
+"""The map ("Where things are": README's two path tables, the rest in docs/concepts/overview.md) names files
+and functions a reader follows: each must exist in the code.
 
 Every backticked path in the map exists. In the two path tables (checkpoint, logits), the cell that names the
 code (`FILE`: `name` -> `name` ...) is read left to right: a path sets the file, `module.name` looks in
@@ -17,10 +18,21 @@ SPAN = re.compile(r"`([^`]+)`")
 NAME = re.compile(r"^\.?[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
 
 
+MAP_PAGES = ("README.md", "docs/concepts/overview.md")
+
+
+def _section(text: str, heading: str) -> str:
+    """From the heading that starts with `heading` to the next heading of its level or above (or the end)."""
+    start = text.index(heading)
+    level = len(heading) - len(heading.lstrip("#"))
+    body = text.index("\n", start)
+    end = re.search(r"^#{1,%d} " % level, text[body:], re.M)
+    return text[start:body + end.start()] if end else text[start:]
+
+
 def map_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index("### Where things are")
-    return text[start:text.index("<!-- END:overview -->", start)]
+    """The map as it reads: README's section (the two path tables), then the overview page's."""
+    return "\n".join(_section((ROOT / page).read_text(), "## Where things are") for page in MAP_PAGES)
 
 
 def code_cells(section: str) -> list[str]:
