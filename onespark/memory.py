@@ -62,8 +62,8 @@ HOST_RESERVE_FLOOR_GIB = 20.0
 # GB10, not a measurement of ours): CUDA context + cuBLAS/FlashInfer workspaces ~2 GiB (the non-torch
 # cap eugr/spark-vllm-docker#286 uses on a Spark), CUDA graphs ~1.7 GiB (AEON-7/vllm-ultimate-dgx-spark#9,
 # GB10), profile-run activations at 8192 batched tokens ~0.3 GiB (8192 tokens x 8 experts x 2 x 1024
-# MoE intermediate x 2 B). On unified memory vLLM may count more (README: "KV pool smaller than
-# expected"), so the plan's KV pool is an upper bound.
+# MoE intermediate x 2 B). On unified memory vLLM may count more (docs/troubleshooting.md: "KV pool smaller
+# than expected"), so the plan's KV pool is an upper bound.
 OVERHEAD_GIB = 4.0
 
 # The guard's MemAvailable floor. A Spark at 3.2 GiB MemAvailable had already swapped 2.2 GiB
@@ -561,7 +561,7 @@ def what_to_change(stage: str | None, util: str | None) -> str:
     during = ""
     if stage and re.search(r"sizing the KV cache|compil|CUDA graphs|engine ready|weights loaded", stage):
         during = ("vLLM's start-up profiling went past its share, which happens on unified memory "
-                  "(README: unified memory): ")
+                  "(docs/guides/memory.md): ")
     return (f"{during}lower --gpu-memory-utilization{now}, e.g. onespark serve ... -- --gpu-memory-utilization "
             f"{lower}, or --max-model-len; stop the other programs `onespark doctor` names. The guard's floor is "
             f"--guard-floor-gib; --no-memory-guard turns it off (the Spark may then freeze instead).")

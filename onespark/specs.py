@@ -52,7 +52,7 @@ class Source:
 
 @dataclasses.dataclass(frozen=True)
 class Published:
-    """A figure someone else published for this model on one Spark, with its source (README's table)."""
+    """A figure someone else published for this model on one Spark, with its source (docs/guides/bench.md's table)."""
     tok_s: float
     what: str
     source: str

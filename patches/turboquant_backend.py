@@ -73,7 +73,7 @@ def _prefill_choice() -> str:
     """ONESPARK_TQ_PREFILL, the prefill path on CUDA: "flash" (default: Triton decodes the cache into BF16 32K keys
     at a time, torch's FlashAttention attends, pieces merged by log-sum-exp), "triton" (the fused kernel that
     attends straight from the codes) or "torch" (plain torch: dequantize, then SDPA in blocks of rows).
-    README: turboquant has their H200 times."""
+    docs/concepts/turboquant.md has their H200 times."""
     choice = os.environ.get("ONESPARK_TQ_PREFILL", "flash")
     if choice not in PREFILL_PATHS:
         raise ValueError(f"ONESPARK_TQ_PREFILL={choice!r}: use flash (the default), triton or torch")
