@@ -13,26 +13,72 @@ import threading
 from pathlib import Path
 from typing import Callable, NamedTuple
 
+from onespark import shape
 from onespark.errors import UserError
 from onespark.lock import LOCK_FILE
-from onespark.safetensors_io import REDOWNLOAD, Header, TensorInfo, finalize, read_header, write_json_atomic
+from onespark.safetensors_io import (
+    MAX_HEADER_BYTES,
+    REDOWNLOAD,
+    Header,
+    TensorInfo,
+    finalize,
+    read_header,
+    write_json_atomic,
+)
+from onespark.shape import Bool, Int, ListOf, MapOf, Nullable, Obj, OneOf, Str
 
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST_FILE = "onespark-manifest.json"
 DOWNLOAD_RECORD = "onespark-download.json"
 
+# What the steps read of config.json, declared (onespark.shape): anything else in it is passed through unread.
+# The ranges keep a corrupt number out of the layout's loops: the real models have 40-48 layers of 256 experts.
+_DIM = Int(1, 1 << 22, "a positive integer")
+_TEXT = Obj(optional={
+    **dict.fromkeys(("hidden_size", "head_dim", "num_attention_heads", "num_key_value_heads", "linear_key_head_dim",
+                     "linear_num_key_heads", "linear_value_head_dim", "linear_num_value_heads",
+                     "linear_conv_kernel_dim", "moe_intermediate_size", "shared_expert_intermediate_size",
+                     "vocab_size", "num_experts_per_tok"), _DIM),
+    "num_hidden_layers": Int(1, 1024, "a layer count"), "num_experts": Int(1, 4096, "an expert count"),
+    "mtp_num_hidden_layers": Int(0, 16, "a layer count"), "full_attention_interval": Int(1, 1024),
+    "layer_types": ListOf(Str("a layer type (string)")), "attn_output_gate": Bool(),
+    "tie_word_embeddings": Bool(), "dtype": Nullable(str), "torch_dtype": Nullable(str),
+}, what="an object (the text model's dims)")
+_LAYER_CONFIG = Obj(optional={"bits": Int(1, 32, "a bit width")}, what="an object ({\"bits\": N, ...})")
+_QUANT = Obj(optional={
+    "quant_method": Str(), "packing_format": Str(), "fmt": Str(), "activation_scheme": Str(),
+    "bits": Int(1, 32, "a bit width"), "group_size": Int(1, 1 << 20, "a group size"),
+    "weight_block_size": ListOf(Int(1, 1 << 20), "a list of two block sizes [rows, cols]", min_len=2),
+    "extra_config": Nullable(MapOf(_LAYER_CONFIG, "an object of layer name -> {\"bits\": N}")),
+    "block_name_to_quantize": Nullable(OneOf(Str(), ListOf(str))), "to_quant_block_names": Nullable(OneOf(Str(),
+                                                                                                          ListOf(str))),
+    "modules_to_not_convert": Nullable(ListOf(str)),
+    "onespark_fp8": Nullable(Obj({"layers": ListOf(str)}, optional={"scale_dtype": OneOf(Str(), ListOf(str))})),
+}, what="an object (the quantization settings)")
+CONFIG = Obj(optional={"text_config": _TEXT, "quantization_config": Nullable(_QUANT), "onespark": Nullable(dict),
+                       "architectures": Nullable(ListOf(str)), "model_type": Nullable(str),
+                       "tie_word_embeddings": Bool(), "dtype": Nullable(str), "torch_dtype": Nullable(str),
+                       # a flat config (no text_config) has the text dims at the top
+                       **_TEXT.optional}, what="an object (the model config)")
+INDEX = Obj({"weight_map": MapOf(Str("a file name (string)"), "an object of tensor name -> file name")},
+            {"metadata": Nullable(Obj(optional={"total_size": Int(0, what="a byte count")}))},
+            what="an object ({\"metadata\": ..., \"weight_map\": ...})")
+RECORD = Obj(optional={"repo": Nullable(str), "revision": Nullable(str)}, what="an object (step 0's record)")
+MANIFEST = Obj({"files": MapOf(Obj({"size": Int(0, what="a byte count")}, {"sha256": Nullable(str)}),
+                               "an object of file name -> {size, sha256}")},
+               {"steps": MapOf(dict, "an object of step -> record"), "inputs": dict}, what="an object (the manifest)")
 
-def load_json(path: Path, what: str, fix: str = "download it again") -> dict:
+
+def load_json(path: Path, what: str, fix: str = "download it again", like=dict) -> dict:
+    """A JSON file checked against its declared shape (`like`, onespark.shape): one UserError naming the file,
+    the field and `fix` when it is missing, not JSON, or of another shape."""
     try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
         raise UserError(f"{path}: missing ({what}): is this the right directory?") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e}): the file is corrupt; {fix}") from None
-    if not isinstance(doc, dict):
-        raise UserError(f"{path}: expected a JSON object ({what})")
-    return doc
+    doc = shape.parse(raw, str(path), f"the file is corrupt; {fix}")
+    return shape.check(doc, like, f"{path} ({what})", f"the file is corrupt or not {what}; {fix}")
 
 
 @dataclasses.dataclass
@@ -55,7 +101,7 @@ class Checkpoint:
     def record(self) -> dict:
         """What step 0 recorded about where this directory came from (repo, revision), if anything."""
         p = self.path / DOWNLOAD_RECORD
-        return load_json(p, "download record") if p.is_file() else {}
+        return load_json(p, "download record", like=RECORD) if p.is_file() else {}
 
 
 def repair_hint(path: Path, config: dict) -> str:
@@ -74,13 +120,11 @@ def open_checkpoint(path: Path | str, *, need_index: bool = True) -> Checkpoint:
     if not any(path.iterdir()):
         raise UserError(f"{path}: empty directory: run step 0 (onespark download) or point at the checkpoint")
     early_fix = repair_hint(path, {})  # before config.json is read, the manifest alone says who wrote it
-    config = load_json(path / "config.json", "the model config", early_fix.removeprefix("delete it and "))
+    config = load_json(path / "config.json", "the model config", early_fix.removeprefix("delete it and "), CONFIG)
     fix = repair_hint(path, config)
     index = None
     if (path / INDEX_FILE).is_file():
-        index = load_json(path / INDEX_FILE, "the tensor index", fix.removeprefix("delete it and "))
-        if not isinstance(index.get("weight_map"), dict):
-            raise UserError(f"{path / INDEX_FILE}: has no weight_map object: the file is corrupt; {fix}")
+        index = load_json(path / INDEX_FILE, "the tensor index", fix.removeprefix("delete it and "), INDEX)
     elif need_index:
         raise UserError(f"{path / INDEX_FILE}: missing: a sharded checkpoint needs its index; "
                         f"{fix.removeprefix('delete it and ')}")
@@ -103,6 +147,45 @@ def open_checkpoint(path: Path | str, *, need_index: bool = True) -> Checkpoint:
     return Checkpoint(path, config, index, headers, where, duplicates)
 
 
+def header_sha256(path: Path) -> str:
+    """sha256 of a safetensors file's length prefix and JSON header: every tensor's name, dtype, shape and
+    place, read in microseconds. A relabelled dtype or a swapped shape changes it; the size does not."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        return hashlib.sha256(head + f.read(min(n, MAX_HEADER_BYTES))).hexdigest()
+
+
+SAMPLE_BLOCKS, SAMPLE_BYTES = 16, 64 * 1024
+
+
+def sample_sha256(path: Path) -> str:
+    """A cheap content fingerprint of an input file: the whole file up to 1 MiB, else its safetensors header
+    (if any) and 16 blocks of 64 KiB spread over it. 1 MiB read per 5 GB shard (14 shards: well under a second
+    from the page cache, a few seconds of seeks on a disk); two INT4 exports of the same shapes differ in it,
+    where names and sizes alone are equal. Not a hash of every byte: `onespark verify` hashes the outputs."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BYTES:
+            h.update(f.read())
+            return h.hexdigest()
+        if path.suffix == ".safetensors":
+            h.update(header_sha256(path).encode())
+        for i in range(SAMPLE_BLOCKS):
+            f.seek((size - SAMPLE_BYTES) * i // (SAMPLE_BLOCKS - 1))
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def input_files(directory: Path) -> dict[str, dict]:
+    """What a step read from an input directory, to tell it from another one later: every file but the hidden
+    ones and onespark's own records, with its size and sample_sha256."""
+    return {p.name: {"size": p.stat().st_size, "sample_sha256": sample_sha256(p)}
+            for p in sorted(Path(directory).iterdir())
+            if p.is_file() and not p.name.startswith(".") and p.name not in (MANIFEST_FILE, DOWNLOAD_RECORD)}
+
+
 def sha256_file(path: Path, chunk: int = 8 * 1024 * 1024) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -119,10 +202,14 @@ def is_inside(child: Path, parent: Path) -> bool:
 # -- writing: the skeleton steps 0, 1 and 2 share ---------------------------------------------------------------
 
 
+SMALL_FILE = 64 * 1024 * 1024  # JSON and tokenizer files: hashed whole when the done-check compares them
+
+
 def damaged_files(out: Path, manifest: dict) -> dict[str, str]:
-    """The files a manifest lists that no longer are as it says: missing, another size, or a shard header /
-    JSON file that no longer parses. File -> what is wrong.
-    Sizes and headers only: seconds for 77 GB (`onespark verify` compares the sha256)."""
+    """The files a manifest lists that no longer are as it says: missing, another size, a shard header that no
+    longer parses or is not the one written (header_sha256: a relabelled dtype, a swapped shape), a JSON file
+    that no longer parses, a small file whose sha256 changed. File -> what is wrong.
+    Sizes, headers and small files only: seconds for 77 GB (`onespark verify` compares every sha256)."""
     bad = {}
     for fname, entry in sorted(manifest.get("files", {}).items()):
         f = out / fname
@@ -130,12 +217,30 @@ def damaged_files(out: Path, manifest: dict) -> dict[str, str]:
             bad[fname] = f"{fname} is missing"
         elif f.stat().st_size != entry.get("size"):
             bad[fname] = f"{fname} is {f.stat().st_size} bytes, the manifest says {entry.get('size')}"
-        elif fname.endswith((".safetensors", ".json")):
-            try:
-                read_header(f) if fname.endswith(".safetensors") else load_json(f, fname)
-            except UserError:
-                bad[fname] = f"{fname} does not parse"
+        elif fname.endswith((".safetensors", ".json")) and not _parses(f):
+            bad[fname] = f"{fname} does not parse"
+        elif entry.get("header_sha256") and header_sha256(f) != entry["header_sha256"]:
+            bad[fname] = f"{fname}'s header is not the one written (a tensor's dtype or shape changed)"
+        elif entry.get("sha256") and entry["size"] <= SMALL_FILE and sha256_file(f) != entry["sha256"]:
+            bad[fname] = f"{fname} changed since it was written (sha256 differs)"
     return bad
+
+
+def _parses(f: Path) -> bool:
+    try:
+        read_header(f) if f.name.endswith(".safetensors") else load_json(f, f.name)
+    except UserError:
+        return False
+    return True
+
+
+def file_entry(path: Path, sha256: str | None) -> dict:
+    """A manifest's record of one written file: size, sha256 (None when not hashed) and, for a shard, the
+    sha256 of its header (the done-check compares it; see damaged_files)."""
+    entry = {"size": path.stat().st_size, "sha256": sha256}
+    if path.name.endswith(".safetensors"):
+        entry["header_sha256"] = header_sha256(path)
+    return entry
 
 
 def rewrite_index(index: dict | None, weight_map: dict[str, str], nbytes: dict[str, int]) -> dict:
@@ -264,12 +369,12 @@ class Writer:
     def files(self) -> dict[str, dict]:
         """The manifest's "files": every file written or kept, its size and (with hash_outputs) its sha256."""
         self.wait()
-        files = {f: {"size": v["size"], "sha256": self.carried.get(f, {}).get("sha256")} for f, v in self.done.items()}
+        sums = {f: self.carried.get(f, {}).get("sha256") for f in self.done}
         if self.hash_outputs:
-            for f, entry in files.items():
-                if entry["sha256"] is None or f in self._hashes:
-                    entry["sha256"] = (self._hashes.get(f) or self._pool.submit(sha256_file, self.out / f)).result()
-        return dict(sorted(files.items()))
+            for f in sums:
+                if sums[f] is None or f in self._hashes:
+                    sums[f] = (self._hashes.get(f) or self._pool.submit(sha256_file, self.out / f)).result()
+        return {f: file_entry(self.out / f, sums[f]) for f in sorted(self.done)}
 
     def finish(self, doc: dict) -> None:
         """The "complete" record, last; then the progress record goes."""

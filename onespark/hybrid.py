@@ -46,11 +46,14 @@ from onespark import __version__, qwen35, specs
 from onespark.checkpoint import (
     DOWNLOAD_RECORD,
     INDEX_FILE,
+    MANIFEST,
     MANIFEST_FILE,
+    RECORD,
     Checkpoint,
     Output,
     Writer,
     damaged_files,
+    input_files,
     is_inside,
     load_json,
     open_checkpoint,
@@ -84,9 +87,9 @@ def _dims(config: dict) -> dict:
 class Plan:
     """Everything step 1 will write, decided before writing a byte."""
 
-    def __init__(self, int4: Checkpoint, fp8: Checkpoint, fp8_source: dict):
+    def __init__(self, int4: Checkpoint, fp8: Checkpoint, inputs: dict):
         _check_pair(int4, fp8)
-        self.int4, self.fp8, self.fp8_source = int4, fp8, fp8_source
+        self.int4, self.fp8, self.inputs, self.fp8_source = int4, fp8, inputs, inputs["fp8"]
         self.block = tuple((fp8.config.get("quantization_config") or {}).get("weight_block_size") or (128, 128))
         self.targets = qwen35.shared_expert_weights(int4.config)
         self.replace: dict[str, tuple] = {n: self._fp8_for(n) for n in self.targets}  # -> (fp8 weight, its scale)
@@ -179,6 +182,7 @@ class Plan:
     def fingerprint(self) -> str:
         """Changes whenever an input or this tool changes, so a resumed run never mixes two inputs."""
         h = hashlib.sha256(__version__.encode())
+        h.update(json.dumps(self.inputs, sort_keys=True).encode())  # contents, repos and revisions too
         for ck in (self.int4, self.fp8):
             for fname, hd in sorted(ck.headers.items()):
                 h.update(f"{fname}:{hd.file_size}:{hd.data_start}:{len(hd.tensors)}".encode())
@@ -216,10 +220,10 @@ def _check_pair(int4: Checkpoint, fp8: Checkpoint) -> None:
 HUB_PREFIX = "hf:"  # --fp8 hf:OWNER/NAME: fetch from the Hub; anything else is a local path
 
 
-def _resolve_fp8(arg: str, out: Path, revision: str | None, spec: specs.Spec) -> tuple[Path, dict]:
-    """--fp8 is a local directory, or hf:OWNER/NAME, a Hub repo whose needed tensors are fetched by byte range.
-    Only the explicit prefix reaches the network: a mistyped directory that happens to look like OWNER/NAME
-    (fp8/qwen) must say it is missing, not start a download."""
+def _fp8_source(arg: str, revision: str | None, spec: specs.Spec) -> dict:
+    """What --fp8 names, without fetching anything: a local directory (its path, step 0's record of it, and
+    its files: input_files), or hf:OWNER/NAME at a revision. Only the explicit prefix reaches the network: a
+    mistyped directory that happens to look like OWNER/NAME (fp8/qwen) must say it is missing, not download."""
     if not arg.startswith(HUB_PREFIX):
         p = Path(arg)
         if not p.is_dir():
@@ -227,18 +231,54 @@ def _resolve_fp8(arg: str, out: Path, revision: str | None, spec: specs.Spec) ->
             raise UserError(f"--fp8 {arg}: " + ("is a file, not a directory" if p.exists() else "no such directory")
                             + (f"; to fetch a Hub repo, give its id as --fp8 {HUB_PREFIX}{arg}" if looks_like_repo
                                else ": give step 0's fp8/ directory (or --fp8 hf:OWNER/NAME)"))
-        rec = load_json(p / DOWNLOAD_RECORD, "download record") if (p / DOWNLOAD_RECORD).is_file() else {}
-        return p, {"path": str(p.resolve()), "repo": rec.get("repo"), "revision": rec.get("revision")}
+        rec = load_json(p / DOWNLOAD_RECORD, "download record", like=RECORD) if (p / DOWNLOAD_RECORD).is_file() else {}
+        return {"path": str(p.resolve()), "repo": rec.get("repo"), "revision": rec.get("revision"),
+                "files": input_files(p)}
     repo = arg[len(HUB_PREFIX):]
     if repo.count("/") != 1 or not all(repo.split("/")):
         raise UserError(f"--fp8 {arg}: expected {HUB_PREFIX}OWNER/NAME, e.g. {HUB_PREFIX}Qwen/Qwen3.5-122B-A10B-FP8")
-    from onespark import download  # imports huggingface_hub only when needed
-    dest = out.parent / f".{out.name}.fp8-fetch"
     revision = revision or (spec.fp8.revision if spec.fp8 and spec.fp8.repo == repo else None)
     if not revision:
         raise UserError(f"--fp8 {arg}: no pinned revision for this repo in {spec.name}: pass --fp8-revision SHA")
-    rec = download.fetch_fp8(repo, revision, dest)
-    return dest, {"path": None, "repo": rec["repo"], "revision": rec["revision"]}
+    return {"path": None, "repo": repo, "revision": revision}
+
+
+def _resolve_fp8(source: dict, out: Path) -> Path:
+    """The FP8 directory to read: the local one, or the needed tensors fetched by byte range next to --out."""
+    if source["path"] is not None:
+        return Path(source["path"])
+    from onespark import download  # imports huggingface_hub only when needed
+    dest = out.parent / f".{out.name}.fp8-fetch"
+    rec = download.fetch_fp8(source["repo"], source["revision"], dest)
+    source.update(repo=rec["repo"], revision=rec["revision"])
+    return dest
+
+
+def _inputs(int4: Checkpoint, fp8_source: dict) -> dict:
+    """Every input of step 1, as the manifest records it and the done-check compares it."""
+    return {"int4": {"path": str(int4.path.resolve()), "repo": int4.record.get("repo"),
+                     "revision": int4.record.get("revision"), "files": input_files(int4.path)},
+            "fp8": fp8_source}
+
+
+def _other_inputs(old: dict, new: dict) -> str | None:
+    """How a finished run's recorded inputs differ from this run's, or None when they are the same. Each side is
+    compared by its files (names, sizes, sample_sha256) where both runs read local files, else by Hub repo and
+    revision, else (a manifest of an older onespark) by path; what cannot be compared counts as different."""
+    for side in ("int4", "fp8"):
+        o, n = old.get(side) or {}, new[side]
+        flag = f"--{side}"
+        if isinstance(o.get("files"), dict) and n.get("files") is not None:
+            changed = sorted(set(o["files"]) ^ set(n["files"])) or \
+                sorted(f for f in n["files"] if o["files"][f] != n["files"][f])
+            if changed:
+                return f"{flag} file {changed[0]} is not the one it was made from"
+        elif o.get("repo") and o.get("revision") and n.get("repo") and n.get("revision"):
+            if (o["repo"], o["revision"]) != (n["repo"], n["revision"]):
+                return f"{flag} was {o['repo']}@{o['revision']}, now {n['repo']}@{n['revision']}"
+        elif not (o.get("path") and o.get("path") == n.get("path")):
+            return f"{flag} was {o.get('path') or o.get('repo')}, now {n.get('path') or n.get('repo')}"
+    return None
 
 
 def hybrid(int4_dir: Path, fp8_arg: str, out: Path, **kw) -> dict:
@@ -257,7 +297,8 @@ def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None
     _check_dirs(int4_dir, fp8_local, out)
     int4 = open_checkpoint(int4_dir)
     specs.check_config(spec, int4.config, f"--int4 {int4_dir}")
-    man = _finished_manifest(out, int4)
+    inputs = _inputs(int4, _fp8_source(fp8_arg, fp8_revision, spec))
+    man = _finished_manifest(out, int4, inputs)
     bad = _damaged(out, man, log) if man else {}
     if man and not bad:
         return man
@@ -266,10 +307,10 @@ def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None
     with Writer(out, PROGRESS_FILE, MANIFEST_FILE, hash_outputs=hash_outputs, log=log) as w:
         if man is None:  # a finished run's manifest says the directory is ours, even with every file damaged
             w.refuse_foreign("`onespark hybrid`", "--out")
-        fp8_dir, fp8_source = _resolve_fp8(fp8_arg, out, fp8_revision, spec)
+        fp8_dir = _resolve_fp8(inputs["fp8"], out)
         fp8 = open_checkpoint(fp8_dir)
         specs.check_config(spec, fp8.config, f"--fp8 {fp8_dir}")
-        plan = Plan(int4, fp8, fp8_source)
+        plan = Plan(int4, fp8, inputs)
         outputs = plan.outputs()
         w.resume(plan.fingerprint(), {**{o.name: o.size for o in outputs}, **dict.fromkeys(plan.json_files)},
                  carried)
@@ -296,13 +337,21 @@ def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None
     return manifest
 
 
-def _finished_manifest(out: Path, int4: Checkpoint) -> dict | None:
-    """The manifest of a finished step 1 on these inputs in `out`, or None when there is none."""
+def _finished_manifest(out: Path, int4: Checkpoint, inputs: dict) -> dict | None:
+    """The manifest of a finished step 1 on these inputs in `out`, or None when there is none. A finished run
+    of other inputs is refused: its files are never mixed with, nor silently replaced by, this run's."""
     if not (out / MANIFEST_FILE).is_file():
         return None
-    man = load_json(out / MANIFEST_FILE, "manifest", "delete it and re-run step 1")
-    if man.get("steps", {}).get("hybrid", {}).get("int4_fingerprint") != _int4_fingerprint(int4):
-        raise UserError(f"{out} holds a different finished checkpoint: choose a new --out (nothing was changed)")
+    man = load_json(out / MANIFEST_FILE, "manifest", "delete it and re-run step 1", MANIFEST)
+    old = man.get("inputs") if isinstance(man.get("inputs"), dict) else {}
+    if not isinstance((old.get("int4") or {}).get("files"), dict):  # an older manifest: the INT4 shard list
+        step = man.get("steps", {}).get("hybrid", {})
+        old = {**old, "int4": {"repo": None, "revision": None, "path": inputs["int4"]["path"]
+                               if step.get("int4_fingerprint") == _int4_fingerprint(int4) else None}}
+    why = _other_inputs(old, inputs)
+    if why:
+        raise UserError(f"{out} holds step-1 output of other inputs ({why}): choose a new --out or remove it "
+                        f"(nothing was changed)")
     return man
 
 
@@ -352,9 +401,7 @@ def _manifest(plan: Plan, old_steps: dict, files: dict) -> dict:
         "schema_version": 1,
         "tool": "onespark", "tool_version": __version__,
         "created_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "inputs": {"int4": {"path": str(int4.path.resolve()), "repo": int4.record.get("repo"),
-                            "revision": int4.record.get("revision")},
-                   "fp8": plan.fp8_source},
+        "inputs": plan.inputs,
         "steps": {**old_steps, "hybrid": {
             "int4_fingerprint": _int4_fingerprint(int4),
             "replaced": sorted(plan.replace), "added": sorted(qwen35.scale_name(n) for n in plan.replace),

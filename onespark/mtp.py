@@ -18,9 +18,12 @@ from pathlib import Path
 
 from onespark import qwen35, specs
 from onespark.checkpoint import (
+    CONFIG,
     INDEX_FILE,
+    MANIFEST,
     MANIFEST_FILE,
     Checkpoint,
+    file_entry,
     is_inside,
     load_json,
     open_checkpoint,
@@ -45,7 +48,7 @@ def _restore_head(path: Path, source: Path, log) -> list[str]:
         raise UserError(f"--source {source} and {path} overlap: give the original INT4 download as --source")
     if not path.is_dir():
         return []  # open_checkpoint says what is wrong with it
-    required = _required_mtp(load_json(path / "config.json", "the model config"))
+    required = _required_mtp(load_json(path / "config.json", "the model config", like=CONFIG))
     have: set[str] = set()
     for f in sorted(path.glob("*.safetensors")):
         try:
@@ -82,7 +85,8 @@ def _mtp(path: Path, *, source: Path | None = None, spec: specs.Spec | None = No
     path = Path(path)
     spec = spec or specs.get(None)
     if path.is_dir() and (path / "config.json").is_file():  # before anything is copied into it
-        specs.check_config(spec, load_json(path / "config.json", "the model config"), str(path / "config.json"))
+        config = load_json(path / "config.json", "the model config", like=CONFIG)
+        specs.check_config(spec, config, str(path / "config.json"))
     copied = _restore_head(path, Path(source), log) if source is not None else []
     ck = open_checkpoint(path)
     found = _mtp_tensors(ck, source)
@@ -130,11 +134,10 @@ def _mtp_tensors(ck: Checkpoint, source: Path | None) -> dict[str, str]:
 
 def _record_in_manifest(path: Path, changed: list[str], result: dict) -> None:
     """Step 1's manifest, updated to the files step 2 changed (hashed when the manifest hashes) and its result."""
-    man = load_json(path / MANIFEST_FILE, "manifest")
+    man = load_json(path / MANIFEST_FILE, "manifest", "delete it and re-run step 1", MANIFEST)
     had_hash = any(v.get("sha256") for v in man.get("files", {}).values())
     for f in changed:
-        man.setdefault("files", {})[f] = {"size": (path / f).stat().st_size,
-                                          "sha256": sha256_file(path / f) if had_hash else None}
+        man.setdefault("files", {})[f] = file_entry(path / f, sha256_file(path / f) if had_hash else None)
     man["files"] = dict(sorted(man["files"].items()))
     man.setdefault("steps", {})["mtp"] = result
     write_json_atomic(path / MANIFEST_FILE, man)

@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from onespark import draft_vocab, qwen35, specs
-from onespark.checkpoint import INDEX_FILE, MANIFEST_FILE, Checkpoint, load_json, open_checkpoint, sha256_file
+from onespark.checkpoint import INDEX_FILE, MANIFEST, MANIFEST_FILE, Checkpoint, load_json, open_checkpoint, sha256_file
 from onespark.errors import UserError
 
 MAX_LISTED = 10  # per kind of problem; the rest are counted
@@ -202,7 +202,7 @@ def _manifest_problems(ck: Checkpoint, fast: bool, problems: Problems) -> int:
             problems.append(f"{MANIFEST_FILE} is missing although config.json says step 1 wrote one: "
                             f"the run did not finish; run step 1 again")
         return 0
-    listed = load_json(man_path, "manifest").get("files", {})
+    listed = load_json(man_path, "manifest", f"delete it and {REWRITE}", MANIFEST)["files"]
     to_hash = []
     for fname, entry in sorted(listed.items()):
         f = path / fname

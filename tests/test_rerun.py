@@ -1,0 +1,162 @@
+"""Issue 23 (part B): a re-run never keeps stale output as done, synth takes the writers' lock and resumes,
+and the bench never loses what it measured. The references are real files (sha256 of what a clean run wrote)
+and real child processes (kill -9, a held lock)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from onespark.checkpoint import MANIFEST_FILE
+from onespark.hybrid import hybrid
+from tests._checkpoints import synth_pair
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARD = "model-00002-of-00003.safetensors"
+
+
+def digest(d: Path) -> dict[str, str]:
+    """Every file's sha256 but the lock's (it names its last holder)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())
+            if p.is_file() and p.name != ".onespark.lock"}
+
+
+def cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onespark", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, **kw)
+
+
+def one_line_error(r: subprocess.CompletedProcess, command: str) -> str:
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"onespark {command}: error: "), r.stderr
+    return last
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """Two INT4 + FP8 pairs of the same shapes and file sizes, from two seeds."""
+    return synth_pair(tmp_path_factory.mktemp("a"), seed=1), synth_pair(tmp_path_factory.mktemp("b"), seed=2)
+
+
+@pytest.fixture
+def finished(pairs, tmp_path):
+    a, _ = pairs
+    out = tmp_path / "hy"
+    hybrid(a / "int4", str(a / "fp8"), out, log=lambda m: None)
+    return out
+
+
+# ---- item 3: the done-check compares all inputs -----------------------------------------------------------
+
+@pytest.mark.parametrize("other", ["fp8", "int4", "fp8-hub"])
+def test_other_inputs_into_a_finished_out_are_refused(pairs, finished, other):
+    a, b = pairs
+    for f in ("model-00001-of-00003.safetensors", SHARD):  # same names and sizes: only the content differs
+        assert (a / "int4" / f).stat().st_size == (b / "int4" / f).stat().st_size
+    before = digest(finished)
+    int4, fp8 = a / "int4", str(a / "fp8")
+    if other == "fp8":
+        fp8 = str(b / "fp8")
+    elif other == "int4":
+        int4 = b / "int4"
+    else:
+        fp8 = "hf:Qwen/Qwen3.5-122B-A10B-FP8"  # refused before anything is fetched (no network here)
+    r = cli("hybrid", "--int4", str(int4), "--fp8", fp8, "--out", str(finished))
+    last = one_line_error(r, "hybrid")
+    assert f"{finished} holds step-1 output of other inputs (--{other.split('-')[0]} " in last, last
+    assert last.endswith("choose a new --out or remove it (nothing was changed)"), last
+    assert digest(finished) == before
+    assert not any(finished.parent.glob(".*fp8-fetch"))
+
+
+def test_same_inputs_are_already_done(pairs, finished):
+    a, _ = pairs
+    logs: list[str] = []
+    hybrid(a / "int4", str(a / "fp8"), finished, log=logs.append)
+    assert any("step 1 already done" in m for m in logs), logs
+    man = json.loads((finished / MANIFEST_FILE).read_text())
+    assert set(man["inputs"]["int4"]["files"]) >= {SHARD, "config.json"}
+    assert set(man["inputs"]["fp8"]["files"]) >= {"config.json"}
+    assert all(len(e["header_sha256"]) == 64 for f, e in man["files"].items() if f.endswith(".safetensors"))
+
+
+def _edit_header(path: Path, edit) -> None:
+    """Rewrite a shard's JSON header in place, same length (padding absorbs the change): it still parses."""
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    doc = json.loads(data[8:8 + n])
+    edit(doc)
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    assert len(raw) <= n
+    path.write_bytes(data[:8] + raw + b" " * (n - len(raw)) + data[8 + n:])
+
+
+@pytest.mark.parametrize("how", ["dtype", "shape"])
+def test_an_edited_header_is_repaired_not_already_done(pairs, finished, how):
+    a, _ = pairs
+    want = digest(finished)
+
+    def edit(doc):  # the first 16-bit matrix that is not square
+        t = next(v for k, v in doc.items() if k != "__metadata__" and v["dtype"] == "BF16" and len(v["shape"]) == 2
+                 and v["shape"][0] != v["shape"][1])
+        if how == "dtype":
+            t["dtype"] = "F16"  # BF16 bytes read as another number
+        else:
+            t["shape"] = t["shape"][::-1]  # [1, H] -> [H, 1]: same bytes, another layout
+
+    _edit_header(finished / SHARD, edit)
+    logs: list[str] = []
+    hybrid(a / "int4", str(a / "fp8"), finished, log=logs.append)
+    assert not any("already done" in m for m in logs), logs
+    assert any("step 1 output damaged" in m and f"{SHARD}'s header is not the one written" in m for m in logs), logs
+    assert digest(finished) == want  # byte-identical to the clean run
+
+
+def test_an_edited_config_is_repaired(pairs, finished):
+    a, _ = pairs
+    want = digest(finished)
+    text = (finished / "config.json").read_text()
+    assert '"rms_norm_eps": 1e-06' in text
+    (finished / "config.json").write_text(text.replace('"rms_norm_eps": 1e-06', '"rms_norm_eps": 2e-06'))  # same size
+    logs: list[str] = []
+    hybrid(a / "int4", str(a / "fp8"), finished, log=logs.append)
+    assert any("config.json" in m and "step 1 output damaged" in m for m in logs), logs
+    assert digest(finished) == want
+
+
+def test_a_killed_run_resumed_with_other_inputs_starts_over(pairs, tmp_path):
+    """The progress record's fingerprint covers the inputs' contents: a run killed on pair A and resumed on
+    pair B (same names, shapes and sizes) keeps nothing of A's."""
+    a, b = pairs
+    ref = tmp_path / "ref"
+    hybrid(b / "int4", str(b / "fp8"), ref, log=lambda m: None)
+    out = tmp_path / "hy"
+    import onespark.hybrid as hy
+    real = hy.Writer.write
+    calls = []
+
+    def die_after_one(self, o):
+        if calls:
+            raise KeyboardInterrupt
+        calls.append(o.name)
+        return real(self, o)
+
+    hy.Writer.write = die_after_one
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            hybrid(a / "int4", str(a / "fp8"), out, log=lambda m: None)
+    finally:
+        hy.Writer.write = real
+    logs: list[str] = []
+    hybrid(b / "int4", str(b / "fp8"), out, log=logs.append)
+    assert "inputs changed since the interrupted run: starting over" in logs, logs
+    skip = {MANIFEST_FILE}
+    assert {k: v for k, v in digest(out).items() if k not in skip} == \
+        {k: v for k, v in digest(ref).items() if k not in skip}
