@@ -111,3 +111,27 @@ def test_a_broken_link_or_anchor_fails(tmp_path):
         "README.md:8: (docs/a.md#part-three): docs/a.md has no heading #part-three",
         "docs/guides/b.md:3: (../README.md): no such file ../README.md",
     ]
+
+
+def pointers_in_code(root: Path = ROOT) -> list[str]:
+    """Every docs/*.md page a message or comment of the code names, and the files that name it. Our pages are
+    lower-case (another repository's `docs/FINDINGS.md`, cited in onespark/synth.py, is not ours)."""
+    code = [root / "install.sh", *(root / "steps").glob("*.sh"), *(root / "docker").glob("*"),
+            *[p for d in ("onespark", "patches", "kernels", "bench") for p in (root / d).rglob("*.py")]]
+    found = []
+    for path in code:
+        if path.is_file():
+            text = path.read_text(errors="replace")
+            for page in sorted(set(re.findall(r"\bdocs/(?:[a-z0-9-]+/)*[a-z0-9-]+\.md", text))):
+                found.append(f"{path.relative_to(root)}: {page}")
+    return found
+
+
+def test_pages_the_code_points_at_exist():
+    found = pointers_in_code()
+    assert found, "no code names a docs page: the messages that point readers there are gone"
+    missing = [f for f in found if not (ROOT / f.split(": ")[1]).exists()]
+    assert not missing, f"code names docs pages that do not exist: {missing}"
+    stale = [str(p.relative_to(ROOT)) for p in [ROOT / "install.sh", *(ROOT / "onespark").rglob("*.py")]
+             if re.search(r"\bREADME(: |'s )", p.read_text())]
+    assert not stale, f"these point at README sections, which moved to docs/: {stale}"

@@ -115,6 +115,7 @@ def test_fingerprint_covers_what_the_build_context_and_copy_lines_bring_in(tree,
 
 @pytest.mark.parametrize("edit, rebuilds", [
     ("README.md", False),
+    ("docs/status.md", False),
     ("patches/README.md", False),
     ("bench/results/another-run.json", False),
     ("bench/lab/probe.py", False),
