@@ -19,26 +19,16 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from onespark import __version__
+from onespark import __version__, options
 from onespark.bench import report
 from onespark.bench.client import Endpoint, detect_model, make_client, server_version
 from onespark.bench.suites import SUITES, Progress, Runner, Settings, published_classes
 from onespark.errors import UserError
 
 ALL = SUITES + ("quality",)
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        vals = [int(x.strip().lower().replace("k", "")) * (1024 if x.strip().lower().endswith("k") else 1)
-                for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 0,4k,16k") from None
-    if not vals:
-        raise argparse.ArgumentTypeError("expected at least one number")
-    return vals
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,25 +55,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="send chat_template_kwargs.enable_thinking=false (the published figures keep thinking on)")
     g.add_argument("--no-stream", action="store_true",
                    help="non-streamed requests timed whole, exactly as the published script (no TTFT or decode rate)")
-    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
+    g.add_argument("--timeout", type=options.SECONDS, default=600.0, help="seconds per request (default: %(default)s)")
 
     g = p.add_argument_group("suites")
     g.add_argument("--suite", default="published",
                    help=f"comma-separated: {', '.join(ALL)}, or all (default: %(default)s)")
-    g.add_argument("--runs", type=int, default=3, help="measured runs per point (default: %(default)s)")
-    g.add_argument("--warmup", type=int, default=1, help="warm-up runs, reported apart (default: %(default)s)")
-    g.add_argument("--max-tokens", type=int, help="cap every request's max_tokens (quick runs)")
+    g.add_argument("--runs", type=options.COUNT, default=3, help="measured runs per point (default: %(default)s)")
+    g.add_argument("--warmup", type=options.number(int, 0), default=1, help="warm-up runs, reported apart (default: %(default)s)")
+    g.add_argument("--max-tokens", type=options.COUNT, help="cap every request's max_tokens (quick runs)")
     g.add_argument("--classes", help="published classes to run, e.g. Q&A,Math (default: all five)")
-    g.add_argument("--depths", type=_ints, default=Settings().depths, help="default: 0,4k,16k,64k,128k,256k")
-    g.add_argument("--depth-max-tokens", type=int, default=128, help="default: %(default)s")
-    g.add_argument("--concurrency", type=_ints, default=Settings().concurrency, help="default: 1,2,4,8")
-    g.add_argument("--concurrency-max-tokens", type=int, default=256, help="default: %(default)s")
-    g.add_argument("--capacity-contexts", type=_ints, default=Settings().capacity_contexts,
+    g.add_argument("--depths", type=options.sizes(0), default=Settings().depths, help="default: 0,4k,16k,64k,128k,256k")
+    g.add_argument("--depth-max-tokens", type=options.COUNT, default=128, help="default: %(default)s")
+    g.add_argument("--concurrency", type=options.sizes(1), default=Settings().concurrency, help="default: 1,2,4,8")
+    g.add_argument("--concurrency-max-tokens", type=options.COUNT, default=256, help="default: %(default)s")
+    g.add_argument("--capacity-contexts", type=options.sizes(1), default=Settings().capacity_contexts,
                    help="context lengths to size users for (default: 32k,128k,256k and the server's max)")
-    g.add_argument("--capacity-streams", type=int, default=0,
+    g.add_argument("--capacity-streams", type=options.number(int, 0), default=0,
                    help="also load the server with this many streams and watch /metrics (default: off)")
-    g.add_argument("--capacity-context", type=int, default=4096, help="context of each load stream")
-    g.add_argument("--capacity-max-tokens", type=int, default=Settings().capacity_max_tokens,
+    g.add_argument("--capacity-context", type=options.COUNT, default=4096, help="context of each load stream")
+    g.add_argument("--capacity-max-tokens", type=options.COUNT, default=Settings().capacity_max_tokens,
                    help="new tokens per load stream (default: %(default)s)")
     g.add_argument("--server-log", help="server start-up log, for the KV cache size (docker logs NAME > FILE)")
     g.add_argument("--b-base-url", help="quality: the second endpoint (B)")
@@ -91,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--b-api-key", help="quality: B's bearer token (default: A's); visible in `ps`, prefer "
                                        "--b-api-key-file")
     g.add_argument("--b-api-key-file", help="quality: read B's bearer token from this file")
-    g.add_argument("--top-k", type=int, default=20,
+    g.add_argument("--top-k", type=options.COUNT, default=20,
                    help="quality: top logprobs per position (default: %(default)s, vLLM's default limit; more needs "
                         "the server started with --max-logprobs N; the whole vocabulary makes KL exact)")
 
@@ -313,17 +303,49 @@ def _result(args, names: list[str], settings: Settings, created: dt.datetime, bo
     return redact(result, secrets(args))  # a key passed anywhere (--note, a URL) is never recorded
 
 
-def _write(args, result: dict, stem: str) -> list[Path]:
-    out = Path(args.out)
+def _result_text(result: dict) -> str:
     text = json.dumps(result, indent=1)
     if len(text) > 200_000:  # e.g. whole-vocabulary logprobs: indentation would double a file nobody reads by eye
         text = json.dumps(result, separators=(",", ":"))
-    report.write_atomic(out / f"{stem}.json", text + "\n")
+    return text + "\n"
+
+
+def _write(args, result: dict, stem: str, wrote: list[Path]) -> None:
+    """NAME.json, .md and .png under --out; `wrote` gets each file once it is in place (JSON first: it is the
+    record every other output, and `bench compare`, is made from)."""
+    out = Path(args.out)
+    report.write_atomic(out / f"{stem}.json", _result_text(result))
+    wrote.append(out / f"{stem}.json")
     report.write_atomic(out / f"{stem}.md", report.markdown(result) + "\n")
-    wrote = [out / f"{stem}.json", out / f"{stem}.md"]
+    wrote.append(out / f"{stem}.md")
     if not args.no_png and report.plot(result, out / f"{stem}.png"):
         wrote.append(out / f"{stem}.png")
-    return wrote
+
+
+def _what(e: OSError) -> str:
+    """What went wrong, without the CLI's usual fix (its "run the same command again (finished files are kept)"
+    is not true of a benchmark: the run is over, and the fix is where the measurements went)."""
+    return f"{e.filename}: {e.strerror}" if e.filename else str(e.strerror or e)
+
+
+def _keep(result: dict, stem: str, error: OSError) -> str:
+    """--out failed after the run (disk full, permissions changed): the measurements, still in memory, go to the
+    temp directory or the home directory, else to stdout as JSON. Returns the one line that says where."""
+    why = _what(error)
+    text = _result_text(result)
+    for d in (Path(tempfile.gettempdir()), Path.home()):
+        p = d / f"onespark-bench-{stem}.json"
+        if not d.is_dir():  # write_atomic would create it: a fallback never makes directories
+            continue
+        try:
+            report.write_atomic(p, text)
+        except OSError:
+            continue
+        return (f"could not write the results ({why}); the measurements are saved in {p} instead: move it "
+                f"into --out once there is room (`onespark bench compare` reads it from anywhere)")
+    print(text, end="")
+    return (f"could not write the results ({why}), nor to {tempfile.gettempdir()} or {Path.home()}: the "
+            f"measurements are the JSON printed above on stdout; save it to a file (it is a complete result)")
 
 
 def run(args) -> int:
@@ -334,9 +356,20 @@ def run(args) -> int:
     created = dt.datetime.now(dt.timezone.utc)
     body = asyncio.run(_bench(args, names, settings))
     result = _result(args, names, settings, created, body)
-    wrote = _write(args, result, args.name or f"{'-'.join(names)}-{created.strftime('%Y%m%dT%H%M%SZ')}")
+    stem = args.name or f"{'-'.join(names)}-{created.strftime('%Y%m%dT%H%M%SZ')}"
+    wrote: list[Path] = []
+    try:
+        _write(args, result, stem, wrote)
+        kept = None
+    except OSError as e:  # the JSON first: when it is in place, only the tables or the plot are missing
+        kept = (f"could not write all the results ({_what(e)}); the measurements are in {wrote[0]}, "
+                "the tables are printed above") if wrote else _keep(result, stem, e)
     print(report.console(result))
-    print("wrote " + ", ".join(map(str, wrote)))
+    if wrote:
+        print("wrote " + ", ".join(map(str, wrote)))
+    if kept:
+        print(f"onespark bench: error: {kept}", file=sys.stderr)
+        return 1
     rows = [r for s in body["suites"].values() for r in s["rows"]]
     failed = [r for r in rows if not r["ok"]]
     empty = [n for n, s in body["suites"].items() if n != "capacity" and not any(r["ok"] for r in s["rows"])]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,76 @@ def test_a_killed_run_resumed_with_other_inputs_starts_over(pairs, tmp_path):
     skip = {MANIFEST_FILE}
     assert {k: v for k, v in digest(out).items() if k not in skip} == \
         {k: v for k, v in digest(ref).items() if k not in skip}
+
+
+# ---- item 4: nothing measured is lost ---------------------------------------------------------------------
+
+# The bench in a child whose --out (and, where the test says so, its temp and home directories) fails at the
+# final write with ENOSPC or EACCES, after the run, as a disk filling up or a permission change would.
+FAILING_OUT = """
+import errno, sys
+from pathlib import Path
+from onespark.bench import report
+dirs = [Path(d).resolve() for d in sys.argv[1].split(",")]
+code, keep_json = getattr(errno, sys.argv[2]), sys.argv[3] == "1"
+real = report.write_atomic
+def failing(path, data):
+    path = Path(path)
+    if path.parent.resolve() in dirs and not (keep_json and path.suffix == ".json"):
+        raise OSError(code, "refused by the test", str(path))
+    return real(path, data)
+report.write_atomic = failing
+from onespark.cli import main
+sys.exit(main(sys.argv[4:]))
+"""
+
+
+def _bench(tmp_path: Path, code: str, keep_json: bool, tmp: Path, home: Path, failing: tuple = ()):
+    from tests._openai_standin import StandIn
+    out = tmp_path / "out"
+    with StandIn() as srv:
+        args = ["bench", "--base-url", srv.base_url, "--suite", "published", "--classes", "Q&A", "--runs", "1",
+                "--warmup", "0", "--max-tokens", "3", "--no-png", "--no-progress", "--out", str(out), "--name", "r"]
+        env = dict(os.environ, TMPDIR=str(tmp), HOME=str(home))
+        dirs = ",".join(map(str, (out, *failing)))
+        return out, subprocess.run([sys.executable, "-c", FAILING_OUT, dirs, code, "1" if keep_json else "0",
+                                    *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+def _is_result(doc: dict) -> None:
+    assert doc["kind"] == "onespark-bench" and doc["requests"] == 1 and doc["failed_requests"] == 0
+    assert doc["suites"]["published"]["rows"][0]["ok"]
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EACCES"])
+def test_a_failed_final_write_keeps_the_measurements_in_the_temp_dir(tmp_path, code):
+    tmp, home = tmp_path / "tmp", tmp_path / "home"
+    tmp.mkdir(), home.mkdir()
+    out, r = _bench(tmp_path, code, False, tmp, home)
+    last = one_line_error(r, "bench")
+    kept = tmp / "onespark-bench-r.json"
+    assert f"could not write the results ({out / 'r.json'}: " in last, last
+    assert f"the measurements are saved in {kept} instead" in last, last
+    assert "finished files are kept" not in r.stderr  # nothing of it is in --out
+    assert not (out / "r.json").exists()
+    _is_result(json.loads(kept.read_text()))
+    assert "published" in r.stdout  # the tables were printed too
+
+
+def test_with_nowhere_to_write_the_measurements_are_printed_as_json(tmp_path):
+    tmp, home = tmp_path / "tmp", tmp_path / "home"
+    tmp.mkdir(), home.mkdir()
+    out, r = _bench(tmp_path, "ENOSPC", False, tmp, home, failing=(tmp, home))
+    last = one_line_error(r, "bench")
+    assert "the measurements are the JSON printed above on stdout" in last, last
+    start = r.stdout.index("{\n")
+    doc, _ = json.JSONDecoder().raw_decode(r.stdout[start:])
+    _is_result(doc)
+
+
+def test_when_only_the_tables_fail_the_json_in_out_is_named(tmp_path):
+    out, r = _bench(tmp_path, "ENOSPC", True, tmp_path, tmp_path)
+    last = one_line_error(r, "bench")
+    assert f"the measurements are in {out / 'r.json'}, the tables are printed above" in last, last
+    _is_result(json.loads((out / "r.json").read_text()))
+    assert not (tmp_path / "onespark-bench-r.json").exists()
