@@ -3,7 +3,8 @@
 vLLM calls `register()` in every process it starts (API server, engine core, each worker), so it is
 idempotent, imports vLLM lazily and never touches CUDA. It refuses to run on a vLLM other than the two it
 was tested with (0.19.1, the default track, and 0.32.0; any local build suffix such as `+cu130` or
-`.dev0+g<sha>`), naming the installed and the supported versions. Where the two differ for a hook, the code
+`.dev0+g<sha>`), naming the installed and the supported versions; the GPU lane's vLLM (0.26.0, the wheel that
+matches the H200's torch: tests/gpu_vllm/) runs too, with 0.32.0's seams, and says so. Where the two differ for a hook, the code
 sits behind one named function in patches/_compat.py (the ledger's "Seam" field).
 
 Switches (environment variables, read once per process by register(); 1/0, true/false, on/off, yes/no):
@@ -44,7 +45,7 @@ from __future__ import annotations
 import logging
 import os
 
-from onespark.patches._compat import SUPPORTED_VLLM, supported_release
+from onespark.patches._compat import SUPPORTED_VLLM, lane_release, supported_release
 
 ENV_ALLOW_ANY_VLLM = "ONESPARK_ALLOW_ANY_VLLM"
 ENV_HYBRID_FP8 = "ONESPARK_HYBRID_FP8"
@@ -89,6 +90,10 @@ def version_supported(version: str) -> bool:
 
 def check_vllm_version(version: str) -> None:
     if version_supported(version):
+        return
+    if lane_release(version):
+        logger.info("onespark: vLLM %s is the GPU lane's vLLM (tests/gpu_vllm/), not a shipped track (%s); its "
+                    "hooks take 0.32.0's seams", version, " or ".join(SUPPORTED_VLLM))
         return
     if switch(ENV_ALLOW_ANY_VLLM, False):
         logger.warning(

@@ -6,7 +6,8 @@ instead of silently taking the other branch. patches/README.md names each hook's
 tests/test_plugin_ledger.py checks that every seam it names exists in this file.
 
   track()                 "0.19.1" | "0.32.0": the supported release the installed vLLM is (local suffixes
-                          such as +cpu or .dev0+g<sha> allowed); ValueError for any other version.
+                          such as +cpu or .dev0+g<sha> allowed), "0.32.0" for the GPU lane's 0.26.0 (its
+                          seams are 0.32.0's); ValueError for any other version.
   register_lm_head(cls)   int8-lm-head: ParallelLMHead is a CustomOp in 0.19.1 and a PluggableLayer in
                           0.32.0; each has its own register_oot (both fill op_registry_oot by class name).
   tq_cache_rows(kv_cache) turboquant-backend: the layer's cache as uint8 [blocks, block bytes]. 0.19.1 allocates
@@ -21,14 +22,30 @@ import re
 # The default track (reproduces the published tables) first; then the current one.
 SUPPORTED_VLLM: tuple[str, ...] = ("0.19.1", "0.32.0")
 
+# The GPU lane's vLLM (tests/gpu_vllm/): not a shipped track, the one whose official x86_64 wheel matches the H200
+# host's torch 2.11.0+cu130. Every seam takes its 0.32.0 branch on it (ParallelLMHead is a PluggableLayer there
+# too); patches/README.md says which hooks apply. The plugin runs on it and says so.
+GPU_LANE_VLLM = "0.26.0"
 
-def supported_release(version: str) -> str | None:
-    """'0.32.0+cpu' -> '0.32.0'; None for anything that is not a build of a supported release (0.19.10,
-    0.32.1, 0.19)."""
-    for release in SUPPORTED_VLLM:
+
+def _release_of(version: str, releases: tuple[str, ...]) -> str | None:
+    for release in releases:
         if re.fullmatch(re.escape(release) + r"([.+].*)?", version):
             return release
     return None
+
+
+def supported_release(version: str) -> str | None:
+    """'0.32.0+cpu' -> '0.32.0'; None for anything that is not a build of a supported release (0.19.10,
+    0.32.1, 0.19, and the GPU lane's 0.26.0: see lane_release)."""
+    return _release_of(version, SUPPORTED_VLLM)
+
+
+def lane_release(version: str) -> str | None:
+    """The release whose seams a vLLM takes: a shipped track's, or "0.32.0" for the GPU lane's 0.26.0."""
+    if _release_of(version, (GPU_LANE_VLLM,)):
+        return "0.32.0"
+    return supported_release(version)
 
 
 def track(version: str | None = None) -> str:
@@ -36,7 +53,7 @@ def track(version: str | None = None) -> str:
         import vllm
 
         version = vllm.__version__
-    release = supported_release(version)
+    release = lane_release(version)
     if release is None:
         raise ValueError(f"vLLM {version} is none of the supported {', '.join(SUPPORTED_VLLM)}")
     return release
@@ -48,7 +65,7 @@ def register_lm_head(cls: type, name: str) -> None:
     from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 
-    release = supported_release(vllm.__version__)
+    release = lane_release(vllm.__version__)
     if release is None:  # only under ONESPARK_ALLOW_ANY_VLLM=1 (register() refuses otherwise): try what it is
         from vllm.model_executor.custom_op import PluggableLayer
 

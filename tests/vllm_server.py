@@ -20,6 +20,11 @@ Interface (stable; tests/conftest.py, bench/ tests and the image tests use it):
                            that group after 30 s. Idempotent. The context manager calls it on exit.
 
 `env` is merged over a copy of os.environ (pass {"VLLM_PLUGINS": ""} to disable all plugins, etc.).
+
+On a GPU (ONESPARK_VLLM_GPU=1, set by tests/gpu_vllm/lane.sh) the same servers run as a Spark runs them: CUDA
+graphs and torch.compile on (no --enforce-eager, no TORCHDYNAMO_DISABLE), plus what the GPU lane's wheel set
+needs (GPU_FLAGS); the server's working directory is its log folder (the checkout's onespark/ folder would
+shadow the installed package), and ONESPARK_SERVER_LOG_DIR keeps every log where the lane collects them.
 The server runs in its own session (process group), so stopping it also stops vLLM's engine core
 child and nothing else. Startup on a 2-core CPU takes about a minute for the tiny model.
 """
@@ -50,6 +55,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+GPU = os.environ.get("ONESPARK_VLLM_GPU") == "1"
+# The GPU lane's vLLM 0.26.0 wheel set (tests/gpu_vllm/pack.py) has no FlashAttention-2 and no FlashInfer: Triton
+# attention and Triton GDN prefill; a small memory share and batch keep start-up (graph capture) short.
+GPU_FLAGS = {"--attention-backend": "TRITON_ATTN", "--gdn-prefill-backend": "triton",
+             "--gpu-memory-utilization": "0.2", "--max-num-seqs": "8"}
+
+
 class VLLMServer:
     def __init__(
         self,
@@ -69,20 +81,23 @@ class VLLMServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.openai_url = f"{self.base_url}/v1"
         self.startup_timeout_s = startup_timeout_s
+        args = list(args)
         self._cmd = [
             python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model),
             "--served-model-name", served_model_name,
             "--host", "127.0.0.1",
             "--port", str(self.port),
-            "--enforce-eager",  # no CUDA graphs / torch.compile: CPU startup in seconds, not minutes
+            *([] if GPU else ["--enforce-eager"]),  # CPU: no CUDA graphs / torch.compile, startup in seconds
             "--dtype", "bfloat16",
             "--max-model-len", str(max_model_len),
             *args,
         ]
+        if GPU:
+            self._cmd += [a for flag, value in GPU_FLAGS.items() if flag not in args for a in (flag, value)]
         self._env = dict(os.environ)
         self._env.update({
-            "TORCHDYNAMO_DISABLE": "1",
+            **({} if GPU else {"TORCHDYNAMO_DISABLE": "1"}),
             "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),  # GiB; vLLM's default takes a large slice of RAM
             "HF_HUB_OFFLINE": "1",  # everything is local; never wait on a network timeout
             "VLLM_NO_USAGE_STATS": "1",
@@ -91,7 +106,10 @@ class VLLMServer:
         })
         self._env.update(env or {})
         self._proc: subprocess.Popen | None = None
-        self._log_dir = Path(tempfile.mkdtemp(prefix="onespark-vllm-"))
+        keep = os.environ.get("ONESPARK_SERVER_LOG_DIR")
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+        self._log_dir = Path(tempfile.mkdtemp(prefix="onespark-vllm-", dir=keep or None))
         self.log_path = self._log_dir / "server.log"
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -104,7 +122,7 @@ class VLLMServer:
             log.flush()
             self._proc = subprocess.Popen(
                 self._cmd, env=self._env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True,  # own process group: stop() reaches the engine core child too
+                cwd=self._log_dir if GPU else None, start_new_session=True,  # own process group: stop() reaches the engine core child too
             )
         deadline = time.monotonic() + self.startup_timeout_s
         while True:
