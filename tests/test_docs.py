@@ -8,6 +8,8 @@ backticks) are not links. External links (http:, mailto:) are not checked: no ne
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,3 +137,36 @@ def test_pages_the_code_points_at_exist():
     stale = [str(p.relative_to(ROOT)) for p in [ROOT / "install.sh", *(ROOT / "onespark").rglob("*.py")]
              if re.search(r"\bREADME(: |'s )", p.read_text())]
     assert not stale, f"these point at README sections, which moved to docs/: {stale}"
+
+
+def _generator():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("docs_generate", ROOT / "docs" / "generate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_generated_pages_are_current():
+    """docs/reference/cli.md (each command's --help) and results.md (bench/results/*.json) match the code."""
+    r = subprocess.run([sys.executable, "docs/generate.py", "--check"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_a_stale_generated_page_fails(tmp_path, monkeypatch, capsys):
+    gen = _generator()
+    page = tmp_path / "results.md"
+    monkeypatch.setattr(gen, "pages", lambda: {page: "new\n"})
+    page.write_text("old\n")
+    assert gen.main(["--check"]) == 1
+    assert "run python docs/generate.py" in capsys.readouterr().err
+    assert page.read_text() == "old\n"  # --check writes nothing
+    assert gen.main([]) == 0 and page.read_text() == "new\n"
+    assert gen.main(["--check"]) == 0
+
+
+def test_every_result_file_has_its_section():
+    text = (ROOT / "docs" / "reference" / "results.md").read_text()
+    files = sorted(p.name for p in (ROOT / "bench" / "results").glob("*.json"))
+    assert files and [f for f in files if f"\n## {f}\n" not in text] == []
