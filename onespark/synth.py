@@ -36,6 +36,8 @@ Routed experts are random packed words (never compared across formats; this keep
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import math
 import re
 import zlib
@@ -44,9 +46,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from onespark import qwen35, specs
+from onespark import __version__, qwen35, specs
 from onespark.checkpoint import INDEX_FILE, rewrite_index
 from onespark.errors import UserError
+from onespark.lock import LOCK_FILE, locked
 from onespark.qwen35 import EXTRA_FILE
 from onespark.safetensors_io import nbytes_of, write_json_atomic, write_safetensors
 
@@ -318,7 +321,10 @@ def _to_bytes(arr: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(arr).view(np.uint8).reshape(-1))
 
 
-def _write_group(path: Path, items: list) -> dict[str, str]:
+def _write_group(path: Path, items: list, progress: _Progress) -> dict[str, str]:
+    names = {t[0]: path.name for t in items}
+    if progress.has(path.name):
+        return names
     tensors = []
     for name, dtype, shape, thunk in items:
         arr = thunk()
@@ -327,18 +333,85 @@ def _write_group(path: Path, items: list) -> dict[str, str]:
         assert len(b) == nbytes_of(dtype, shape), name
         tensors.append((name, dtype, shape, b))
     write_safetensors(path, tensors, {"format": "pt"})
-    return {t[0]: path.name for t in tensors}
+    progress.wrote(path.name)
+    return names
+
+
+PROGRESS_FILE = ".onespark-synth-progress.json"
+
+
+class _Progress:
+    """What a synth run has written into `out`, under the fingerprint of its arguments, so that a run killed (or
+    stopped by a full disk) resumes when the same command runs again: every file is derived from (seed, name),
+    so a file of the right size written under the same arguments is the one this run would write. Another
+    command into that directory starts it over; a finished run removes the record."""
+
+    def __init__(self, out: Path, fingerprint: str, log=print):
+        self.out, self.path = out, out / PROGRESS_FILE
+        old = None
+        if self.path.is_file():
+            try:
+                old = json.loads(self.path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                old = {}  # a damaged record of ours: start over
+        if old is None and any(p.name != LOCK_FILE for p in out.iterdir()):
+            raise UserError(f"{out} exists and is not empty: choose a new --out directory (nothing was written)")
+        same = isinstance(old, dict) and old.get("fingerprint") == fingerprint and isinstance(old.get("done"), dict)
+        self.done = {f: n for f, n in (old["done"].items() if same else ())
+                     if (out / f).is_file() and (out / f).stat().st_size == n}
+        if same and self.done:
+            log(f"resuming: {len(self.done)} file(s) already written")
+        elif old is not None and not same:
+            log("another synth command was interrupted in this directory: starting over")
+            for p in out.iterdir():
+                if p.is_file() and p.name != LOCK_FILE:
+                    p.unlink()
+        for p in out.glob(".*.tmp-*"):  # a killed run's temp files: never renamed, so never trusted
+            p.unlink()
+        self.fingerprint = fingerprint
+        self._save()
+
+    def has(self, fname: str) -> bool:
+        return fname in self.done
+
+    def wrote(self, fname: str) -> None:
+        self.done[fname] = (self.out / fname).stat().st_size
+        self._save()
+
+    def json(self, fname: str, doc: dict) -> None:
+        if not self.has(fname):
+            write_json_atomic(self.out / fname, doc)
+            self.wrote(fname)
+
+    def _save(self) -> None:
+        write_json_atomic(self.path, {"fingerprint": self.fingerprint, "done": self.done})
+
+    def finish(self) -> None:
+        self.path.unlink()
 
 
 def synth(out: Path, fmt: str, *, dims: dict | None = None, seed: int = 0, mtp_in_index: bool = False,
           mtp_dtype: str = "bf16", g_idx: bool = True, shards: int = 3, weights: bool = True,
-          vision: dict | None = None, mixed_bits: int | None = None) -> dict:
-    """Write a checkpoint; returns its config. See the module docstring for what is written."""
+          vision: dict | None = None, mixed_bits: int | None = None, log=lambda m: None) -> dict:
+    """Write a checkpoint; returns its config. See the module docstring for what is written. Holds --out's lock
+    (onespark.lock) while it writes; a killed run resumes when run again with the same arguments (_Progress)."""
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UserError(f"{out} exists and is not empty: choose a new --out directory (nothing was written)")
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a directory: choose a new --out directory (nothing was written)")
     config = make_config(fmt, dims or TINY_TEXT, mtp_dtype=mtp_dtype, vision=vision, mixed_bits=mixed_bits)
+    args = dict(fmt=fmt, config=config, seed=seed, mtp_in_index=mtp_in_index, g_idx=g_idx, shards=shards,
+                weights=weights, version=__version__)
+    fingerprint = hashlib.sha256(json.dumps(args, sort_keys=True).encode()).hexdigest()
+    with locked(out, "--out"):
+        progress = _Progress(out, fingerprint, log)
+        _synth(out, fmt, config, progress, seed=seed, mtp_in_index=mtp_in_index, g_idx=g_idx, shards=shards,
+               weights=weights)
+        progress.finish()
+    return config
+
+
+def _synth(out: Path, fmt: str, config: dict, progress: _Progress, *, seed: int, mtp_in_index: bool, g_idx: bool,
+           shards: int, weights: bool) -> None:
     if weights:
         main = list(tensors_for(config, fmt, seed, mtp=False, g_idx=g_idx))
         mtp = list(tensors_for(config, fmt, seed, mtp=True, g_idx=g_idx))
@@ -356,20 +429,19 @@ def synth(out: Path, fmt: str, *, dims: dict | None = None, seed: int = 0, mtp_i
                 cur, size = [], 0
         groups.append(cur)
         for i, items in enumerate(groups):
-            weight_map.update(_write_group(out / f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", items))
+            weight_map.update(_write_group(out / f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", items,
+                                           progress))
         if mtp:
-            mtp_map = _write_group(out / EXTRA_FILE, mtp)
+            mtp_map = _write_group(out / EXTRA_FILE, mtp, progress)
             if mtp_in_index:
                 weight_map.update(mtp_map)
-        write_json_atomic(out / INDEX_FILE, rewrite_index(None, weight_map,
-                                                          {n: nbytes_of(d, s) for n, d, s, _ in main + mtp}))
-    write_json_atomic(out / "config.json", config)
+        progress.json(INDEX_FILE, rewrite_index(None, weight_map, {n: nbytes_of(d, s) for n, d, s, _ in main + mtp}))
+    progress.json("config.json", config)
     if fmt == "int4":
-        write_json_atomic(out / "quantization_config.json", config["quantization_config"])
-    write_json_atomic(out / "generation_config.json", {"bos_token_id": 248044, "eos_token_id": [248046, 248044],
-                                                       "do_sample": True, "temperature": 0.6, "top_k": 20,
-                                                       "top_p": 0.95, "transformers_version": "4.57.0.dev0"})
-    return config
+        progress.json("quantization_config.json", config["quantization_config"])
+    progress.json("generation_config.json", {"bos_token_id": 248044, "eos_token_id": [248046, 248044],
+                                             "do_sample": True, "temperature": 0.6, "top_k": 20,
+                                             "top_p": 0.95, "transformers_version": "4.57.0.dev0"})
 
 
 def synth_spec(out: Path, fmt: str, spec: specs.Spec, *, preset: str = "tiny", seed: int = 0,
@@ -425,8 +497,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--shards must be at least 1")
     synth_spec(args.out, args.format, spec, preset=args.preset, seed=args.seed, weights=args.weights,
                shards=args.shards, dims=dims, mtp_in_index=args.mtp_in_index, mtp_dtype=args.mtp_dtype,
-               g_idx=args.g_idx)
-    files = sorted(p.name for p in args.out.iterdir())
+               g_idx=args.g_idx, log=lambda m: print(m, flush=True))
+    files = sorted(p.name for p in args.out.iterdir() if p.name != LOCK_FILE)
     size = sum((args.out / f).stat().st_size for f in files)
     print(f"wrote {spec.name} {args.format} checkpoint to {args.out}: {len(files)} files, {size / 1e6:.1f} MB")
     return 0

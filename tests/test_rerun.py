@@ -7,8 +7,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -234,3 +236,78 @@ def test_when_only_the_tables_fail_the_json_in_out_is_named(tmp_path):
     assert f"the measurements are in {out / 'r.json'}, the tables are printed above" in last, last
     _is_result(json.loads((out / "r.json").read_text()))
     assert not (tmp_path / "onespark-bench-r.json").exists()
+
+
+# ---- item 5: synth takes the writers' lock and resumes -------------------------------------------------------
+
+# synth in a child that stops before its second shard: until `go` exists (the lock test), or for good, to be
+# killed there with SIGKILL (the resume test). `started` says it got there.
+HELD_SYNTH = """
+import os, sys, time
+import onespark.synth as s
+real = s.write_safetensors
+go, started = sys.argv.pop(1), sys.argv.pop(1)
+calls = []
+def held(*a, **kw):
+    if calls:
+        open(started, "w").close()
+        deadline = time.monotonic() + 120
+        while not os.path.exists(go) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    calls.append(1)
+    return real(*a, **kw)
+s.write_safetensors = held
+from onespark.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _held_synth(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
+    go, started = tmp_path / "go", tmp_path / "started"
+    child = subprocess.Popen([sys.executable, "-c", HELD_SYNTH, str(go), str(started), "synth", *args], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not started.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert child.poll() is None, child.stdout.read()
+    return child, go
+
+
+def _synth_args(out: Path, seed: int = 0) -> list[str]:
+    return ["--format", "int4", "--out", str(out), "--seed", str(seed)]
+
+
+@pytest.fixture(scope="module")
+def clean_synth(tmp_path_factory):
+    """What an uninterrupted synth writes, for seeds 0 and 1."""
+    d = tmp_path_factory.mktemp("clean")
+    for seed in (0, 1):
+        r = cli("synth", *_synth_args(d / str(seed), seed))
+        assert r.returncode == 0, r.stderr
+    return d
+
+
+def test_two_synth_runs_into_one_out_the_second_is_refused(tmp_path, clean_synth):
+    out = tmp_path / "s"
+    first, go = _held_synth(tmp_path, *_synth_args(out))
+    last = one_line_error(cli("synth", *_synth_args(out, seed=1)), "synth")
+    assert f"--out {out} is in use by pid {first.pid} (" in last, last
+    go.touch()
+    assert first.wait(timeout=300) == 0, first.stdout.read()
+    assert digest(out) == digest(clean_synth / "0")  # the refused run wrote nothing into it
+
+
+@pytest.mark.parametrize("then", ["same", "other"])
+def test_a_killed_synth_resumes_or_starts_over(tmp_path, clean_synth, then):
+    out = tmp_path / "s"
+    first, _ = _held_synth(tmp_path, *_synth_args(out))
+    first.send_signal(signal.SIGKILL)
+    first.wait(timeout=60)
+    assert any(out.glob("*.safetensors")) and (out / ".onespark-synth-progress.json").is_file()
+    seed = 0 if then == "same" else 1
+    r = cli("synth", *_synth_args(out, seed))  # what the kill/disk-full advice says: the same command again
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert ("resuming: 1 file(s) already written" if then == "same" else "starting over") in r.stdout, r.stdout
+    assert digest(out) == digest(clean_synth / str(seed))
+    last = one_line_error(cli("synth", *_synth_args(out, seed)), "synth")  # a finished one is never overwritten
+    assert "exists and is not empty: choose a new --out" in last, last
