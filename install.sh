@@ -340,10 +340,21 @@ step_bench() {
 }
 
 # --nodes HEAD,WORKER: two different ssh addresses, and a real Spark pair (not the one-machine demo).
+# Each name is [user@]host, host a DNS name or an IP address: a name that starts with `-` is an ssh option
+# (-oProxyCommand=... runs a command here). The rule of onespark/cluster.py's is_ssh_destination, which
+# checks an IPv6 address in full; here its shape.
 check_nodes() {
   ((DEMO)) && die "--nodes needs two DGX Sparks; --demo runs on this one machine: drop --nodes or --demo"
-  [[ $NODES =~ ^[^,[:space:]]+,[^,[:space:]]+$ && ${NODES%%,*} != "${NODES#*,}" ]] ||
+  [[ $NODES =~ ^[^,]+,[^,]+$ && ${NODES%%,*} != "${NODES#*,}" ]] ||
     die "--nodes '$NODES': expected two different ssh addresses, HEAD,WORKER (e.g. spark1,spark2)"
+  local user='[A-Za-z0-9_][A-Za-z0-9._-]*'
+  local label='[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?'
+  local ipv6='[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?'
+  local dest="^($user@)?($label(\.$label)*\.?|$ipv6)\$" name
+  for name in "${NODES%%,*}" "${NODES#*,}"; do
+    [[ $name =~ $dest ]] ||
+      die "--nodes: '$name' is not an ssh address: give [user@]host, host a DNS name or an IP address (letters, digits, '.', '-', '_'; no leading '-', no spaces), e.g. --nodes spark1,user@192.168.100.2"
+  done
 }
 
 # Two Sparks instead of one (onespark/cluster.py): preflight of both machines, the worker's image and

@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -420,9 +421,11 @@ def test_dry_run_prints_both_machines_commands():
     # Read-only preflight on both.
     for what in ("ssh", "version", "image", "checkpoint", "doctor", "link"):
         assert any(ln.startswith(f"[worker spark2] (read {what})") for ln in lines), what
-    assert any(f"docker save onespark/v2:{__version__}-ray2.48.0" in ln and "| ssh -o BatchMode=yes -o ConnectTimeout=10 spark2 "
-               "docker load" in ln for ln in head)
-    assert any("rsync -a --partial" in ln and "/data/w/hybrid/ spark2:/data/w/hybrid/" in ln for ln in head)
+    assert any(f"docker save onespark/v2:{__version__}-ray2.48.0" in ln and "| ssh -o BatchMode=yes -o ConnectTimeout=10 -- "
+               "spark2 docker load" in ln for ln in head)
+    # `--` before the paths; the host only in the destination, never in -e's ssh command
+    assert any("rsync -a --partial" in ln and "-e 'ssh -o BatchMode=yes -o ConnectTimeout=10' -- /data/w/hybrid/ "
+               "spark2:/data/w/hybrid/" in ln for ln in head)
     assert any(" verify /data/w/hybrid" in ln for ln in worker)
     ray_head = next(ln for ln in head if "--entrypoint ray" in ln)
     ray_worker = next(ln for ln in worker if "--entrypoint ray" in ln)
@@ -708,7 +711,7 @@ def test_install_dry_run_prints_the_two_machine_plan():
         assert any(ln.startswith(f"[{role} {name}] (read doctor)") for ln in plan), role
         assert any(ln.startswith(f"[{role} {name}] + docker rm -f onespark-ray") and "ray start" not in ln
                    and "--entrypoint ray" in ln for ln in plan), role
-    assert any("docker save" in ln and "ssh -o BatchMode=yes -o ConnectTimeout=10 B docker load" in ln for ln in plan)
+    assert any("docker save" in ln and "ssh -o BatchMode=yes -o ConnectTimeout=10 -- B docker load" in ln for ln in plan)
     assert any("--distributed-executor-backend ray --tensor-parallel-size 2" in ln for ln in plan)
     # The single-node launch is replaced, not added.
     assert "onespark serve" not in out
@@ -723,3 +726,76 @@ def test_install_bad_nodes(argv, message):
     p = subprocess.run(["./install.sh", "--dry-run", "-y", *argv], capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert p.returncode != 0
     assert p.stderr.strip().splitlines()[-1].startswith(f"onespark: error: {message}")
+
+
+# ---- host strings: a node name is an ssh destination, never an ssh option ---------------------------------
+
+HOSTILE = "localhost,-oProxyCommand=touch pwned"
+NOT_AN_ADDRESS = ("--nodes: '-oProxyCommand=touch pwned' is not an ssh address: give [user@]host, host a DNS name or "
+                  "an IP address (letters, digits, '.', '-', '_'; no leading '-', no spaces), e.g. --nodes "
+                  "spark1,user@192.168.100.2")
+GOOD_NAMES = ["spark2", "user@192.168.100.2", "spark-2.lan.", "u_1@spark_2", "u@fe80::1", "fe80::1%enp1s0f1np1"]
+BAD_NAMES = ["-oProxyCommand=touch pwned", "-x", "user@-x", "-@x", "spark 2", "a;touch x", "$(touch x)", "`id`",
+             "@host", "a..b", "b-", "x@y@z", "[::1]", "fe80::1%a b", "ho'st", "h\tx"]
+
+
+def test_a_host_string_is_never_an_ssh_option(tmp_path):
+    """Before: the preflight's first `ssh -o BatchMode=yes ... -oProxyCommand=touch pwned true` ran the
+    ProxyCommand on this machine (a file `pwned` in the working directory)."""
+    for extra in ([], ["--dry-run"], ["--down"], ["--sync"], ["--down", "--dry-run"]):
+        r = subprocess.run([sys.executable, "-m", "onespark", "cluster", "--nodes", HOSTILE, *extra], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=60)
+        assert (r.returncode, r.stdout) == (1, ""), (extra, r.stdout, r.stderr)
+        assert r.stderr.splitlines() == [f"onespark cluster: error: {NOT_AN_ADDRESS}"], (extra, r.stderr)
+    assert list(tmp_path.iterdir()) == []  # nothing created: ssh never ran
+
+
+def test_install_nodes_refuses_a_host_string_before_anything_runs(tmp_path):
+    r = subprocess.run([str(ROOT / "install.sh"), "--dry-run", "-y", "--nodes", HOSTILE], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.splitlines() == [f"onespark: error: {NOT_AN_ADDRESS}"], r.stderr
+    assert "+ " not in r.stdout  # not one command planned
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_both_node_checks_refuse_what_is_no_ssh_address(name):
+    """cluster's rule (Python) and install.sh's (bash) on one table."""
+    assert not cluster.is_ssh_destination(name)
+    with pytest.raises(UserError, match=re.escape(f"--nodes: {name!r} is not an ssh address")):
+        cluster.parse_nodes(f"spark1,{name}")
+    r = subprocess.run(["./install.sh", "--dry-run", "-y", "--nodes", f"spark1,{name}"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 1 and r.stderr.splitlines()[-1].startswith(f"onespark: error: --nodes: '{name}' is not "
+                                                                      "an ssh address"), r.stderr
+
+
+@pytest.mark.parametrize("name", GOOD_NAMES)
+def test_ssh_addresses_pass_both_checks_and_reach_rsync_after_its_double_dash(name):
+    assert cluster.is_ssh_destination(name)
+    out = dry_run_nodes(f"spark1,{name}", "--sync")
+    host = cluster.rsync_host(name)
+    rsync = next(ln for ln in out.splitlines() if "rsync -a" in ln)
+    assert rsync.endswith(f"-- /data/w/hybrid/ {shlex.quote(host + ':/data/w/hybrid/')}"), rsync
+    assert ("[" in host) == (":" in name)  # an IPv6 address in brackets, rsync's HOST:PATH syntax
+    assert f"| ssh -o BatchMode=yes -o ConnectTimeout=10 -- {shlex.quote(name)} docker load" in out
+    if name in ("user@192.168.100.2", "u@fe80::1"):  # install.sh's bash rule (a full dry run is ~5 s each)
+        r = subprocess.run(["./install.sh", "--dry-run", "-y", "--nodes", f"spark1,{name}"], capture_output=True,
+                           text=True, cwd=ROOT, timeout=120)
+        assert r.returncode == 0, r.stderr
+
+
+def dry_run_nodes(nodes: str, *extra: str) -> str:
+    p = subprocess.run([sys.executable, "-m", "onespark", "cluster", "--nodes", nodes, "--work", "/data/w",
+                        "--dry-run", *extra], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def test_the_runner_puts_double_dash_before_the_host(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(subprocess, "run", lambda argv, **kw: seen.append(argv) or subprocess.CompletedProcess(
+        argv, 0, "", ""))
+    cluster.shell_runner(cluster.Node("user@spark2", "worker"), "true")
+    assert seen == [["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "--", "user@spark2", "true"]]
