@@ -7,14 +7,16 @@ a host without torch can run every checkpoint command.
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import re
+import os
+import select
 import shlex
+import signal
 import sys
 
 from onespark import __version__
 from onespark.errors import UserError, os_error_message
+from onespark.options import Parser, redact_argv
 
 # name -> (module, one-line help). A table on purpose (`duplicates` pairs its same-shape rows): one row a command.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -33,20 +35,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, minus the echo of values it did not understand: `--api-ke sk-...` must not print the key
-    (as an unrecognized argument, or as an "invalid choice" of the next positional, e.g. bench's `compare`)."""
-
-    def error(self, message: str):
-        head, sep, rest = message.partition("unrecognized arguments: ")
-        if sep:
-            flags = [a for a in rest.split() if a.startswith("-")]
-            message = f"{head}unrecognized arguments: {' '.join(flags) or '(values not shown)'}"
-        # a choice typo (--api chta) stays readable; a value as long as a key is not echoed
-        message = re.sub(r"invalid choice: '([^']{12,})'", "invalid choice: (value not shown)", message)
-        super().error(message)
-
-
 def _usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"onespark {__version__}", "", "usage: onespark COMMAND [options]   (onespark COMMAND --help)", ""]
@@ -54,8 +42,36 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _stdout_closed() -> bool:
+    """Whether our stdout's reader went away (`onespark ... | head -1`): Linux's poll reports POLLERR for a
+    pipe without readers. A broken pipe elsewhere (a child's stdin, a socket) is an error like any other."""
+    try:
+        p = select.poll()
+        p.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in p.poll(0))
+    except (OSError, ValueError):
+        return False
+
+
+def _end_as_coreutils_do() -> None:
+    """Die of SIGPIPE, silently, as `yes | head -1` does: the shell sees 141, nothing is printed. Python ignores
+    SIGPIPE (so a write raises BrokenPipeError instead); put the default back and raise it."""
+    sys.stderr.flush()
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGPIPE)
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    finally:
+        try:  # what is still buffered, before the interpreter's own flush at exit reports a closed stdout
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _end_as_coreutils_do()
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
@@ -64,24 +80,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name = argv[0]
     if name not in COMMANDS:
-        print(f"onespark: error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        shown = redact_argv(argv)[0] if name.startswith("-") else name  # `onespark --api-key=KEY`
+        print(f"onespark: error: unknown command {shown!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     module_name, help_ = COMMANDS[name]
     module = importlib.import_module(module_name)
     # allow_abbrev=False: argparse would take a prefix (--api-ke KEY) for the flag, and its value past the
     # redaction of the recorded command line; every parser here turns that off
-    parser = _Parser(prog=f"onespark {name}", description=help_, allow_abbrev=False)
+    parser = Parser(prog=f"onespark {name}", description=help_, allow_abbrev=False)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
-    if name in ("download", "hybrid", "mtp"):  # the commands that lock a directory; none takes a key
+    if name in ("download", "hybrid", "mtp"):  # the commands that lock a directory
         from onespark import lock  # who holds an output directory, for the message a second writer gets
-        lock.COMMAND = "onespark " + shlex.join(argv)
+        lock.COMMAND = "onespark " + shlex.join(redact_argv(argv))
     try:
         return int(module.run(args) or 0)
     except UserError as e:
         print(f"onespark {name}: error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # permission denied, disk full, not a directory...: one line naming the path, no traceback
+        if isinstance(e, BrokenPipeError) and _stdout_closed():
+            _end_as_coreutils_do()
         print(f"onespark {name}: error: {os_error_message(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

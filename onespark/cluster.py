@@ -34,6 +34,7 @@ import argparse
 import ipaddress
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -43,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from onespark import __version__
+from onespark import __version__, options
 from onespark.errors import UserError
 
 # Neither vLLM wheel names Ray (0.32.0's sharded_rdt_common.py: "vLLM does not depend on Ray, so there is
@@ -79,7 +80,7 @@ Runner = Callable[[Node, str, float], tuple[int, str]]
 
 
 def shell_runner(node: Node, cmd: str, timeout: float = 60) -> tuple[int, str]:
-    argv = ["bash", "-c", cmd] if node.local else ["ssh", *SSH_OPTS, node.name, cmd]
+    argv = ["bash", "-c", cmd] if node.local else ["ssh", *SSH_OPTS, "--", node.name, cmd]
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
@@ -379,16 +380,18 @@ def plan_commands(args: argparse.Namespace, plan: Plan) -> list[tuple[str, Node,
     cmds: list[tuple[str, Node, str]] = []
     if args.sync:
         cmds.append(("sync", head, build_cluster_image_cmd(args.image)))
-        ssh = shlex.join(["ssh", *SSH_OPTS, worker.name])
+        ssh = shlex.join(["ssh", *SSH_OPTS, "--", worker.name])
         img = shlex.quote(cluster_image(args.image))
         same = (f"[ \"$({ssh} docker image inspect --format '{{{{.Id}}}}' {img} 2>/dev/null)\" = "
                 f"\"$(docker image inspect --format '{{{{.Id}}}}' {img})\" ]")
         # ~25 GB over the link: only when the worker lacks this very image ID.
         cmds.append(("sync", head, f"{same} || docker save {img} | {ssh} docker load"))
         cmds.append(("sync", worker, f"mkdir -p {shlex.quote(model)}"))
+        # `--` ends rsync's options; the host is in the destination, never in -e (rsync appends it to that
+        # ssh command line itself, after no `--` of its own: parse_nodes is what keeps a `-` off its front)
         cmds.append(("sync", head, shlex.join(["rsync", "-a", "--partial", "--info=progress2", "-e",
-                                               shlex.join(["ssh", *SSH_OPTS]), model + "/",
-                                               f"{worker.name}:{model}/"])))
+                                               shlex.join(["ssh", *SSH_OPTS]), "--", model + "/",
+                                               f"{rsync_host(worker.name)}:{model}/"])))
         cmds.append(("sync", worker, f"{onespark_cmd(ROOT)} verify {shlex.quote(model)}"))
     ray_args = {"head": ["--head", "--node-ip-address", link_ip["head"], "--port", str(RAY_PORT),
                          "--include-dashboard=false", "--num-gpus", "1"],
@@ -552,12 +555,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "to the worker when missing or different")
     p.add_argument("--allow-sockets", action="store_true", help="run over TCP sockets when the link has no RoCE")
     p.add_argument("--host", default="127.0.0.1", help="address vLLM binds on the head (default: %(default)s)")
-    p.add_argument("--port", type=int, default=8000, help="vLLM's port on the head (default: %(default)s)")
+    p.add_argument("--port", type=options.PORT, default=8000, help="vLLM's port on the head (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("ONESPARK_API_KEY"),
                    help="require this key on /v1 (default: $ONESPARK_API_KEY; none)")
-    p.add_argument("--timeout", type=float, default=2400, help="seconds to wait for /health (default: %(default)s)")
+    p.add_argument("--timeout", type=options.SECONDS, default=2400, help="seconds to wait for /health (default: %(default)s)")
     p.add_argument("--prompt", default="In one sentence: what is a DGX Spark?", help="the smoke-test question")
-    p.add_argument("--max-tokens", type=int, default=64, help="smoke-test answer length (default: %(default)s)")
+    p.add_argument("--max-tokens", type=options.COUNT, default=64, help="smoke-test answer length (default: %(default)s)")
     p.add_argument("--bench", action="store_true", help="after the smoke request: onespark bench --suite published")
     p.add_argument("--down", action="store_true", help="stop the Ray/vLLM containers on both nodes and exit")
     p.add_argument("--dry-run", action="store_true", help="print every command for both machines, run nothing")
@@ -581,10 +584,45 @@ def _is_this_machine(name: str) -> bool:
         return False
 
 
+# An ssh destination: [user@]host, host a DNS name (or ~/.ssh/config alias) of letters, digits, `-`, `_` and
+# dots, or an IPv4/IPv6 address. Nothing else reaches an ssh or rsync command line: a name that starts with `-`
+# is an ssh option (`-oProxyCommand=...` runs a command here), a space or quote splits it.
+# install.sh's check_nodes has the same rule in bash (tests/test_cluster.py runs both on one table).
+_USER = r"[A-Za-z0-9_][A-Za-z0-9._-]*"
+_DNS = r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?"
+
+
+_IPV6 = r"[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?"  # and ipaddress must take it; %zone for a link-local address
+
+
+def is_ssh_destination(name: str) -> bool:
+    user, at, host = name.rpartition("@")
+    if at and not re.fullmatch(_USER, user):
+        return False
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return False
+        return re.fullmatch(_IPV6, host) is not None
+    return len(host) <= 253 and re.fullmatch(_DNS, host) is not None
+
+
+def rsync_host(name: str) -> str:
+    """[user@]host as rsync's HOST:PATH destination wants it: an IPv6 address in brackets."""
+    user, at, host = name.rpartition("@")
+    return f"{user}{at}[{host}]" if ":" in host else name
+
+
 def parse_nodes(text: str) -> tuple[Node, Node]:
     names = [n.strip() for n in text.split(",")]
     if len(names) != 2 or not all(names) or names[0] == names[1]:
         raise UserError(f"--nodes {text!r}: expected two different ssh addresses, HEAD,WORKER (e.g. spark1,spark2)")
+    for name in names:
+        if not is_ssh_destination(name):
+            raise UserError(f"--nodes: {name!r} is not an ssh address: give [user@]host, host a DNS name or an IP "
+                            f"address (letters, digits, '.', '-', '_'; no leading '-', no spaces), e.g. "
+                            f"--nodes spark1,user@192.168.100.2")
     return Node(names[0], "head", local=_is_this_machine(names[0])), Node(names[1], "worker")
 
 
@@ -739,6 +777,7 @@ def _bench(args: argparse.Namespace, base_url: str, used: str | None) -> None:
 def run(args: argparse.Namespace, runner: Runner = shell_runner, nodes: tuple[Node, Node] | None = None) -> int:
     """The CLI entry; tests pass their own runner and nodes (fake machines)."""
     head, worker = nodes or parse_nodes(args.nodes)
+    options.reject_secret_flags(args.vllm_args or [], "cluster")
     if args.down:
         return _down(runner, head, worker, args.dry_run)
     if not head.local and not args.dry_run:
@@ -765,7 +804,13 @@ def run(args: argparse.Namespace, runner: Runner = shell_runner, nodes: tuple[No
     probe = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     base_url = f"http://{probe}:{args.port}"
     used = _report_transport(args, plan, wait_vllm(runner, head, base_url, args.timeout))
-    _smoke(args, plan, base_url)
+    try:
+        _smoke(args, plan, base_url)
+    except UserError as e:  # a server that answers wrongly is not left serving; stopped, it keeps its log
+        for node in (head, worker):
+            runner(node, f"docker stop {RAY_CONTAINER}", 120)
+        raise UserError(f"{e}; stopped {RAY_CONTAINER} on both nodes (vLLM's log: docker cp "
+                        f"{RAY_CONTAINER}:/tmp/onespark-vllm.log . on {head.name})") from None
     if args.bench:
         _bench(args, base_url, used)
     print(f"onespark cluster: serving on {base_url}/v1 (stop: onespark cluster --nodes {args.nodes} --down)")

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from onespark import options
+
 GIB = 1024**3
 
 # GB10 (DGX Spark) reports compute capability 12.1; the base image is built for sm_121a only.
@@ -215,7 +217,7 @@ def check_memory(meminfo: str, *, demo: bool, need_gib: int = MIN_MEMORY_GIB, wh
 def add_memory_plan_arguments(p: argparse.ArgumentParser) -> None:
     from onespark import memory
     p.add_argument("--model", help="checkpoint the memory plan is made for (default: WORK/hybrid, once it exists)")
-    p.add_argument("--gpu-memory-utilization", type=float,
+    p.add_argument("--gpu-memory-utilization", type=options.number(float, 0, 1, lo_open=True),
                    help=f"the value you will pass to vLLM (default: the image's, {memory.DEFAULT_GPU_UTIL:g})")
     memory.add_plan_arguments(p)
 

@@ -38,7 +38,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from onespark import __version__
+from onespark import __version__, options
 from onespark.checkpoint import load_json, sha256_file
 from onespark.errors import UserError
 from onespark.safetensors_io import write_json_atomic
@@ -272,7 +272,7 @@ def write(d: Path, doc: dict) -> Path:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=Path, help="checkpoint directory (holds tokenizer.json; the file is written there)")
-    p.add_argument("--size", "--draft-vocab-size", dest="size", type=int, default=DEFAULT_SIZE,
+    p.add_argument("--size", "--draft-vocab-size", dest="size", type=options.COUNT, default=DEFAULT_SIZE,
                    help=f"ids in the subset, special tokens included (default {DEFAULT_SIZE}: 1/8 of Qwen3.5's "
                         f"248,320; FR-Spec used 32K)")
     p.add_argument("--corpus", type=Path, nargs="+", metavar="FILE",

@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+from onespark import options
 from onespark.checkpoint import INDEX_FILE
 
 GIB = 1024**3
@@ -679,33 +680,60 @@ def wait_until_settled(meminfo: str = "/proc/meminfo", *, timeout: float = 30, s
         return  # make_plan reports an unreadable meminfo with its path
 
 
+# A floor of 0 never stops anything (MemAvailable is never below 0): that is --no-memory-guard, said by name.
+GIB_ABOVE_0 = options.number(float, 0, lo_open=True)
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host-reserve-gib", type=float, default=HOST_RESERVE_FLOOR_GIB,
+    p.add_argument("--host-reserve-gib", type=options.number(float, 0), default=HOST_RESERVE_FLOOR_GIB,
                    help=f"refuse a plan that leaves the host less than this (default: {HOST_RESERVE_FLOOR_GIB:g}; "
                         "public Spark reports: 0.82 stable = 21.5 GiB, 0.88 swaps = 14.4 GiB)")
-    p.add_argument("--guard-floor-gib", type=float,
+    p.add_argument("--guard-floor-gib", type=GIB_ABOVE_0,
                    help=f"MemAvailable floor of the plan's headroom and of the memory guard (default: "
                         f"{GUARD_FLOOR_GIB:g}; --demo: {DEMO_GUARD_FLOOR_GIB:g})")
 
 
+def _missing_target(a: argparse.Namespace) -> str | None:
+    """Why the guard's target does not exist, or None. A guard of nothing would exit 0 and look like a guard."""
+    if a.pid is not None:
+        return None if PidTarget(a.pid).alive() else (f"--pid {a.pid}: no such process (it exited, or the number is "
+                                                      f"wrong): give the PID of the running server")
+    try:
+        r = subprocess.run(["docker", "inspect", "--type", "container", "--format", "{{.Id}}", a.container],
+                           capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        return f"--container {a.container}: docker not found: install Docker (onespark doctor), or use --pid"
+    if r.returncode != 0:
+        why = (r.stderr.strip().splitlines() or ["no such container"])[-1][:200]
+        return f"--container {a.container}: {why}: give the name `docker ps` lists for the running server"
+    return None
+
+
 def guard_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m onespark.memory guard", allow_abbrev=False,
-                                description="stop a container (or process) before the host runs out of memory")
+    prog = "python -m onespark.memory guard"
+    p = options.Parser(prog=prog, allow_abbrev=False,
+                       description="stop a container (or process) before the host runs out of memory")
     who = p.add_mutually_exclusive_group(required=True)
     who.add_argument("--container", help="Docker container to watch and stop")
-    who.add_argument("--pid", type=int, help="process to watch and stop (SIGTERM)")
+    who.add_argument("--pid", type=options.number(int, 1), help="process to watch and stop (SIGTERM)")
     p.add_argument("--server-log", help="with --pid: the log file the stage is read from")
-    p.add_argument("--floor-gib", type=float, default=GUARD_FLOOR_GIB)
-    p.add_argument("--interval", type=float, default=GUARD_INTERVAL_S)
-    p.add_argument("--confirm", type=int, default=GUARD_CONFIRM)
-    p.add_argument("--swap-mib-s", type=float, default=SWAP_RATE_MIB_S)
-    p.add_argument("--swap-seconds", type=float, default=SWAP_SUSTAIN_S)
+    p.add_argument("--floor-gib", type=GIB_ABOVE_0, default=GUARD_FLOOR_GIB)
+    p.add_argument("--interval", type=options.SECONDS, default=GUARD_INTERVAL_S)
+    # 0 would stop the target at the first sample, below the floor or not
+    p.add_argument("--confirm", type=options.number(int, 1, 1000), default=GUARD_CONFIRM,
+                   help="samples in a row below the floor before the target is stopped")
+    p.add_argument("--swap-mib-s", type=options.number(float, 0, lo_open=True), default=SWAP_RATE_MIB_S)
+    p.add_argument("--swap-seconds", type=options.number(float, 0), default=SWAP_SUSTAIN_S)
     p.add_argument("--meminfo", default="/proc/meminfo")
     p.add_argument("--vmstat", default="/proc/vmstat")
     p.add_argument("--cgroup", help="read a cgroup's limit - usage instead of MemAvailable (no swap counters)")
     p.add_argument("--report", type=Path, help="write what the guard saw here when it stops the target")
     p.add_argument("--util", help="the --gpu-memory-utilization in effect (for the advice)")
     a = p.parse_args(argv)
+    missing = _missing_target(a)
+    if missing:
+        print(f"{prog}: error: {missing}", file=sys.stderr)
+        return 2
     source = CgroupSource(a.cgroup) if a.cgroup else ProcSource(a.meminfo, a.vmstat or None)
     target = ContainerTarget(a.container) if a.container else PidTarget(a.pid, a.server_log)
     guard = Guard(int(a.floor_gib * GIB), confirm=a.confirm, swap_rate=a.swap_mib_s * MIB,

@@ -58,6 +58,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from onespark import options
 from onespark.errors import UserError
 
 # Head dim 64 (vLLM's CPU attention supports multiples of 32); hidden 256 = 4 heads x 64.
@@ -353,7 +354,7 @@ def write_tiny_model(out: str | os.PathLike, seed: int = 0, tie_word_embeddings:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="directory to create (must not exist, or be empty)")
-    parser.add_argument("--seed", type=int, default=0, help="weights are a function of the seed (default 0)")
+    parser.add_argument("--seed", type=options.number(int, 0), default=0, help="weights are a function of the seed (default 0)")
     parser.add_argument("--tie-word-embeddings", action="store_true",
                         help="share the LM head with the embedding (default: separate, like Qwen3.5; qwen2-moe only)")
     parser.add_argument("--arch", choices=ARCHS, default="qwen2-moe",

@@ -299,11 +299,14 @@ def test_cli_bad_input(argv, message, tmp_path, capsys):
 
 
 def test_size_lists_accept_k_suffix():
-    from onespark.bench.cli import _ints
+    from onespark.options import sizes
 
-    assert _ints("0, 4k,16K,100") == [0, 4096, 16384, 100]
-    with pytest.raises(Exception, match="comma-separated integers"):
-        _ints("4x")
+    assert sizes(0)("0, 4k,16K,100") == [0, 4096, 16384, 100]
+    for bad in ("4x", "0,nan", "-4k"):
+        with pytest.raises(Exception, match="comma-separated whole numbers of at least 0"):
+            sizes(0)(bad)
+    with pytest.raises(Exception, match="of at least 1"):
+        sizes(1)("1,0")
 
 
 def test_text_chunks_include_reasoning_and_skip_role_and_usage():

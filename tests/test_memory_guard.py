@@ -407,7 +407,9 @@ def test_the_container_lifecycle_with_a_docker_that_records(tmp_path, monkeypatc
     out, _ = guard.communicate(timeout=30)
     assert guard.returncode == 3, out
     calls = (state / "calls").read_text().splitlines()
-    assert calls[0] == "wait srv" and "stop --time 5 srv" in calls and "logs --tail 400 srv" in calls
+    # first: the container exists (a guard of nothing is an error); then `docker wait` watches it
+    assert calls[:2] == ["inspect --type container --format {{.Id}} srv", "wait srv"], calls
+    assert "stop --time 5 srv" in calls and "logs --tail 400 srv" in calls
     report = (tmp_path / "report").read_text()
     assert "stopped container srv" in report and "capturing CUDA graphs (37%)" in report
     assert out.count("cannot read swap counters") == 1
@@ -419,6 +421,54 @@ def test_the_container_lifecycle_with_a_docker_that_records(tmp_path, monkeypatc
     (state / "running").unlink()
     out, _ = guard.communicate(timeout=30)
     assert guard.returncode == 0 and "container srv ended" in out, out
+
+
+GUARD = [sys.executable, "-m", "onespark.memory", "guard"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    # 0 samples in a row below the floor: before, the first sample stopped the target whatever it read
+    (["--confirm", "0"], "argument --confirm: expected a whole number from 1 to 1000, got '0'"),
+    (["--interval", "nan"], "argument --interval: expected a number above 0, got 'nan'"),
+    (["--floor-gib", "-1"], "argument --floor-gib: expected a number above 0, got '-1'"),
+    (["--swap-mib-s", "inf"], "argument --swap-mib-s: expected a number above 0, got 'inf'"),
+])
+def test_guard_options_that_would_stop_a_healthy_server_are_refused(tmp_path, flags, message):
+    mi = tmp_path / "meminfo"
+    mi.write_text(_mi(2))  # below the 5 GiB floor: a guard that ran would stop the target at once
+    target = subprocess.Popen(["sleep", "60"])
+    try:
+        r = subprocess.run(GUARD + ["--pid", str(target.pid), "--floor-gib", "5", "--meminfo", str(mi), *flags],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.splitlines() == [f"python -m onespark.memory guard: error: {message} "
+                                         "(see python -m onespark.memory guard --help)"], r.stderr
+        assert target.poll() is None  # still running
+    finally:
+        target.kill()
+        target.wait()
+
+
+def test_guard_of_a_process_or_container_that_does_not_exist_is_exit_2(tmp_path):
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its PID names no process now
+    r = subprocess.run(GUARD + ["--pid", str(gone.pid)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stderr.splitlines()) == (2, [
+        f"python -m onespark.memory guard: error: --pid {gone.pid}: no such process (it exited, or the number is "
+        "wrong): give the PID of the running server"]), r.stdout + r.stderr
+    fake = tmp_path / "bin"
+    fake.mkdir()  # docker as it answers for a name it does not know
+    (fake / "docker").write_text('#!/bin/sh\necho "$@" >> %s/calls\n'
+                                 '[ "$1" = inspect ] && { echo "Error: No such container: nosuch" >&2; exit 1; }\n'
+                                 'exit 0\n' % tmp_path)
+    (fake / "docker").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    r = subprocess.run(GUARD + ["--container", "nosuch"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert (r.returncode, r.stderr.splitlines()) == (2, [
+        "python -m onespark.memory guard: error: --container nosuch: Error: No such container: nosuch: give the "
+        "name `docker ps` lists for the running server"]), r.stdout + r.stderr
+    assert (tmp_path / "calls").read_text().splitlines() == ["inspect --type container --format {{.Id}} nosuch"]
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -1,0 +1,160 @@
+"""The CLI's argparse pieces: a parser whose errors never show a secret, and the one validator of numeric flags.
+
+Standard library only: `onespark serve --dry-run`, `cluster --dry-run` and the memory guard run without the
+project's virtualenv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+
+# Words that make an environment variable's value a secret (serve --env passes it by name): HF_TOKEN, MY_API_KEY,
+# AWS_SECRET_ACCESS_KEY, DB_PASSWORD. A name with one that is no secret (MAX_TOKENS) loses nothing by it.
+SECRET_WORDS = ("key", "token", "secret", "password", "passwd")
+# Key options and the shortest abbreviation that is still them: --api-k, --hf-t, --tok (--api is bench's
+# chat/completions switch, --hf and --to are nothing yet).
+SECRET_FLAG_PREFIXES = (("apikey", 4), ("hftoken", 3), ("token", 3))
+
+
+def is_secret_name(name: str) -> bool:
+    """An environment variable name that carries a secret: TOKEN, KEY, SECRET or PASSWORD in it."""
+    return any(w in name.lower() for w in SECRET_WORDS)
+
+
+def is_secret_flag(arg: str) -> bool:
+    """A command-line word that looks like a key option, in any spelling or abbreviation: --api-key,
+    --api_key=K, --API-KE, --apikey, --b-api-key-file, --hf-tok, --token, --auth-token. Not vLLM's --tokenizer,
+    --max-num-batched-tokens or --kv-cache-dtype."""
+    if not arg.startswith("-"):
+        return False
+    squashed = re.sub(r"[-_]", "", arg.split("=", 1)[0]).lower()
+    if any(len(squashed) >= n and full.startswith(squashed) for full, n in SECRET_FLAG_PREFIXES):
+        return True
+    return ("apikey" in squashed or squashed.endswith(("key", "token"))
+            or any(w in squashed for w in ("secret", "password", "passwd")))
+
+
+def secret_values(argv: list[str]) -> list[str]:
+    """The values given to key-looking options: `--api-ke=K` and `--api-ke K` both give K."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break  # after --, vLLM's flags: serve and cluster refuse key options there (reject_secret_flags)
+        if not is_secret_flag(arg):
+            continue
+        if "=" in arg:
+            out.append(arg.split("=", 1)[1])
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            out.append(argv[i + 1])
+    return [v for v in out if v]
+
+
+def redact(text: str, values: list[str]) -> str:
+    """text with each whole word (between spaces, quotes, `=` or a comma) equal to one of values as ***."""
+    for v in sorted(set(values), key=len, reverse=True):
+        text = re.sub(r"(?<![^\s'\"=,])" + re.escape(v) + r"(?![^\s'\",])", "***", text)
+    return text
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """argv for a record or a message: the value of every key-looking option as ***."""
+    values = secret_values(argv)
+    return [redact(a, values) for a in argv]
+
+
+def reject_secret_flags(vllm_args: list[str], command: str) -> None:
+    """A key among the flags after -- would reach vLLM's command line (`ps`, the printed plan): refused."""
+    from onespark.errors import UserError
+
+    for arg in vllm_args:
+        if is_secret_flag(arg):
+            flag = arg.split("=", 1)[0]
+            raise UserError(f"{flag} after --: vLLM would get the key on its command line (shown in `ps` and the "
+                            f"plan): give it to onespark {command} as --api-key-file FILE or $ONESPARK_API_KEY")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with errors of one line, without the value of any key-looking option (`--api-ke=KEY`,
+    `--api_key KEY`, a short key taken for a positional's "invalid choice"), and without the values of
+    unrecognized arguments. Subparsers (bench compare) are of this class too: add_subparsers uses type(self)."""
+
+    _secrets: list[str] = []
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._secrets = secret_values(list(sys.argv[1:] if args is None else args))
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        head, sep, rest = message.partition("unrecognized arguments: ")
+        if sep:  # the flags only: a value that follows a misspelt flag may be anything, a key included
+            flags = [a for a in rest.split() if a.startswith("-")]
+            message = f"{head}unrecognized arguments: {' '.join(flags) or '(values not shown)'}"
+        message = redact(message, self._secrets)
+        # a choice typo (--api chta) stays readable; a value as long as a key, after a flag of any name, is not shown
+        message = re.sub(r"invalid choice: '([^']{12,})'", "invalid choice: (value not shown)", message)
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# ---- numbers --------------------------------------------------------------------------------------------------
+
+
+def _bound(x: float) -> str:
+    return f"{x:g}"
+
+
+def _range_text(kind: type, lo: float | None, hi: float | None, lo_open: bool) -> str:
+    noun = "a whole number" if kind is int else "a number"
+    if lo is not None and hi is not None:
+        return f"{noun} {'above' if lo_open else 'from'} {_bound(lo)}{' and at most' if lo_open else ' to'} {_bound(hi)}"
+    if lo is not None:
+        return f"{noun} {'above' if lo_open else 'of at least'} {_bound(lo)}"
+    if hi is not None:
+        return f"{noun} of at most {_bound(hi)}"
+    return noun
+
+
+def number(kind: type = float, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False):
+    """An argparse `type=`: a finite int or float in [lo, hi] ((lo, hi] with lo_open); the message names the
+    range. nan and inf never reach arithmetic: `timeout > nan` is always false, a wait that never ends."""
+    want = _range_text(kind, lo, hi, lo_open)
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if not math.isfinite(value) or (lo is not None and (value <= lo if lo_open else value < lo)) \
+                or (hi is not None and value > hi):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+        return value
+
+    return parse
+
+
+def sizes(lo: int = 0):
+    """An argparse `type=`: comma-separated whole numbers, `k` = 1024 (`0,4k,16k`), each at least lo."""
+    one = number(int, lo)
+
+    def parse(text: str) -> list[int]:
+        vals = []
+        for x in (x.strip().lower() for x in text.split(",")):
+            if x:
+                k = x.endswith("k")
+                try:
+                    vals.append(one(x[:-1] if k else x) * (1024 if k else 1))
+                except argparse.ArgumentTypeError:
+                    raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated whole numbers of at least "
+                                                     f"{lo}, e.g. 0,4k,16k") from None
+        if not vals:
+            raise argparse.ArgumentTypeError("expected at least one number")
+        return vals
+
+    return parse
+
+
+PORT = number(int, 1, 65535)
+SECONDS = number(float, 0, lo_open=True)
+COUNT = number(int, 1)  # tokens, runs, shards, samples: at least one
