@@ -30,6 +30,7 @@ import os
 import shutil
 import struct
 from pathlib import Path
+from urllib.parse import quote
 
 from onespark import qwen35, specs
 from onespark.checkpoint import DOWNLOAD_RECORD, INDEX_FILE, Output, Writer, load_json, open_checkpoint, rewrite_index
@@ -277,7 +278,8 @@ def _fetch_parts(f: Fetcher, plan: list[tuple[str, int, int, list]], parts: Path
 
 def download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
     with locked(Path(dest), "--dest"):  # one writer per directory (onespark.lock)
-        return _download_whole(repo, revision, Path(dest), "the INT4 checkpoint", _check_int4, log)
+        return _download_whole(repo, revision, Path(dest), "the INT4 checkpoint", _check_int4, log,
+                               flags="--int4-repo and --revision")
 
 
 def download_drafter(repo: str, revision: str, dest: Path, spec: specs.Spec, log=print) -> dict:
@@ -285,7 +287,7 @@ def download_drafter(repo: str, revision: str, dest: Path, spec: specs.Spec, log
     check `onespark verify --drafter` makes (a drafter vLLM would refuse is not recorded as complete)."""
     with locked(Path(dest), "--dest"):
         return _download_whole(repo, revision, Path(dest), "the DFlash drafter",
-                               lambda d: _check_drafter(d, spec), log)
+                               lambda d: _check_drafter(d, spec), log, flags="--drafter-revision")
 
 
 def _check_int4(dest: Path) -> tuple[dict, str]:
@@ -303,7 +305,7 @@ def _check_drafter(dest: Path, spec: specs.Spec) -> tuple[dict, str]:
     return {"files": st["files"], "bytes": st["bytes"]}, f"{st['bytes'] / 1e9:.2f} GB, {st['tensors']} tensors"
 
 
-def _download_whole(repo: str, revision: str, dest: Path, what: str, check, log) -> dict:
+def _download_whole(repo: str, revision: str, dest: Path, what: str, check, log, *, flags: str) -> dict:
     """`what`, the whole repo at the pin, into dest; `check(dest)` -> (record fields, summary) or a UserError.
     The record ("complete") is written last, so a killed or failed download is never taken for a finished one."""
     rec = _finished_record(dest, repo, revision)
@@ -311,6 +313,7 @@ def _download_whole(repo: str, revision: str, dest: Path, what: str, check, log)
         log(f"{what} already downloaded: {dest} ({repo}@{revision[:12]})")
         return rec
     log(f"downloading {what} {repo}@{revision[:12]} -> {dest} (interrupted? re-run: finished files are kept)")
+    _check_hub(repo, revision, flags)
     _snapshot(repo, revision, dest)
     fields, summary = check(dest)
     rec = {"repo": repo, "revision": revision, "complete": True, **fields}
@@ -318,6 +321,37 @@ def _download_whole(repo: str, revision: str, dest: Path, what: str, check, log)
         w.finish(rec)
     log(f"downloaded {what}: {summary}")
     return rec
+
+
+def _check_hub(repo: str, revision: str, flags: str) -> None:
+    """Ask the Hub for repo's file list at revision, the request snapshot_download starts with, and turn its
+    answer into the fix. snapshot_download itself, when that request fails, returns the local_dir as it is
+    (a warning, no error): the failure would surface later as "config.json missing"."""
+    from huggingface_hub import constants, get_session
+
+    if constants.HF_HUB_OFFLINE:
+        return  # HF_HUB_OFFLINE=1: snapshot_download uses what is on disk, and says so when it lacks something
+    where = _endpoint() or constants.ENDPOINT
+    url = f"{where.rstrip('/')}/api/models/{repo}/tree/{quote(revision, safe='')}"
+    try:
+        r = get_session().get(url, headers=_headers(), follow_redirects=True)
+    except OSError:
+        raise
+    except Exception as e:  # huggingface_hub's HTTP client raises its own classes (httpx in 2.4)
+        raise UserError(f"cannot reach {where} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}): check "
+                        f"the network (a proxy: HTTPS_PROXY; a mirror: HF_ENDPOINT), then run the same command "
+                        f"again") from None
+    hub = r.headers.get("X-Error-Code", "")  # the Hub's own reason: RepoNotFound, RevisionNotFound, GatedRepo
+    if r.status_code in (401, 403):
+        raise UserError(f"{repo}: {where} answered {r.status_code} {hub or 'unauthorized'}: log in (`hf auth login` "
+                        f"or HF_TOKEN) and accept the model's licence on its page ({where.rstrip('/')}/{repo}); "
+                        f"not logged in, the Hub answers 401 for a repo that does not exist too: check {flags}")
+    if r.status_code == 404:
+        which = {"RevisionNotFound": f"revision {revision} not found in {repo}",
+                 "RepoNotFound": f"no repo {repo}"}.get(hub, f"{repo}@{revision} not found")
+        raise UserError(f"{which} on {where} (404): check {flags} (`onespark specs` shows the pinned ones)")
+    if r.status_code >= 400:
+        raise UserError(f"{repo}: {where} answered HTTP {r.status_code}: try again later (finished files are kept)")
 
 
 def _snapshot(repo: str, revision: str, dest: Path) -> None:

@@ -14,7 +14,8 @@ Before `docker run`, a memory plan (onespark.memory) shows weights, vLLM's share
 reserve, and refuses a configuration that leaves the host too little; beside the container a memory
 guard runs (its own process, gone with the container) that stops it before the host swaps itself to a
 standstill (--no-memory-guard turns it off).
-The API key travels as the environment variable VLLM_API_KEY, never on a command line or in output.
+The API key travels as the environment variable VLLM_API_KEY, never on a command line or in output; so does
+any --env whose name says it is a secret (TOKEN, KEY, SECRET, PASSWORD in it).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from onespark import __version__, memory
+from onespark import __version__, memory, options
 from onespark.errors import UserError
 
 V2_IMAGE = f"onespark/v2:{__version__}"
@@ -110,7 +111,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "DFlash drafter from --drafter-dir; vLLM 0.32.0 track images only)")
     p.add_argument("--drafter-dir", help="--drafter dflash: the drafter's directory on the host (onespark download "
                                          "--drafter dflash writes WORK/dflash), mounted read-only at /drafter")
-    p.add_argument("--num-draft-tokens", type=int, metavar="N",
+    p.add_argument("--num-draft-tokens", type=options.COUNT, metavar="N",
                    help="--drafter dflash: tokens drafted per step (default: the spec's, the record's 12; others "
                         "reported 12 unstable and use 10)")
     p.add_argument("--image", help=f"image to run (default: {V2_IMAGE}; --tq: {V2_TQ_IMAGE}; --demo: {DEMO_IMAGE})")
@@ -118,17 +119,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="CPU stand-in: no GPU, tiny model, GPU-only defaults dropped")
     p.add_argument("--name", default="onespark", help="container name (default: onespark)")
     p.add_argument("--host", default="127.0.0.1", help="address vLLM binds (default: 127.0.0.1, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    p.add_argument("--port", type=options.PORT, default=8000, help="port (default: 8000)")
     p.add_argument("--api-key", default=os.environ.get("ONESPARK_API_KEY"),
                    help="require this key on /v1 (default: $ONESPARK_API_KEY; none); visible in `ps`: prefer "
                         "--api-key-file or the variable")
     p.add_argument("--api-key-file", help="read the key from this file (first line)")
-    p.add_argument("--timeout", type=float, help="seconds to wait for /health (default: 1800; --demo: 600)")
+    p.add_argument("--timeout", type=options.SECONDS, help="seconds to wait for /health (default: 1800; --demo: 600)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra container environment, repeatable (e.g. ONESPARK_INT8_LM_HEAD=0 for an A/B run)")
+                   help="extra container environment, repeatable (e.g. ONESPARK_INT8_LM_HEAD=0 for an A/B run); a name "
+                        "with TOKEN, KEY, SECRET or PASSWORD in it is passed by name, its value never shown")
     p.add_argument("--replace", action="store_true", help="remove an existing container of the same name first")
     p.add_argument("--prompt", default="In one sentence: what is a DGX Spark?", help="the smoke-test question")
-    p.add_argument("--max-tokens", type=int, default=64, help="smoke-test answer length (default: 64)")
+    p.add_argument("--max-tokens", type=options.COUNT, default=64, help="smoke-test answer length (default: 64)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke request")
     p.add_argument("--dry-run", action="store_true", help="print the docker command, run nothing")
     memory.add_plan_arguments(p)
@@ -163,15 +165,18 @@ def docker_run_command(args: argparse.Namespace, image: str) -> tuple[list[str],
     for item in getattr(args, "env", None) or []:
         key, sep, value = item.partition("=")
         if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
-            raise UserError(f"--env {item!r}: expected KEY=VALUE, e.g. --env ONESPARK_INT8_LM_HEAD=0")
+            # the name only: the value may be the secret
+            raise UserError(f"--env {key + '=...' if sep else item!r}: expected NAME=VALUE, NAME of letters, digits "
+                            "and _, e.g. --env ONESPARK_INT8_LM_HEAD=0")
         if key == "VLLM_API_KEY":
             raise UserError("--env VLLM_API_KEY=...: use --api-key (or $ONESPARK_API_KEY) so the key stays off argv")
         env[key] = value
     if args.api_key:
         env["VLLM_API_KEY"] = args.api_key
     for k, v in env.items():
-        # The key's value comes from our environment: never printed, never in `ps`.
-        cmd += ["-e", k if k == "VLLM_API_KEY" else f"{k}={v}"]
+        # A secret (the key, --env HF_TOKEN=...) goes by name: docker copies its value from our environment
+        # (run() passes env to the child), so it is never printed and never on an argv `ps` shows.
+        cmd += ["-e", k if options.is_secret_name(k) else f"{k}={v}"]
     cmd += [image, "--host", args.host, "--port", str(args.port)]
     if args.demo:
         cmd += DEMO_ARGS
@@ -307,11 +312,28 @@ def wait_healthy(name: str, base_url: str, timeout: float, tty: bool, guard_repo
         time.sleep(2)
 
 
+def _json_answer(body: bytes, what: str):
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise UserError(f"{what} is not JSON (it starts {body[:80]!r}): {NOT_VLLM}") from None
+
+
+NOT_VLLM = "not what vLLM answers: is another server on that port? The server's log says more"
+
+
 def smoke(base_url: str, prompt: str, max_tokens: int, api_key: str | None) -> dict:
+    """One chat request to the first model /v1/models lists; every answer checked for the fields read."""
     status, body = _http(f"{base_url}/v1/models", api_key=api_key)
     if status != 200:
         raise UserError(f"GET /v1/models answered HTTP {status}: {body[:300]!r}")
-    model = json.loads(body)["data"][0]["id"]
+    doc = _json_answer(body, "GET /v1/models")
+    cards = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(cards, list) or not cards:
+        raise UserError(f"GET /v1/models lists no model (it answered {body[:120]!r}): {NOT_VLLM}")
+    model = cards[0].get("id") if isinstance(cards[0], dict) else None
+    if not isinstance(model, str) or not model:
+        raise UserError(f"GET /v1/models: the first model card has no id ({str(cards[0])[:120]!r}): {NOT_VLLM}")
     request = {"model": model, "messages": [{"role": "user", "content": prompt}],
                "max_tokens": max_tokens, "temperature": 0}
     t0 = time.monotonic()
@@ -319,12 +341,19 @@ def smoke(base_url: str, prompt: str, max_tokens: int, api_key: str | None) -> d
     elapsed = time.monotonic() - t0
     if status != 200:
         raise UserError(f"the chat request answered HTTP {status}: {body[:500]!r}")
-    reply = json.loads(body)
-    message = reply["choices"][0]["message"]
-    tokens = reply["usage"]["completion_tokens"]
+    reply = _json_answer(body, "the chat answer")
+    try:
+        message = reply["choices"][0]["message"]
+        answer = message.get("content") or message.get("reasoning_content") or ""
+        tokens = reply["usage"]["completion_tokens"]
+    except (KeyError, IndexError, TypeError, AttributeError):
+        answer, tokens = None, None
+    if not isinstance(answer, str) or type(tokens) is not int or tokens < 0:
+        raise UserError(f"the chat answer has no choices[0].message text or usage.completion_tokens (it answered "
+                        f"{body[:120]!r}): {NOT_VLLM}")
     return {
         "model": model,
-        "answer": message.get("content") or message.get("reasoning_content") or "",
+        "answer": answer,
         "completion_tokens": tokens,
         "seconds": elapsed,
         "tok_per_s": tokens / elapsed if elapsed > 0 else 0.0,
@@ -393,8 +422,6 @@ def _with_drafter(args: argparse.Namespace, image: str) -> None:
     if not args.dry_run and not os.path.isfile(os.path.join(args.drafter_dir, "config.json")):
         raise UserError(f"--drafter-dir {args.drafter_dir}: no config.json: fetch the drafter with onespark "
                         "download --drafter dflash (onespark verify --drafter DIR checks it)")
-    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
-        raise UserError(f"--num-draft-tokens {args.num_draft_tokens}: must be at least 1 (the record: 12)")
     user = _vllm_extra(args)
     if any(a == "--speculative-config" or a.startswith("--speculative-config=") for a in user):
         return
@@ -478,6 +505,7 @@ def run(args: argparse.Namespace) -> int:
         from onespark.errors import read_secret
 
         args.api_key = read_secret(args.api_key_file, "--api-key-file")
+    options.reject_secret_flags(_vllm_extra(args), "serve")
     image = args.image or (DEMO_IMAGE if args.demo else V2_TQ_IMAGE if args.tq else V2_IMAGE)
     _with_drafter(args, image)
     _with_spec(args)
@@ -514,6 +542,11 @@ def run(args: argparse.Namespace) -> int:
     wait_healthy(args.name, base_url, args.timeout or (600 if args.demo else 1800), tty=sys.stdout.isatty(),
                  guard_report=None if args.no_memory_guard else guard_report)
     if not args.no_smoke:
-        _print_smoke(args, base_url)
+        try:
+            _print_smoke(args, base_url)
+        except UserError as e:  # a server that answers wrongly is not left serving; stopped, it keeps its log
+            _docker("stop", args.name, check=False)
+            raise UserError(f"{e}; stopped container {args.name} (its log: docker logs {args.name}; then "
+                            f"docker rm {args.name}, or serve again with --replace)") from None
     print(f"onespark serve: serving on {base_url}/v1 (stop: docker rm -f {args.name})")
     return 0
