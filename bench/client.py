@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from onespark import shape
 from onespark.bench.stats import RequestTiming
 from onespark.errors import UserError
+from onespark.shape import Int, ListOf, Nullable, Obj, Str
 
 
 @dataclass
@@ -54,6 +56,11 @@ def _http_error(ep: Endpoint, path: str, e: Exception) -> UserError:
                      "check --base-url, or start it with `onespark serve`")
 
 
+# What the bench reads of a /v1/models card (onespark.shape): its name, and vLLM's max_model_len where it says.
+CARDS = ListOf(Obj({"id": Str("a model name (string)")}, {"max_model_len": Nullable(Int(1, what="a token count"))},
+                   what="a model card {id, ...}"), what="a list of model cards")
+
+
 async def detect_model(client: httpx.AsyncClient, ep: Endpoint) -> dict:
     """The model card /v1/models lists for ep.model (or the first one). Raises UserError when there is none."""
     try:
@@ -66,7 +73,7 @@ async def detect_model(client: httpx.AsyncClient, ep: Endpoint) -> dict:
         raise UserError(f"{ep.base_url}/v1/models answered {r.status_code}: {r.text[:200]}")
     try:
         doc = r.json()
-    except ValueError:
+    except (ValueError, RecursionError):
         raise UserError(f"{ep.base_url}/v1/models answered something that is not JSON ({r.text[:80]!r}): is "
                         f"--base-url an OpenAI-compatible server (vLLM), not a web page or proxy?") from None
     cards = doc.get("data") if isinstance(doc, dict) else None
@@ -75,6 +82,7 @@ async def detect_model(client: httpx.AsyncClient, ep: Endpoint) -> dict:
                         f"objects under 'data' ({r.text[:80]!r}): is --base-url an OpenAI-compatible server?")
     if not cards:
         raise UserError(f"{ep.base_url}/v1/models lists no model: is the server still loading?")
+    shape.check(cards, CARDS, f"{ep.base_url}/v1/models", "is --base-url an OpenAI-compatible server (vLLM)?")
     if ep.model is None:
         return cards[0]
     for card in cards:
@@ -96,9 +104,11 @@ async def get_text(client: httpx.AsyncClient, path: str) -> str | None:
 async def server_version(client: httpx.AsyncClient) -> str | None:
     text = await get_text(client, "/version")
     try:
-        return json.loads(text)["version"] if text else None
-    except (ValueError, KeyError, TypeError):
+        doc = json.loads(text) if text else None
+    except (ValueError, RecursionError):  # not JSON, a 5000-digit number, nesting past the stack
         return None
+    version = doc.get("version") if isinstance(doc, dict) else None
+    return version if isinstance(version, str) else None  # the record's field is a version string or nothing
 
 
 async def count_prompt_tokens(client: httpx.AsyncClient, ep: Endpoint, prompt: str) -> int | None:
@@ -118,7 +128,7 @@ async def count_prompt_tokens(client: httpx.AsyncClient, ep: Endpoint, prompt: s
         return None
     try:
         count = r.json().get("count")
-    except (ValueError, AttributeError):  # not JSON, or not an object: as if /tokenize were absent
+    except (ValueError, AttributeError, RecursionError):  # not JSON, or not an object: as if /tokenize were absent
         return None
     return count if isinstance(count, int) and not isinstance(count, bool) else None
 
@@ -161,7 +171,12 @@ def _usage(obj: dict) -> dict | None:
 
 
 def _object(data: str | dict | list, what: str) -> dict:
-    doc = json.loads(data) if isinstance(data, str) else data
+    try:
+        doc = json.loads(data) if isinstance(data, str) else data
+    except json.JSONDecodeError:
+        raise
+    except (ValueError, RecursionError) as e:  # parses as JSON text, but not into a value we can hold
+        raise Malformed(f"{what} is JSON no client should receive ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(doc, dict):
         raise Malformed(f"{what} is a JSON {type(doc).__name__} where an object belongs: {json.dumps(doc)[:120]}")
     choices = doc.get("choices")

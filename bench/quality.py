@@ -17,11 +17,28 @@ import math
 
 import httpx
 
+from onespark import shape
 from onespark.bench.client import Endpoint, complete
 from onespark.bench.stats import summarize
 from onespark.errors import UserError
+from onespark.shape import ListOf, MapOf, Nullable, Num, Obj, OneOf, Str
 
 EPS = 1e-12
+
+
+# What parse_logprobs reads (onespark.shape): chat's logprobs.content entries, or completions' tokens and
+# top_logprobs. Log probabilities are finite and at most 0 (a little above, for rounding): math.exp of them is
+# taken in topk_kl.
+_LOGPROB = Num(hi=1.0, what="a log probability")
+_CHAT_LP = Obj({"content": Nullable(ListOf(Obj({"token": Str(), "logprob": _LOGPROB},
+                                                {"top_logprobs": Nullable(ListOf(Obj({"token": Str(),
+                                                                                      "logprob": _LOGPROB})))})))},
+               what="chat logprobs {content: [...]}")
+_TEXT_LP = Obj(optional={"tokens": Nullable(ListOf(str)),
+                         "top_logprobs": Nullable(ListOf(Nullable(MapOf(_LOGPROB))))},
+               what="completions logprobs {tokens, top_logprobs}")
+ANSWER = Obj({"choices": ListOf(Obj(optional={"logprobs": Nullable(OneOf(_CHAT_LP, _TEXT_LP))}), min_len=1)},
+             what="an answer {choices: [...]}")
 
 
 def parse_logprobs(response: dict) -> tuple[list[str], list[dict[str, float]]]:
@@ -95,6 +112,8 @@ async def record(ep: Endpoint, client: httpx.AsyncClient, prompts: list[tuple[st
     rows = []
     for name, prompt in prompts:
         answer = await complete(client, ep, prompt, max_tokens, dict(extra))
+        shape.check(answer, ANSWER, f"{ep.base_url}: the answer to prompt {name!r}",
+                    "quality needs a server that returns top_logprobs (vLLM does)")
         try:
             tokens, tops = parse_logprobs(answer)
         except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:  # an answer of another shape

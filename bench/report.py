@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import textwrap
 from pathlib import Path
 
+from onespark import shape
 from onespark.bench.stats import summarize, welch
 from onespark.errors import UserError, at_path
+from onespark.shape import Int, ListOf, MapOf, Nullable, Num, Obj, OneOf, Str
 
 SCHEMA_VERSION = 1
+COMPARED = ("e2e_tok_s", "decode_tok_s", "ttft_s", "prefill_tok_s")  # the metrics `compare` pairs
 
 
 def write_atomic(path: str | Path, data: bytes | str) -> None:
@@ -52,20 +54,43 @@ def _umask() -> int:
     return mask
 
 
+# What `bench compare` reads of a result file, declared (onespark.shape); the rest is passed over.
+_STATS = Nullable(Obj({"mean": Num(), "std": Num(lo=0), "n": Int(0)}, what="summary statistics {mean, std, n}"))
+_GROUP = Obj({"group": OneOf(Str(), Num()), "summary": Obj(optional=dict.fromkeys(COMPARED, _STATS))},
+             {"aggregate_tok_s": _STATS}, what="a group {group, summary, ...}")
+_SUITE = Obj({"groups": ListOf(_GROUP)}, what="a suite {groups: [...]}")
+_PUBLISHED = Obj({"groups": ListOf(_GROUP), "cross_class": Obj(optional=dict.fromkeys(COMPARED, _STATS))},
+                 what="a suite {groups: [...], cross_class}")
+_CAPACITY = Obj({"estimates": ListOf(Obj({"context": OneOf(Int(), Str())},
+                                         dict.fromkeys(("kv_cache_tokens", "users"), Nullable(Num()))))},
+                what="a suite {estimates: [...]}")
+_RECORDING = Nullable(Obj({"top_k": Int(1), "max_tokens": Int(1), "rows": ListOf(Obj({
+    "group": Str(), "prompt": Str(), "tokens": ListOf(str),
+    "top_logprobs": ListOf(Nullable(MapOf(Num(hi=1.0, what="a log probability"))))}))},
+    what="a recording {top_k, max_tokens, rows}"))
+RESULT = Obj({"kind": Str(), "schema_version": Int()}, {
+    "suites": Obj(optional={"published": Nullable(_PUBLISHED), "depth": Nullable(_SUITE),
+                            "concurrency": Nullable(_SUITE), "capacity": Nullable(_CAPACITY)}),
+    "settings": Nullable(dict), "failed_requests": Nullable(Int(0)),
+    "quality": Nullable(Obj(optional={"record": _RECORDING, "record_a": _RECORDING})),
+}, what="an `onespark bench` result object")
+
+
 def load_result(path: str) -> dict:
+    """A result file, checked: one UserError naming the file, the field and the fix for anything else."""
+    fix = "pass a result written by `onespark bench` (it is damaged, or another kind of file)"
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}") from e
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not JSON ({e}): pass a result written by `onespark bench`") from e
+    data = shape.parse(raw, path, fix)
     if not isinstance(data, dict) or data.get("kind") != "onespark-bench":
         raise UserError(f"{path} is not an `onespark bench` result (no kind: onespark-bench)")
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise UserError(f"{path} has schema_version {data.get('schema_version')}, this onespark reads "
-                        f"{SCHEMA_VERSION}: re-run the benchmark with this version")
-    return data
+        raise UserError(f"{path} has schema_version {shape.describe(data.get('schema_version'))}, this onespark "
+                        f"reads {SCHEMA_VERSION}: re-run the benchmark with this version")
+    return shape.check(data, RESULT, path, fix)
 
 
 # ------------------------------------------------------------------ tables
@@ -339,7 +364,7 @@ def settings_diff(a: dict, b: dict) -> list[str]:
 def compare(a: dict, b: dict) -> list[dict]:
     """B vs A for every (suite, group, metric) both results have. Deltas with their noise (Welch SE)."""
     out = []
-    metrics = ("e2e_tok_s", "decode_tok_s", "ttft_s", "prefill_tok_s")
+    metrics = COMPARED
 
     def add(suite, group, metric, sa, sb):
         if not sa or not sb:

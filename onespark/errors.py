@@ -9,13 +9,19 @@ from collections.abc import Iterator
 def read_secret(path: str, flag: str) -> str:
     """The first line of a key file (--api-key-file): keys on a command line show in `ps`."""
     try:
-        with open(path, encoding="utf-8") as f:
-            key = f.readline().strip()
+        with open(path, "rb") as f:
+            raw = f.readline(64 * 1024)
     except OSError as e:
         raise UserError(f"cannot read {flag} {path}: {e.strerror}") from e
+    # An HTTP header carries ASCII only: a BOM, a UTF-16 file or a binary file would fail deep inside the client
+    # (serve's and bench's), with the key's bytes in the traceback. The value itself is never shown.
+    key = raw.removeprefix(b"\xef\xbb\xbf").strip()
+    if not key.isascii() or not all(32 < c < 127 for c in key):
+        raise UserError(f"{flag} {path}: the key's first line is not plain printable ASCII (a UTF-16 or binary "
+                        f"file, or a character a copy-paste added?): write the key alone on the first line")
     if not key:
         raise UserError(f"{flag} {path} is empty: put the key on its first line")
-    return key
+    return key.decode("ascii")
 
 
 class UserError(Exception):

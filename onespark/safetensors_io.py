@@ -21,6 +21,7 @@ import struct
 from pathlib import Path
 from typing import Iterable, NamedTuple, Union
 
+from onespark import shape as declared
 from onespark.errors import UserError, at_path
 
 # safetensors dtype string -> bytes per element (safetensors `Dtype` enum).
@@ -67,6 +68,32 @@ def nbytes_of(dtype: str, shape: Iterable[int]) -> int:
 REDOWNLOAD = "delete it and download it again (step 0, `onespark download`, fetches only what is missing)"
 
 
+# The header's declared shape (onespark.shape): what parse_header reads, checked before it reads it.
+_OFFSET = declared.Int(0, 1 << 62, "a byte offset")
+_ENTRY = declared.Obj({"dtype": declared.Str("a dtype name"),
+                       "shape": declared.ListOf(declared.Int(0, 1 << 40, "a dimension"), "a list of dimensions"),
+                       "data_offsets": declared.ListOf(_OFFSET, "[begin, end]", min_len=2)},
+                      what="a tensor entry ({dtype, shape, data_offsets})")
+_TOP = declared.Obj(optional={"__metadata__": declared.Nullable(declared.MapOf(str, "an object of strings"))},
+                    what="a JSON object")
+
+
+class _Entries(declared.Shape):
+    """Every key but __metadata__ is a tensor entry; data_offsets exactly two."""
+    want = _ENTRY.want
+
+    def check(self, value, field):
+        _TOP.check(value, field)
+        for k, v in value.items():
+            if k != "__metadata__":
+                _ENTRY.check(v, f"{field}[{json.dumps(k)}]" if field else json.dumps(k))
+                if len(v["data_offsets"]) != 2:
+                    raise declared.Mismatch(f"{json.dumps(k)}.data_offsets", v["data_offsets"], "[begin, end]")
+
+
+HEADER = _Entries()
+
+
 def parse_header(raw: bytes, data_start: int, where: str, fix: str = REDOWNLOAD
                  ) -> tuple[dict[str, TensorInfo], dict[str, str], int]:
     """Parse header JSON bytes. Returns (tensors in offset order, metadata, data end offset).
@@ -76,24 +103,19 @@ def parse_header(raw: bytes, data_start: int, where: str, fix: str = REDOWNLOAD
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{where}: safetensors header is not valid JSON ({e}): the file is corrupt; "
                         f"{fix}") from None
-    if not isinstance(doc, dict):
-        raise UserError(f"{where}: safetensors header is not a JSON object: the file is corrupt; {fix}")
+    declared.check(doc, HEADER, f"{where}: safetensors header", f"the file is corrupt; {fix}")
     metadata = doc.pop("__metadata__", None) or {}
     entries = []
     for name, info in doc.items():
-        try:
-            dtype, shape, (b, e) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise UserError(f"{where}: header entry {name!r} lacks dtype/shape/data_offsets: the file is corrupt; "
-                            f"{fix}") from None
+        dtype, shape_, (b, e) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
         if dtype not in DTYPE_SIZE:
             raise UserError(f"{where}: tensor {name!r} has unknown dtype {dtype!r}: {fix}")
         if not (isinstance(b, int) and isinstance(e, int) and 0 <= b <= e):
             raise UserError(f"{where}: tensor {name!r} has bad data_offsets {[b, e]}: the file is corrupt; {fix}")
-        if e - b != nbytes_of(dtype, shape):
-            raise UserError(f"{where}: tensor {name!r} is {e - b} bytes but {dtype}{list(shape)} needs "
-                            f"{nbytes_of(dtype, shape)}: the file is corrupt; {fix}")
-        entries.append(TensorInfo(name, dtype, shape, data_start + b, data_start + e))
+        if e - b != nbytes_of(dtype, shape_):
+            raise UserError(f"{where}: tensor {name!r} is {e - b} bytes but {dtype}{list(shape_)} needs "
+                            f"{nbytes_of(dtype, shape_)}: the file is corrupt; {fix}")
+        entries.append(TensorInfo(name, dtype, shape_, data_start + b, data_start + e))
     entries.sort(key=lambda t: t.begin)
     pos = data_start
     for t in entries:

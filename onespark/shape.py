@@ -79,14 +79,16 @@ class Int(Shape):
 
 
 class Num(Shape):
-    """A finite number (int or float, never a bool, never NaN or inf), optionally >= lo."""
+    """A finite number (int or float, never a bool, never NaN or inf), optionally in [lo, hi]."""
 
-    def __init__(self, lo: float | None = None, what: str = "a finite number"):
-        self.lo, self.want = lo, what + (f" >= {lo}" if lo is not None else "")
+    def __init__(self, lo: float | None = None, hi: float | None = None, what: str = "a finite number"):
+        self.lo, self.hi = lo, hi
+        self.want = what + (f" >= {lo}" if lo is not None else "") + (f" <= {hi}" if hi is not None else "")
 
     def check(self, value, field):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or \
-                (self.lo is not None and value < self.lo):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or \
+                not math.isfinite(value) or (self.lo is not None and value < self.lo) or \
+                (self.hi is not None and value > self.hi):
             raise Mismatch(field, value, self.want)
 
 
@@ -222,7 +224,7 @@ def parse(text: str | bytes, where: str, fix: str):
     except RecursionError:
         raise UserError(f"{where}: JSON nested too deep to be what it should be: {fix}") from None
     except ValueError as e:  # JSONDecodeError, and int() past sys.get_int_max_str_digits
-        raise UserError(f"{where}: not valid JSON ({e}): {fix}") from None
+        raise UserError(f"{where} is not JSON ({e}): {fix}") from None
 
 
 def load(path: str | Path, shape, fix: str, where: str | None = None):
