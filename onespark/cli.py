@@ -63,12 +63,15 @@ def _end_as_coreutils_do() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(sys.argv[1:] if argv is None else argv)
-    finally:
-        try:  # what is still buffered, before the interpreter's own flush at exit reports a closed stdout
+        try:
+            return _main(sys.argv[1:] if argv is None else argv)
+        finally:  # what is still buffered, before the interpreter's own flush at exit finds stdout closed
             sys.stdout.flush()
-        except BrokenPipeError:
-            _end_as_coreutils_do()
+    except BrokenPipeError:  # from a print outside a command (usage, --help) or that flush
+        if not _stdout_closed():
+            raise
+        _end_as_coreutils_do()
+        raise  # not reached: SIGPIPE ends the process
 
 
 def _main(argv: list[str]) -> int:

@@ -26,14 +26,15 @@ def is_secret_name(name: str) -> bool:
 
 def is_secret_flag(arg: str) -> bool:
     """A command-line word that looks like a key option, in any spelling or abbreviation: --api-key,
-    --api_key=K, --API-KE, --apikey, --b-api-key-file, --hf-tok, --token, --auth-token. Not vLLM's --tokenizer,
-    --max-num-batched-tokens or --kv-cache-dtype."""
+    --api_key=K, --API-KE, --apikey, --b-api-ke, --api-key-file, --hf-tok, --token, --auth-token. Not vLLM's
+    --tokenizer, --max-num-batched-tokens or --kv-cache-dtype, nor bench's --api."""
     if not arg.startswith("-"):
         return False
     squashed = re.sub(r"[-_]", "", arg.split("=", 1)[0]).lower()
-    if any(len(squashed) >= n and full.startswith(squashed) for full, n in SECRET_FLAG_PREFIXES):
+    # ends with an abbreviation: --api-ke, --b-api-k, --hf-tok
+    if any(squashed.endswith(full[:i]) for full, n in SECRET_FLAG_PREFIXES for i in range(n, len(full) + 1)):
         return True
-    return ("apikey" in squashed or squashed.endswith(("key", "token"))
+    return ("apikey" in squashed or "hftoken" in squashed or squashed.endswith("key")
             or any(w in squashed for w in ("secret", "password", "passwd")))
 
 

@@ -46,7 +46,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from onespark import __version__, qwen35, specs
+from onespark import __version__, options, qwen35, specs
 from onespark.checkpoint import INDEX_FILE, rewrite_index
 from onespark.errors import UserError
 from onespark.lock import LOCK_FILE, locked
@@ -467,15 +467,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "default: as the spec's release")
     p.add_argument("--g-idx", action=argparse.BooleanOptionalAction, default=None,
                    help="write GPTQ g_idx tensors next to qweight/qzeros/scales (int4; default: as the spec's release)")
-    p.add_argument("--seed", type=int, default=0, help="same seed + dims = splice-compatible int4/fp8 pair")
-    p.add_argument("--shards", type=int, default=3, help="number of model-*.safetensors files")
+    p.add_argument("--seed", type=options.number(int, 0), default=0, help="same seed + dims = splice-compatible int4/fp8 pair")
+    p.add_argument("--shards", type=options.COUNT, default=3, help="number of model-*.safetensors files")
     p.add_argument("--preset", choices=("tiny", "real"), default="tiny",
                    help="tiny: ~10 MB; real: the spec's real dims (config and no weights unless --weights)")
     p.add_argument("--weights", action=argparse.BooleanOptionalAction, default=None,
                    help="write weights (default: yes for tiny, no for real)")
     for key in ("hidden_size", "num_hidden_layers", "num_experts", "moe_intermediate_size",
                 "shared_expert_intermediate_size", "vocab_size"):
-        p.add_argument("--" + key.replace("_", "-"), type=int, dest=key, help=f"override text_config.{key}")
+        p.add_argument("--" + key.replace("_", "-"), type=options.COUNT, dest=key,
+                       help=f"override text_config.{key}")
 
 
 def run(args: argparse.Namespace) -> int:

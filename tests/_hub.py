@@ -36,6 +36,8 @@ http {{
   server {{
     listen 127.0.0.1:{port};
     root {d}/www;
+    # a gated repo asked without a token, as the Hub answers it (files and the API alike)
+    location ~ ^/(api/models/)?Gated/ {{ return 401; }}
     location /api/ {{ default_type application/json; }}
     location ~ ^/Slow/[^/]+/resolve/(?<srev>[^/]+)/ {{ add_header X-Repo-Commit $srev always; limit_rate 1m; }}
     location ~ ^/[^/]+/[^/]+/resolve/(?<rev>[^/]+)/ {{ add_header X-Repo-Commit $rev always; }}

@@ -128,6 +128,36 @@ def test_unknown_revision_is_a_clear_error(hub, tmp_path):
     assert "not found (404)" in r.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize("case", ["401", "404-revision", "404-repo", "unreachable"])
+def test_int4_download_names_the_hubs_answer_and_the_fix(hub, tmp_path, case):
+    """Before: snapshot_download, refused, returned the (empty) local_dir, and step 0 ended with
+    "config.json: missing (the model config): is this the right directory?" whatever the Hub had said."""
+    d, endpoint = hub
+    repo, rev = {"401": ("Gated/int4", INT4_SHA), "404-revision": (INT4, "3" * 40), "404-repo": ("Nobody/int4", INT4_SHA),
+                 "unreachable": (INT4, INT4_SHA)}[case]
+    url = "http://127.0.0.1:9" if case == "unreachable" else endpoint  # port 9 (discard): nothing listens
+    dest = tmp_path / "m"
+    r = subprocess.run([sys.executable, "-m", "onespark", "download", "--dest", str(dest), "--skip-fp8", "--int4-repo",
+                        repo, "--int4-revision", rev], cwd=ROOT, env=hub_env(url, tmp_path), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    [line] = r.stderr.splitlines()
+    want = {
+        "401": f"onespark download: error: Gated/int4: {url} answered 401 unauthorized: log in (`hf auth login` or "
+               f"HF_TOKEN) and accept the model's licence on its page ({url}/Gated/int4); not logged in, the Hub "
+               f"answers 401 for a repo that does not exist too: check --int4-repo and --revision",
+        "404-revision": f"onespark download: error: {INT4}@{'3' * 40} not found on {url} (404): check --int4-repo and "
+                        f"--revision (`onespark specs` shows the pinned ones)",
+        "404-repo": f"onespark download: error: Nobody/int4@{INT4_SHA} not found on {url} (404): check --int4-repo and "
+                    f"--revision (`onespark specs` shows the pinned ones)",
+        "unreachable": f"onespark download: error: cannot reach {url} (ConnectError: [Errno 111] Connection refused): "
+                       f"check the network (a proxy: HTTPS_PROXY; a mirror: HF_ENDPOINT), then run the same command "
+                       f"again",
+    }[case]
+    assert line == want, line
+    assert [p for p in dest.rglob("*") if p.is_file()] == []  # nothing fetched, no record, no lock left
+
+
 def test_step_0_script_downloads_then_says_already_done(hub, tmp_path):
     d, endpoint = hub
     env = dict(hub_env(endpoint, tmp_path), ONESPARK_VENV=str(ROOT / ".venv"))

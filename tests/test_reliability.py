@@ -289,7 +289,7 @@ def _parser_calls(path: Path):
         if isinstance(node, ast.Call):
             f = node.func
             name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
-            if name in ("ArgumentParser", "add_parser", "_Parser"):
+            if name in ("ArgumentParser", "add_parser", "Parser"):
                 kw = next((k.value for k in node.keywords if k.arg == "allow_abbrev"), None)
                 yield node.lineno, kw
 

@@ -1,0 +1,275 @@
+"""Issue 23, part A: keys never printed, a closed stdout, and the smoke request's answers of the wrong shape.
+
+(Host strings: tests/test_cluster.py; the guard's options: tests/test_memory_guard.py; the Hub's answers to the
+INT4 download: tests/test_download.py.) Every test here failed before its fix.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from onespark import cli, memory, serve
+from onespark.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+LONG_KEY = "sk-live-7f3e9a0c41d2b85e6f7a9c0d1e2f3a4b5c6d7e8f"
+SHORT_KEY = "Zq7"  # under 12 characters: the old rule showed it in "invalid choice"
+
+# Every spelling of a key option that no command takes as it stands: the parser refuses each, and must not
+# show the value. `--api-ke KEY` in bench also makes KEY bench's positional ("invalid choice").
+SPELLINGS = [
+    lambda k: [f"--api-ke={k}"], lambda k: [f"--api_key={k}"], lambda k: ["--api-ke", k], lambda k: ["--apikey", k],
+    lambda k: [f"--API-KEY={k}"], lambda k: ["--api-k", k], lambda k: [f"--hf-token={k}"], lambda k: ["--hf-tok", k],
+    lambda k: ["--hf_token", k], lambda k: ["--token", k], lambda k: [f"--tok={k}"], lambda k: ["--b-api-ke", k],
+    lambda k: [f"--auth-token={k}"],
+]
+
+
+def commands(tmp: Path) -> dict[str, list[str]]:
+    """Each CLI command with the arguments it requires (all under tmp), so that the key option is what fails."""
+    (tmp / "m").mkdir(exist_ok=True)
+    return {
+        "specs": ["specs"], "doctor": ["doctor", "--work", str(tmp / "w")],
+        "synth": ["synth", "--format", "int4", "--out", str(tmp / "s")],
+        "download": ["download", "--dest", str(tmp / "d")],
+        "hybrid": ["hybrid", "--int4", str(tmp / "i"), "--fp8", str(tmp / "f"), "--out", str(tmp / "h")],
+        "mtp": ["mtp", str(tmp / "m")], "verify": ["verify", str(tmp / "m")],
+        "draft-vocab": ["draft-vocab", str(tmp / "m")], "tiny-model": ["tiny-model", "--out", str(tmp / "t")],
+        "serve": ["serve", "--model", str(tmp / "m"), "--dry-run", "--demo"],
+        "cluster": ["cluster", "--nodes", "spark1,spark2", "--work", str(tmp / "w"), "--dry-run"],
+        "bench": ["bench", "--out", str(tmp / "b"), "--no-png"],
+        "bench compare": ["bench", "compare", str(tmp / "a.json"), str(tmp / "b.json")],
+    }
+
+
+def files_holding(root: Path, needle: str) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and needle.encode() in p.read_bytes()]
+
+
+def test_no_spelling_of_a_key_option_shows_the_key(tmp_path, monkeypatch, capsys):
+    """Every command (the CLI's one parser entry, bench's compare subparser, the memory guard's own parser,
+    an unknown command) with every spelling, both key lengths: exit 2, the key in no output and no file."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    runs = 0
+    for key in (LONG_KEY, SHORT_KEY):
+        for spell in SPELLINGS:
+            cases = {**{n: a + spell(key) for n, a in commands(tmp_path).items()},
+                     "unknown command": spell(key)}
+            for name, argv in cases.items():
+                with pytest.raises(SystemExit) as e:  # the parser exits; an unknown command returns 2
+                    raise SystemExit(cli.main(argv))
+                out = capsys.readouterr()
+                assert e.value.code == 2, (name, argv, out)
+                assert key not in out.out + out.err, (name, argv, out.err)
+                runs += 1
+            with pytest.raises(SystemExit) as e:
+                memory.guard_main(["--pid", str(os.getpid()), *spell(key)])
+            out = capsys.readouterr()
+            assert e.value.code == 2 and key not in out.out + out.err, out.err
+    assert runs == 2 * len(SPELLINGS) * 14
+    assert files_holding(tmp_path, SHORT_KEY) == files_holding(tmp_path, LONG_KEY) == []
+    # and the misspelt flag is still named, so the user sees what to fix
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--api-ke", SHORT_KEY])
+    err = capsys.readouterr().err
+    assert err.strip() == ("onespark bench: error: argument [compare]: invalid choice: '***' (choose from 'compare') "
+                           "(see onespark bench --help)"), err
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--model", "m", f"--api_key={SHORT_KEY}"])
+    assert capsys.readouterr().err.strip() == ("onespark serve: error: unrecognized arguments: --api_key=*** (see "
+                                               "onespark serve --help)")
+
+
+def test_a_key_after_the_double_dash_never_reaches_vllms_command_line(tmp_path, capsys):
+    for name, argv in (("serve", ["serve", "--model", str(tmp_path), "--dry-run", "--demo"]),
+                       ("cluster", ["cluster", "--nodes", "spark1,spark2", "--dry-run"])):
+        for spell in (["--api-key", SHORT_KEY], [f"--api-key={LONG_KEY}"], ["--hf-token", SHORT_KEY]):
+            assert cli.main([*argv, "--", "--max-model-len", "4096", *spell]) == 1
+            out = capsys.readouterr()
+            flag = spell[0].split("=")[0]
+            assert out.err.splitlines() == [
+                f"onespark {name}: error: {flag} after --: vLLM would get the key on its command line (shown in `ps` "
+                f"and the plan): give it to onespark {name} as --api-key-file FILE or $ONESPARK_API_KEY"], out.err
+            assert out.out == ""
+
+
+def _fake_docker(tmp: Path, body: str) -> dict:
+    fake = tmp / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "docker").write_text("#!/bin/sh\n" + f'printf "%s\\n" "$*" >> {tmp}/calls\n' + textwrap.dedent(body))
+    (fake / "docker").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ONESPARK_", "VLLM_API_KEY", "HF_TOKEN"))}
+    return {**env, "PATH": f"{fake}:{os.environ['PATH']}", "XDG_STATE_HOME": str(tmp / "state"), "HOME": str(tmp)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_env_secret_goes_to_docker_by_name(tmp_path):
+    """docker's argv (what `ps` shows) and serve's output name HF_TOKEN; only docker's environment has it."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    env = _fake_docker(tmp_path, f"""\
+        case "$1" in
+          image) exit 0 ;;
+          inspect) exit 1 ;;
+          run) printf '%s' "$HF_TOKEN" > {tmp_path}/docker-saw; echo "no GPU here" >&2; exit 1 ;;
+        esac
+        """)
+    r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--model", str(model), "--no-memory-guard",
+                        "--port", str(_free_port()), "--env", f"HF_TOKEN={LONG_KEY}", "--env", "MY_PASSWORD=pw-9",
+                        "--env", "ONESPARK_INT8_LM_HEAD=0"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and r.stderr.splitlines() == ["onespark serve: error: docker run failed: no GPU here"]
+    run = next(c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("run "))
+    assert " -e HF_TOKEN " in run and " -e MY_PASSWORD " in run and " -e ONESPARK_INT8_LM_HEAD=0 " in run
+    assert "-e HF_TOKEN -e MY_PASSWORD -e ONESPARK_INT8_LM_HEAD=0 onespark-demo/v2" in r.stdout
+    assert (tmp_path / "docker-saw").read_text() == LONG_KEY  # the value reached docker, by its environment
+    for text in (r.stdout, r.stderr, run):
+        assert LONG_KEY not in text and "pw-9" not in text
+    dry = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--model", str(model), "--dry-run",
+                          "--env", f"HF_TOKEN={LONG_KEY}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert dry.returncode == 0 and " -e HF_TOKEN " in dry.stdout and LONG_KEY not in dry.stdout + dry.stderr
+
+
+# ---- a closed stdout -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, code", [
+    (["specs"], -signal.SIGPIPE), (["--help"], -signal.SIGPIPE),
+    (["cluster", "--nodes", "spark1,spark2", "--dry-run", "--sync"], -signal.SIGPIPE),
+    (["serve", "--help"], 0),  # argparse's own help drops what it cannot write (its _print_message), exit 0
+], ids=["specs", "help", "cluster-plan", "serve-help"])
+def test_a_closed_stdout_ends_quietly_as_coreutils_do(argv, code):
+    """`onespark specs | head -0`: the reader is gone before the first write. Before: "(unknown path): Broken
+    pipe", or Python's "Exception ignored ... BrokenPipeError" at exit (status 120)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([sys.executable, "-m", "onespark", *argv], stdout=w, stderr=subprocess.PIPE, cwd=ROOT,
+                           timeout=60)
+    finally:
+        os.close(w)
+    assert (p.returncode, p.stderr) == (code, b""), p.stderr.decode()
+    yes = subprocess.run(["bash", "-c", "yes | head -0; echo ${PIPESTATUS[0]}"], capture_output=True, text=True)
+    assert yes.stdout.strip() == str(128 + signal.SIGPIPE)  # what coreutils do: the shell sees the same 141
+
+
+# ---- the smoke request ------------------------------------------------------------------------------------------
+
+ANSWERS = {  # kind -> (/v1/models body, chat body, the message)
+    "models-empty": ('{"object": "list", "data": []}', None, "GET /v1/models lists no model"),
+    "models-no-id": ('{"data": [{"object": "model"}]}', None, "GET /v1/models: the first model card has no id"),
+    "models-not-json": ("<html>", None, "GET /v1/models is not JSON"),
+    "chat-no-choices": (None, '{"usage": {"completion_tokens": 3}}', "the chat answer has no choices[0].message"),
+    "chat-no-usage": (None, '{"choices": [{"message": {"content": "hi"}}]}', "or usage.completion_tokens"),
+    "chat-not-json": (None, "Bad Gateway", "the chat answer is not JSON"),
+    "chat-choices-string": (None, '{"choices": "x", "usage": {"completion_tokens": 3}}', "has no choices[0]"),
+}
+MODELS_OK = '{"data": [{"id": "tiny"}]}'
+CHAT_OK = '{"choices": [{"message": {"content": "Paris."}}], "usage": {"completion_tokens": 2}}'
+
+SERVER = """
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+port, models, chat = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def _send(self, body):
+        raw = body.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+    def do_GET(self):
+        self._send(models if self.path == "/v1/models" else "{}")
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._send(chat)
+ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("kind", list(ANSWERS))
+def test_smoke_answers_of_the_wrong_shape_are_one_line(kind, tmp_path):
+    models, chat, message = ANSWERS[kind]
+    port = _free_port()
+    srv = subprocess.Popen([sys.executable, "-c", SERVER, str(port), models or MODELS_OK, chat or CHAT_OK])
+    try:
+        for _ in range(100):
+            if serve._port_open("127.0.0.1", port):
+                break
+            time.sleep(0.05)
+        with pytest.raises(UserError) as e:
+            serve.smoke(f"http://127.0.0.1:{port}", "hi", 4, None)
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+        assert str(e.value).endswith(serve.NOT_VLLM)
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+@pytest.mark.parametrize("kind", ["models-empty", "chat-no-usage"])
+def test_serve_stops_the_container_whose_smoke_answer_is_wrong(kind, tmp_path):
+    """The fake docker's `run` starts a server answering `kind`; serve must stop it, not leave it serving."""
+    models, chat, message = ANSWERS[kind]
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    port = _free_port()
+    (tmp_path / "server.py").write_text(SERVER)
+    env = _fake_docker(tmp_path, f"""\
+        case "$1 $2" in
+          "image inspect") exit 0 ;;
+          "inspect --format") [ -e {tmp_path}/pid ] && echo "true 0 false" || echo "false 0 false" ;;
+          "inspect "*) exit 1 ;;
+          "run "*) {sys.executable} {tmp_path}/server.py {port} '{models or MODELS_OK}' '{chat or CHAT_OK}' \
+                     >/dev/null 2>&1 & echo $! > {tmp_path}/pid; echo cid ;;
+          "stop "*) kill "$(cat {tmp_path}/pid)"; rm {tmp_path}/pid ;;
+        esac
+        """)
+    try:
+        r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--model", str(model), "--name", "t1",
+                            "--no-memory-guard", "--port", str(port), "--timeout", "60"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)
+    finally:
+        if (tmp_path / "pid").exists():  # the test's own cleanup, should serve have left it running
+            os.kill(int((tmp_path / "pid").read_text()), signal.SIGKILL)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    [line] = r.stderr.splitlines()
+    assert line.startswith("onespark serve: error: ") and message in line, line
+    assert line.endswith("; stopped container t1 (its log: docker logs t1; then docker rm t1, or serve again with "
+                         "--replace)"), line
+    assert "stop t1" in (tmp_path / "calls").read_text().splitlines()
+    assert not (tmp_path / "pid").exists() and not serve._port_open("127.0.0.1", port)  # not serving any more
+
+
+def test_a_well_formed_answer_still_passes():
+    port = _free_port()
+    srv = subprocess.Popen([sys.executable, "-c", SERVER, str(port), MODELS_OK, CHAT_OK])
+    try:
+        for _ in range(100):
+            if serve._port_open("127.0.0.1", port):
+                break
+            time.sleep(0.05)
+        r = serve.smoke(f"http://127.0.0.1:{port}", "hi", 4, None)
+    finally:
+        srv.kill()
+        srv.wait()
+    assert (r["model"], r["answer"], r["completion_tokens"]) == ("tiny", "Paris.", 2)
