@@ -273,3 +273,43 @@ def test_a_well_formed_answer_still_passes():
         srv.kill()
         srv.wait()
     assert (r["model"], r["answer"], r["completion_tokens"]) == ("tiny", "Paris.", 2)
+
+
+# ---- numeric options: one validator (onespark.options), the range in the message ------------------------------
+
+NUMBERS = [  # (argv before the flag, flag, bad value, the range the message names)
+    (["serve", "--model", "m", "--dry-run"], "--port", "0", "a whole number from 1 to 65535"),
+    (["serve", "--model", "m", "--dry-run"], "--timeout", "nan", "a number above 0"),
+    (["serve", "--model", "m", "--dry-run"], "--max-tokens", "-1", "a whole number of at least 1"),
+    (["serve", "--model", "m", "--dry-run"], "--num-draft-tokens", "0", "a whole number of at least 1"),
+    (["serve", "--model", "m", "--dry-run"], "--guard-floor-gib", "0", "a number above 0"),
+    (["serve", "--model", "m", "--dry-run"], "--host-reserve-gib", "inf", "a number of at least 0"),
+    (["cluster", "--nodes", "a,b", "--dry-run"], "--timeout", "-inf", "a number above 0"),
+    (["cluster", "--nodes", "a,b", "--dry-run"], "--port", "70000", "a whole number from 1 to 65535"),
+    (["doctor"], "--gpu-memory-utilization", "1.5", "a number above 0 and at most 1"),
+    (["bench"], "--runs", "0", "a whole number of at least 1"),
+    (["bench"], "--warmup", "-1", "a whole number of at least 0"),
+    (["bench"], "--timeout", "nan", "a number above 0"),
+    (["bench"], "--top-k", "1e9x", "a whole number of at least 1"),
+    (["bench"], "--concurrency", "1,0", "comma-separated whole numbers of at least 1"),
+    (["draft-vocab", "d"], "--size", "0", "a whole number of at least 1"),
+    (["synth", "--format", "int4", "--out", "o"], "--shards", "0", "a whole number of at least 1"),
+    (["synth", "--format", "int4", "--out", "o"], "--seed", "-3", "a whole number of at least 0"),
+    (["tiny-model", "--out", "o"], "--seed", "nan", "a whole number of at least 0"),
+]
+
+
+@pytest.mark.parametrize("argv, flag, value, want", NUMBERS, ids=[f"{a[0]}{f}={v}" for a, f, v, _ in NUMBERS])
+def test_numeric_options_are_finite_and_in_range(tmp_path, monkeypatch, capsys, argv, flag, value, want):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli.main([*argv, f"{flag}={value}"])  # `=`: argparse takes a bare -inf for an option
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    prog = f"onespark {argv[0]}"
+    if "comma-separated" in want:
+        assert err.startswith(f"{prog}: error: argument {flag}: {value!r}: expected {want}"), err
+    else:
+        named = "--size/--draft-vocab-size" if flag == "--size" else flag  # argparse names every alias
+        assert err == f"{prog}: error: argument {named}: expected {want}, got {value!r} (see {prog} --help)\n", err
+    assert list(tmp_path.iterdir()) == []
