@@ -403,6 +403,26 @@ def test_run_end_to_end_against_fake_nodes(nodes, fake_vllm, capsys):
     assert "7 tokens in" in out and "TP=2 across spark1 and spark2" in out
 
 
+def test_a_wrong_smoke_answer_stops_the_ray_containers_on_both_nodes(nodes, monkeypatch, capsys):
+    """The smoke request is serve's (onespark.serve.smoke); a server that answers without `usage` is one line,
+    and the cluster it started is stopped on both nodes (before: a KeyError traceback, both left serving)."""
+    from onespark import serve
+
+    answers = {"/v1/models": (200, b'{"data": [{"id": "qwen3.5-122b-a10b"}]}'),
+               "/v1/chat/completions": (200, b'{"choices": [{"message": {"content": "hi"}}]}')}
+    monkeypatch.setattr(serve, "_http", lambda url, *a, **k: answers.get(url.split(":8000")[1], (200, b"{}")))
+    fake = FakeCluster(nodes)
+    fake.args = cluster_args()
+    with pytest.raises(UserError) as e:
+        cluster.run(fake.args, runner=fake, nodes=(HEAD, WORKER))
+    assert str(e.value) == ("the chat answer has no choices[0].message text or usage.completion_tokens (it answered "
+                            "b'{\"choices\": [{\"message\": {\"content\": \"hi\"}}]}'): " + serve.NOT_VLLM
+                            + "; stopped onespark-ray on both nodes (vLLM's log: docker cp "
+                            "onespark-ray:/tmp/onespark-vllm.log . on spark1)")
+    assert [(n, c) for n, c in fake.calls if c.startswith("docker stop")] == [
+        ("spark1", "docker stop onespark-ray"), ("spark2", "docker stop onespark-ray")]
+
+
 # ---- the plan --------------------------------------------------------------------------------------------
 
 
