@@ -267,8 +267,6 @@ def _checked_settings(args) -> Settings:
     settings = settings_from(args)
     if args.no_think and args.api != "chat":
         raise UserError("--no-think works through the chat template: use it with --api chat")
-    if args.top_k < 1:
-        raise UserError("--top-k must be at least 1 (above 20, start vLLM with --max-logprobs N)")
     report.check_writable(args.out)  # before the run: what it measures must have somewhere to go
     if not args.no_png:
         report.require_png()
