@@ -55,7 +55,11 @@ _QUANT = Obj(optional={
     "modules_to_not_convert": Nullable(ListOf(str)),
     "onespark_fp8": Nullable(Obj({"layers": ListOf(str)}, optional={"scale_dtype": OneOf(Str(), ListOf(str))})),
 }, what="an object (the quantization settings)")
-CONFIG = Obj(optional={"text_config": _TEXT, "quantization_config": Nullable(_QUANT), "onespark": Nullable(dict),
+_VISION = Obj({**dict.fromkeys(("hidden_size", "intermediate_size", "patch_size", "num_position_embeddings",
+                                 "out_hidden_size"), _DIM), "depth": Int(0, 1024, "a block count")},
+              dict.fromkeys(("spatial_merge_size", "in_channels", "temporal_patch_size", "num_heads"), _DIM),
+              what="an object (the vision tower's dims)")
+CONFIG = Obj(optional={"text_config": _TEXT, "vision_config": Nullable(_VISION), "quantization_config": Nullable(_QUANT), "onespark": Nullable(dict),
                        "architectures": Nullable(ListOf(str)), "model_type": Nullable(str),
                        "tie_word_embeddings": Bool(), "dtype": Nullable(str), "torch_dtype": Nullable(str),
                        # a flat config (no text_config) has the text dims at the top
@@ -248,7 +252,9 @@ def rewrite_index(index: dict | None, weight_map: dict[str, str], nbytes: dict[s
     lists (the Hugging Face convention); `nbytes`: tensor name -> size, for every tensor the shards hold."""
     doc = json.loads(json.dumps(index or {"metadata": {}}))  # a new index: metadata first, as HF writes it
     doc["weight_map"] = dict(sorted(weight_map.items()))
-    doc.setdefault("metadata", {})["total_size"] = sum(nbytes[n] for n in weight_map if n in nbytes)
+    if not isinstance(doc.get("metadata"), dict):  # "metadata": null is allowed in (INDEX): written as an object
+        doc["metadata"] = {}
+    doc["metadata"]["total_size"] = sum(nbytes[n] for n in weight_map if n in nbytes)
     return doc
 
 

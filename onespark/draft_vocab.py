@@ -42,6 +42,7 @@ from onespark import __version__, options
 from onespark.checkpoint import load_json, sha256_file
 from onespark.errors import UserError
 from onespark.safetensors_io import write_json_atomic
+from onespark.shape import Int, ListOf, MapOf, Nullable, Num, Obj, OneOf, Str, Tuple
 
 FILE = "onespark-draft-vocab.json"
 SCHEMA = 1
@@ -54,12 +55,27 @@ CONTROL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</t
 _CORPUS_PIECE = 1 << 20  # tokenize corpus files in ~1 MB pieces cut at line ends (bounded memory)
 
 
+# What this module reads of tokenizer.json (onespark.shape): a BPE model's vocab and merges, a Unigram model's
+# [piece, score] list, the added tokens. Ids stay under 2^22 (Qwen's vocabulary: 248k): they size a range().
+_ID = Int(0, (1 << 22) - 1, "a token id")
+TOKENIZER_SHAPE = Obj(optional={
+    "model": Nullable(Obj(optional={
+        "type": Nullable(str),
+        "vocab": Nullable(OneOf(MapOf(_ID, "an object of token -> id"),
+                                ListOf(Tuple(Str(), Num(), what="[piece, score]"), "a list of [piece, score]"))),
+        "merges": Nullable(ListOf(OneOf(Str(), ListOf(str)), "a list of merges (\"a b\" or [a, b])"))},
+        what="an object (the tokenizer model)")),
+    "added_tokens": Nullable(ListOf(Obj({"id": _ID, "content": Str()}), "a list of {id, content}")),
+}, what="a tokenizer object")
+
+
 def _tokenizer_doc(d: Path) -> tuple[dict, str]:
     path = d / TOKENIZER
     if not path.is_file():
         raise UserError(f"{path}: missing: the draft vocabulary is built for the checkpoint's own tokenizer; "
                         f"copy tokenizer.json from the model's download into {d}")
-    return load_json(path, "tokenizer", "copy tokenizer.json from the model's download again"), sha256_file(path)
+    return (load_json(path, "tokenizer", "copy tokenizer.json from the model's download again", TOKENIZER_SHAPE),
+            sha256_file(path))
 
 
 def _vocab_size(doc: dict) -> int:
@@ -252,7 +268,7 @@ def check_file(d: Path) -> list[str]:
     if doc.get("tokenizer_sha256") != sha256_file(tok):
         out.append(f"{FILE} was built for another {TOKENIZER} (sha256 differs): {fix}")
         return out
-    tdoc = load_json(tok, "tokenizer")
+    tdoc = load_json(tok, "tokenizer", "copy tokenizer.json from the model's download again", TOKENIZER_SHAPE)
     missing = sorted(set(special_ids(tdoc, Path(d))) - set(ids))
     if missing:
         out.append(f"{FILE}: special/control token ids {missing[:10]} are not in the subset: {fix}")

@@ -41,8 +41,9 @@ import sys
 import time
 from pathlib import Path
 
-from onespark import options
-from onespark.checkpoint import INDEX_FILE
+from onespark import options, shape
+from onespark.checkpoint import INDEX, INDEX_FILE
+from onespark.errors import UserError
 
 GIB = 1024**3
 MIB = 1024**2
@@ -136,9 +137,13 @@ def weights_bytes(model: str | os.PathLike) -> tuple[int, str]:
         doc = json.loads(index.read_text(encoding="utf-8"))
     except FileNotFoundError:
         doc = None
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise PlanError(f"{index}: unreadable ({e}): the checkpoint is damaged; onespark verify {d}") from None
-    if isinstance(doc, dict):
+    if doc is not None:  # the index's declared shape (onespark.checkpoint.INDEX): a null file name, a list...
+        try:
+            shape.check(doc, INDEX, str(index), f"the checkpoint is damaged; onespark verify {d}")
+        except UserError as e:
+            raise PlanError(str(e)) from None
         total = (doc.get("metadata") or {}).get("total_size")
         if isinstance(total, (int, float)) and total > 0:
             return int(total), f"{index.name} metadata.total_size"
@@ -156,8 +161,8 @@ def weights_bytes(model: str | os.PathLike) -> tuple[int, str]:
     return sum(p.stat().st_size for p in shards), f"the {len(shards)} *.safetensors files"
 
 
-class PlanError(Exception):
-    """The plan cannot be made (bad checkpoint, unreadable meminfo): one line, shown as a UserError."""
+class PlanError(UserError):
+    """The plan cannot be made (bad checkpoint, unreadable meminfo): one line, a UserError wherever it lands."""
 
 
 def vllm_flag(vllm_args: list[str], flag: str) -> str | None:

@@ -100,7 +100,7 @@ def parse_header(raw: bytes, data_start: int, where: str, fix: str = REDOWNLOAD
     `fix` ends the messages about a corrupt header (see read_header)."""
     try:
         doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: also a 5000-digit number
         raise UserError(f"{where}: safetensors header is not valid JSON ({e}): the file is corrupt; "
                         f"{fix}") from None
     declared.check(doc, HEADER, f"{where}: safetensors header", f"the file is corrupt; {fix}")

@@ -149,6 +149,20 @@ class ListOf(Shape):
             self.item.check(v, f"{field}[{i}]")
 
 
+class Tuple(Shape):
+    """A list whose first items have these shapes, in order ([piece, score]); more items are allowed."""
+
+    def __init__(self, *items, what: str | None = None):
+        self.items = [as_shape(i) for i in items]
+        self.want = what or "[" + ", ".join(i.want for i in self.items) + "]"
+
+    def check(self, value, field):
+        if not isinstance(value, list) or len(value) < len(self.items):
+            raise Mismatch(field, value, self.want)
+        for i, (s, v) in enumerate(zip(self.items, value)):
+            s.check(v, f"{field}[{i}]")
+
+
 class MapOf(Shape):
     """An object whose keys are free and whose values all have one shape (weight_map: tensor -> file)."""
 

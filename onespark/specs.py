@@ -317,10 +317,12 @@ def check_config(spec: Spec, config: dict, where: str) -> None:
         if config.get("model_type") != "qwen3_5_moe" and "Qwen3_5MoeForConditionalGeneration" not in arch:
             raise UserError(f"{where}: model_type {config.get('model_type')!r}, architectures {arch}: not a "
                             f"Qwen3.5/3.6 MoE checkpoint; --model custom covers only this family")
-        missing = [k for k in REQUIRED_KEYS if k != "mtp_num_hidden_layers" and not isinstance(text.get(k), int)]
-        if missing:
-            raise UserError(f"{where}: text_config lacks {', '.join(missing)}: cannot derive the tensor layout "
-                            f"from this config, so it cannot be checked")
+    # Every spec: the layout is derived from these (a named spec's facts alone leave head_dim etc. unchecked).
+    missing = [k for k in REQUIRED_KEYS if k != "mtp_num_hidden_layers" and not isinstance(text.get(k), int)]
+    if missing:
+        raise UserError(f"{where}: text_config lacks {', '.join(missing)}: cannot derive the tensor layout "
+                        f"from this config, so it cannot be checked (restore the downloaded config.json)")
+    if spec.name == CUSTOM:
         return
     f = facts(text)
     if f in (facts(spec.text), facts(spec.tiny)):
