@@ -52,6 +52,8 @@ def publish(www: Path, repo: str, sha: str, src: Path) -> None:
     base.mkdir(parents=True)
     tree = []
     for p in sorted(src.iterdir()):
+        if p.name == ".onespark.lock":  # the lock synth held while writing `src`: no part of a Hub repo
+            continue
         shutil.copy(p, base / p.name)
         tree.append({"type": "file", "path": p.name, "size": p.stat().st_size,
                      "oid": hashlib.sha1(p.read_bytes()).hexdigest()})
