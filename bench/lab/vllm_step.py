@@ -1,0 +1,209 @@
+"""The decode step of the real Qwen3.5 shapes inside vLLM on a GPU, one technique at a time, with dummy weights.
+
+  python bench/lab/vllm_step.py --out F.json [--models 122b,35b] [--configs stock,...] [--deadline-s 540]
+
+Each (model, config) is a fresh vLLM engine in a child process (`--one`): `--load-format dummy` on the real
+config.json (onespark.synth.make_config with the spec's real dims: AutoRound INT4 experts, 16-bit shared experts,
+and for `fp8-shared` step 1's onespark_fp8 section), CUDA graphs and torch.compile on, prefix caching off (every
+request prefills, so two runs of one prompt cost the same), TRITON_ATTN and Triton GDN prefill (the GPU lane's
+wheel set: tests/gpu_vllm/). Configs, in the order they run (the deadline stops the list, never a config midway):
+
+  stock        INT4 experts + BF16 shared experts, vLLM's BF16 LM head, no speculative decoding, BF16 KV cache
+  product      + FP8 shared experts + onespark's INT8 head (the v2 image without MTP)
+  mtp2         product + MTP-2: random weights accept ~no drafts, so each step is one verify step of 3 tokens per
+               request plus the drafter's 2 steps (acceptance comes from the published runs: README)
+  int8-head    stock + INT8 head only (separates the head from the FP8 shared experts)
+  upstream-tq  product + upstream vLLM's TurboQuant KV cache (--kv-cache-dtype turboquant_4bit_nc, its backend)
+
+Decode step = (last_token_ts - first_token_ts) / (generated - 1), vLLM's own per-request timestamps (engine core,
+monotonic); each (context, batch) point is one request batch after a warm-up. Bytes per step come from the
+shapes (onespark.qwen35): weights each step reads once (8 of 256 experts per token, the expected number of
+distinct experts for the batch's tokens), the KV cache of the 12 attention layers and the 36 GDN states. The
+Spark estimate is bytes / 273 GB/s plus the H200's measured time beyond its own bytes / bandwidth: an estimate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from onespark import qwen35, specs, synth
+
+MODELS = {"122b": "qwen3.5-122b-a10b", "35b": "qwen3.5-35b-a3b"}
+CONFIGS = {  # name -> (FP8 shared experts, INT8 head, MTP-2, extra engine kwargs)
+    "stock": (False, False, False, {}),
+    "product": (True, True, False, {}),
+    "mtp2": (True, True, True, {}),
+    "int8-head": (False, True, False, {}),
+    "upstream-tq": (True, True, False, {"kv_cache_dtype": "turboquant_4bit_nc", "attention_backend": "TURBOQUANT"}),
+}
+H200_BW = 4.3e12  # B/s, a device-to-device copy on this workplace's H200 (read + write; KINDS.md, 2026-10-28)
+SPARK_BW = 273e9  # B/s, the GB10's LPDDR5x (published)
+DECODE_STEPS = 64
+
+
+def write_config(out: Path, model: str, fp8_shared: bool) -> dict:
+    spec = specs.get(MODELS[model])
+    config = synth.make_config("int4", dict(spec.text), mtp_dtype=spec.mtp_dtype, vision=synth.REAL_VISION,
+                               mixed_bits=spec.mixed_bits)
+    if fp8_shared:  # what step 1 writes (onespark.hybrid._hybrid_config) for the spliced shared experts
+        layers = [w[: -len(".weight")] for w in qwen35.shared_expert_weights(config)]
+        config["quantization_config"][qwen35.HYBRID_KEY] = {
+            "layers": layers, "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3",
+            "scale_name": qwen35.SCALE_SUFFIX, "scale_dtype": "BF16", "source": {"repo": spec.fp8.repo if spec.fp8 else None}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return config
+
+
+def step_bytes(config: dict, fp8_shared: bool, int8_head: bool, ctx: int, batch: int, q_len: int) -> dict:
+    """Bytes one decode step reads, by part, from the shapes: AutoRound's INT4 (0.5 B + a BF16 scale per group of
+    128) except its 16-bit layers (extra_config; routers), FP8 shared experts 1 B + a scale per 128x128 block."""
+    tc = qwen35.text_config(config)
+    e, k = tc["num_experts"], tc["num_experts_per_tok"]
+    distinct = e * (1 - (1 - k / e) ** (batch * q_len))  # expected distinct routed experts per layer
+    extra = config["quantization_config"].get("extra_config", {})
+    parts = {"routed_experts": 0.0, "shared_experts": 0.0, "attention_and_gdn": 0.0, "router": 0.0, "lm_head": 0.0}
+    for m in qwen35.language_modules(config):
+        if not isinstance(m, qwen35.Linear):
+            continue
+        n = m.out * m.inp
+        bits = 16 if qwen35.INT4_ALWAYS_16BIT.search(m.prefix) else extra.get(m.prefix, {}).get("bits", 4)
+        packed = n * (0.5 + 2 / 128) if bits == 4 else n * bits / 8  # INT4: a BF16 scale per group of 128
+        if ".mlp.experts." in m.prefix:
+            parts["routed_experts"] += packed * distinct / e
+        elif ".shared_expert." in m.prefix:
+            parts["shared_experts"] += n * (1 + 4 / (128 * 128)) if fp8_shared else packed
+        elif m.prefix == "lm_head":
+            parts["lm_head"] += n * (1 if int8_head else 2) + m.out * 4 * int8_head
+        elif qwen35.INT4_ALWAYS_16BIT.search(m.prefix):
+            parts["router"] += packed
+        else:
+            parts["attention_and_gdn"] += packed
+    kinds = qwen35.layer_types(tc)
+    attn = kinds.count("full_attention")
+    parts["kv_cache"] = attn * 2 * tc["num_key_value_heads"] * tc["head_dim"] * 2 * ctx * batch
+    gdn_state = tc["linear_num_value_heads"] * tc["linear_key_head_dim"] * tc["linear_value_head_dim"] * 4
+    parts["gdn_state"] = (len(kinds) - attn) * gdn_state * 2 * batch  # fp32 state read + written per request
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def one(model: str, config_name: str, ctxs: list[int], batches: list[int], out: Path) -> None:
+    """In the child: one engine, every (context, batch) point; `out` is rewritten after each point, so a child
+    stopped at the deadline keeps what it measured."""
+    import random
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    fp8_shared, int8_head, mtp2, extra = CONFIGS[config_name]
+    os.environ["ONESPARK_INT8_LM_HEAD"] = "1" if int8_head else "0"
+    with tempfile.TemporaryDirectory() as d:
+        config = write_config(Path(d), model, fp8_shared)
+        kw = dict(attention_backend="TRITON_ATTN", **extra)
+        if mtp2:
+            kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 2}
+        t0 = time.monotonic()
+        llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, language_model_only=True,
+                  max_model_len=max(ctxs) + DECODE_STEPS + 16, max_num_seqs=max(batches),
+                  gpu_memory_utilization=0.88, enable_prefix_caching=False, disable_log_stats=False,
+                  gdn_prefill_backend="triton", **kw)
+        result = dict(model=MODELS[model], config=config_name, startup_s=round(time.monotonic() - t0, 1), points=[])
+        rng = random.Random(0)
+        sp = SamplingParams(max_tokens=DECODE_STEPS + 1, ignore_eos=True, temperature=0, detokenize=False)
+
+        def run(ctx: int, batch: int) -> tuple[list[float], float]:
+            prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 200000) for _ in range(ctx)])
+                       for _ in range(batch)]
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+            steps, ttft = [], 0.0
+            for o in outs:
+                m = o.metrics
+                steps.append((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
+                ttft = max(ttft, m.first_token_ts - m.scheduled_ts)
+            return steps, ttft
+
+        run(min(ctxs), 1)  # warm-up: first-request allocations and lazy kernels out of the numbers
+        out.write_text(json.dumps(result))
+        for ctx in ctxs:
+            for batch in batches:
+                if ctx * batch > 2 * max(ctxs):  # e.g. 128K x 4: prefill alone would take the call's budget
+                    continue
+                steps, ttft = run(ctx, batch)
+                ms = 1e3 * sorted(steps)[len(steps) // 2]
+                b = step_bytes(config, fp8_shared, int8_head, ctx, batch, 3 if mtp2 else 1)
+                h200_floor = b["total"] / H200_BW
+                result["points"].append(dict(ctx=ctx, batch=batch, step_ms=round(ms, 3), prefill_s=round(ttft, 3),
+                                   bytes=round(b["total"]), bytes_by_part={k: round(v) for k, v in b.items()},
+                                   achieved_tb_s=round(b["total"] / (ms / 1e3) / 1e12, 3),
+                                   spark_estimate_ms=round(1e3 * (b["total"] / SPARK_BW) + max(ms - 1e3 * h200_floor, 0), 2)))
+                out.write_text(json.dumps(result))
+                print(f"  {model} {config_name} ctx {ctx} batch {batch}: {ms:.2f} ms/step", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--models", default="122b,35b")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--ctx", default="1024,32768,131072")
+    p.add_argument("--batch", default="1,4")
+    p.add_argument("--deadline-s", type=float, default=540, help="start no engine past this many seconds")
+    p.add_argument("--git-sha", default="unknown")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # MODEL:CONFIG, in the child
+    a = p.parse_args(argv)
+    ctxs, batches = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.batch.split(",")]
+    if a.one:
+        model, config = a.one.split(":")
+        one(model, config, ctxs, batches, a.out)
+        return 0
+    import torch
+    import vllm
+
+    t0 = time.monotonic()
+    result = dict(schema_version=1, git_sha=a.git_sha, command="bench/lab/vllm_step.py " + " ".join(argv or sys.argv[1:]),
+                  gpu=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__,
+                  decode_steps=DECODE_STEPS, h200_bw=H200_BW, spark_bw=SPARK_BW, runs=[], not_run=[])
+    order = [(m, c) for c in a.configs.split(",") for m in a.models.split(",")]
+    for model, config in order:
+        left = a.deadline_s - (time.monotonic() - t0)
+        if left < 60:
+            result["not_run"].append(f"{model}:{config} (deadline)")
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [sys.executable, __file__, "--one", f"{model}:{config}", "--out", f.name, "--ctx", a.ctx,
+                   "--batch", a.batch]
+            print(f"== {model} {config} ({left:.0f} s left)", flush=True)
+            error = None
+            try:
+                r = subprocess.run(cmd, timeout=left, capture_output=True, text=True)
+                if r.returncode != 0:
+                    error = (r.stderr or r.stdout)[-1500:]
+            except subprocess.TimeoutExpired:
+                error = "stopped at the deadline"
+            text = Path(f.name).read_text()
+            run = json.loads(text) if text else dict(model=MODELS[model], config=config, points=[])
+            if error:
+                run["error"] = error
+        result["runs"].append(run)
+        print(run.get("error", "")[-600:], flush=True)
+        tmp = a.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        os.replace(tmp, a.out)
+    print(f"{'model':18s} {'config':12s} {'ctx':>7s} {'b':>2s} {'ms/step':>8s} {'GB/step':>8s} {'TB/s':>6s} {'Spark ms (est.)':>15s}")
+    for run in result["runs"]:
+        for pt in run.get("points", []):
+            print(f"{run['model']:18s} {run['config']:12s} {pt['ctx']:7d} {pt['batch']:2d} {pt['step_ms']:8.2f} "
+                  f"{pt['bytes'] / 1e9:8.2f} {pt['achieved_tb_s']:6.2f} {pt['spark_estimate_ms']:15.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
