@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Wall time per stage of the lane, for the table .ci/run prints last (sourced by .ci/run and tests/run.sh).
 #   stage NAME CMD...   runs CMD, appends "NAME<TAB>seconds<TAB>rc" to $ONESPARK_STAGES (when set), returns CMD's rc
 #   stage_table         prints the table, the total and the budget check (.ci/budget.txt)

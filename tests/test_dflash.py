@@ -133,7 +133,7 @@ def _serve_with(flag: str, value: str | None) -> list[str]:
     ("--image", "onespark/v2:0.1.0", "--vllm 0.32.0"),  # 0.19.1's image
     ("--image", None, "--vllm 0.32.0"),  # the default image is 0.19.1's
     ("--drafter-dir", None, "--drafter-dir DIR"),
-    ("--num-draft-tokens", "0", "--num-draft-tokens 0"),
+    ("--num-draft-tokens", "0", "argument --num-draft-tokens: expected a whole number of at least 1, got '0'"),
 ])
 def test_serve_dflash_bad_input_is_one_line(flag, value, needle):
     r = onespark(*_serve_with(flag, value))

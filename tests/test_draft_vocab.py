@@ -139,14 +139,14 @@ def test_cli_writes_atomically_reruns_as_up_to_date_and_check_passes(tmp_path, t
     assert r.returncode == 0 and "677 of 677 token ids (the whole vocabulary: no saving)" in r.stdout
 
 
-@pytest.mark.parametrize("args,msg", [
-    (["--size", "0"], "--size must be at least 1, got 0"),
-    (["--corpus", "/nonexistent.txt"], "--corpus /nonexistent.txt: not a file"),
+@pytest.mark.parametrize("args,rc,msg", [  # a number out of range fails at the parser (exit 2, the range named)
+    (["--size", "0"], 2, "--size/--draft-vocab-size: expected a whole number of at least 1, got '0'"),
+    (["--corpus", "/nonexistent.txt"], 1, "--corpus /nonexistent.txt: not a file"),
 ])
-def test_cli_bad_input_is_one_line(tmp_path, tok_dir, args, msg):
+def test_cli_bad_input_is_one_line(tmp_path, tok_dir, args, rc, msg):
     d = _fresh(tok_dir, tmp_path)
     r = cli("draft-vocab", str(d), *args)
-    assert r.returncode == 1 and r.stderr.count("\n") == 1 and msg in r.stderr, r.stderr
+    assert r.returncode == rc and r.stderr.count("\n") == 1 and msg in r.stderr, r.stderr
     assert not (d / draft_vocab.FILE).exists()
 
 

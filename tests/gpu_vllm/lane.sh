@@ -23,7 +23,8 @@ mkdir -p "$out"
 source "$STORE/env.sh"
 site=$STORE/onespark
 rm -rf "$site"
-"$py" -m pip install -q --no-deps --no-compile --target "$site" "$ONESPARK_WHEEL"
+WHEEL_PATH=$ONESPARK_WHEEL
+"$py" -m pip install -q --no-deps --no-compile --target "$site" "$WHEEL_PATH"
 export PYTHONPATH=$site:$PYTHONPATH PYTHONUNBUFFERED=1 ONESPARK_VLLM_GPU=1
 logs=$(mktemp -d)
 export ONESPARK_SERVER_LOG_DIR=$logs
