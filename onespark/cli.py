@@ -93,7 +93,7 @@ def _main(argv: list[str]) -> int:
     parser = Parser(prog=f"onespark {name}", description=help_, allow_abbrev=False)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
-    if name in ("download", "hybrid", "mtp"):  # the commands that lock a directory
+    if name in ("download", "hybrid", "mtp", "synth"):  # the commands that lock a directory
         from onespark import lock  # who holds an output directory, for the message a second writer gets
         lock.COMMAND = "onespark " + shlex.join(redact_argv(argv))
     try:

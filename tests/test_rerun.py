@@ -295,6 +295,7 @@ def test_two_synth_runs_into_one_out_the_second_is_refused(tmp_path, clean_synth
     first, go = _held_synth(tmp_path, *_synth_args(out))
     last = one_line_error(cli("synth", *_synth_args(out, seed=1)), "synth")
     assert f"--out {out} is in use by pid {first.pid} (" in last, last
+    assert "(onespark synth --format int4" in last, last  # the holder's command as the CLI records it
     go.touch()
     assert first.wait(timeout=300) == 0, first.stdout.read()
     assert digest(out) == digest(clean_synth / "0")  # the refused run wrote nothing into it
