@@ -44,6 +44,7 @@ from pathlib import Path
 from onespark import options, shape
 from onespark.checkpoint import INDEX, INDEX_FILE
 from onespark.errors import UserError
+from onespark.vllm_log import detect_stage
 
 GIB = 1024**3
 MIB = 1024**2
@@ -582,11 +583,6 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _stage(log: str) -> str | None:
-    from onespark.serve import detect_stage  # stdlib only too; imported late so serve can import us
-    return detect_stage(log)
-
-
 def run_guard(source, target, guard: Guard, *, interval: float, report: Path | None, util: str | None,
               say=print, clock=time.monotonic, sleep=time.sleep) -> int:
     """Sample until the target ends (0) or must be stopped (3). Errors of a sample are skipped, logged once."""
@@ -635,7 +631,7 @@ def _stop(target, guard: Guard, reason: str, *, report: Path | None, util: str |
     except Exception as e:  # keep going: the report still tells the user what was seen
         how = f"stop failed: {e!r}"
     try:
-        stage = _stage(target.log())
+        stage = detect_stage(target.log())
     except Exception:
         stage = None
     text = (f"onespark memory guard stopped {target.what} at {time.strftime('%Y-%m-%d %H:%M:%S')}: {reason}.\n"

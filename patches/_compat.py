@@ -17,10 +17,7 @@ tests/test_plugin_ledger.py checks that every seam it names exists in this file.
 
 from __future__ import annotations
 
-import re
-
-# The default track (reproduces the published tables) first; then the current one.
-SUPPORTED_VLLM: tuple[str, ...] = ("0.19.1", "0.32.0")
+from onespark.tracks import SUPPORTED_VLLM, release_of, supported_release
 
 # The GPU lane's vLLM (tests/gpu_vllm/): not a shipped track, the one whose official x86_64 wheel matches the H200
 # host's torch 2.11.0+cu130. Every seam takes its 0.32.0 branch on it (ParallelLMHead is a PluggableLayer there
@@ -28,22 +25,9 @@ SUPPORTED_VLLM: tuple[str, ...] = ("0.19.1", "0.32.0")
 GPU_LANE_VLLM = "0.26.0"
 
 
-def _release_of(version: str, releases: tuple[str, ...]) -> str | None:
-    for release in releases:
-        if re.fullmatch(re.escape(release) + r"([.+].*)?", version):
-            return release
-    return None
-
-
-def supported_release(version: str) -> str | None:
-    """'0.32.0+cpu' -> '0.32.0'; None for anything that is not a build of a supported release (0.19.10,
-    0.32.1, 0.19, and the GPU lane's 0.26.0: see lane_release)."""
-    return _release_of(version, SUPPORTED_VLLM)
-
-
 def lane_release(version: str) -> str | None:
     """The release whose seams a vLLM takes: a shipped track's, or "0.32.0" for the GPU lane's 0.26.0."""
-    if _release_of(version, (GPU_LANE_VLLM,)):
+    if release_of(version, (GPU_LANE_VLLM,)):
         return "0.32.0"
     return supported_release(version)
 

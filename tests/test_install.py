@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from onespark import __version__, doctor, serve
+from onespark import __version__, doctor, serve, vllm_log
 from onespark.errors import UserError
 from tests._plan import in_order
 
@@ -543,7 +543,7 @@ def _vllm_source() -> str:
 def test_stage_messages_exist_in_vllm(literal):
     """Every message the progress line keys on is one vLLM 0.19.1 really logs."""
     assert literal in _vllm_source()
-    assert any(p.search(literal) or p.pattern.split("[")[0].split("|")[0] in literal for p, _ in serve.STAGES)
+    assert any(p.search(literal) or p.pattern.split("[")[0].split("|")[0] in literal for p, _ in vllm_log.STAGES)
 
 
 @pytest.mark.vllm
@@ -554,7 +554,7 @@ def test_stage_messages_exist_in_vllm(literal):
 def test_cause_messages_exist(literal):
     """The likely causes keyed on vLLM's own error messages use words vLLM 0.19.1 really prints."""
     assert literal in _vllm_source()
-    assert serve.likely_cause("ValueError: " + literal, 1) != serve.likely_cause("ValueError: nothing", 1)
+    assert vllm_log.likely_cause("ValueError: " + literal, 1) != vllm_log.likely_cause("ValueError: nothing", 1)
 
 
 def test_detect_stage_follows_the_log():
@@ -565,16 +565,16 @@ def test_detect_stage_follows_the_log():
         (EngineCore pid=29) INFO [gpu_model_runner.py:4736] Starting to load model /model...
         Loading safetensors checkpoint shards:  43% Completed | 6/14 [01:02<01:23, 10.3s/it]
         """)
-    assert serve.detect_stage(log) == "loading weights (6/14 shards)"
+    assert vllm_log.detect_stage(log) == "loading weights (6/14 shards)"
     log += "(EngineCore pid=29) INFO [default_loader.py:385] Loading weights took 151.20 seconds\n"
-    assert serve.detect_stage(log) == "weights loaded"
+    assert vllm_log.detect_stage(log) == "weights loaded"
     log += "(EngineCore pid=29) INFO [backends.py:391] Compiling a graph for compile range (1, 8192) takes 41.2 s\n"
-    assert serve.detect_stage(log) == "compiling (torch.compile)"
+    assert vllm_log.detect_stage(log) == "compiling (torch.compile)"
     log += "Capturing CUDA graphs (mixed prefill-decode, PIECEWISE): 37%|███ | 19/51 [00:05<00:09]\r"
-    assert serve.detect_stage(log) == "capturing CUDA graphs (37%)"
+    assert vllm_log.detect_stage(log) == "capturing CUDA graphs (37%)"
     log += "(APIServer pid=1) INFO [api_server.py:596] Starting vLLM server on http://127.0.0.1:8000\n"
-    assert serve.detect_stage(log) == "API server up"
-    assert serve.detect_stage("nothing yet\n") is None
+    assert vllm_log.detect_stage(log) == "API server up"
+    assert vllm_log.detect_stage("nothing yet\n") is None
 
 
 @pytest.mark.parametrize("log, code, oom, expect", [
@@ -601,7 +601,7 @@ def test_detect_stage_follows_the_log():
      "RuntimeError: something else entirely", 1, False, "not recognised"),
 ])
 def test_likely_cause(log, code, oom, expect):
-    assert expect in serve.likely_cause(log, code, oom)
+    assert expect in vllm_log.likely_cause(log, code, oom)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from onespark import memory, qwen35, serve, synth
+from onespark import launch, memory, qwen35, serve, synth
 from onespark.errors import UserError
 from onespark.safetensors_io import read_header
 
@@ -662,7 +662,7 @@ def test_serve_shows_the_guards_report_when_it_stopped_the_container(tmp_path, m
     # the guard writes its report just after docker stop: serve may see the exit first
     threading.Timer(1.0, report.write_text,
                     ["onespark memory guard stopped container onespark at ...: MemAvailable 4.1 GiB stayed below\n"]).start()
-    monkeypatch.setattr(serve, "_http", lambda *a, **k: (0, b""))
+    monkeypatch.setattr(launch, "http", lambda *a, **k: (0, b""))
     monkeypatch.setattr(serve, "_container_state", lambda name: (False, 143, False))
     monkeypatch.setattr(serve, "_logs", lambda name: "INFO Memory profiling takes 3 s\n")
     with pytest.raises(UserError, match=r"stopped by the memory guard after \d+ s:\nonespark memory guard stopped"):

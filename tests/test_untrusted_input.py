@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from onespark import cli, memory, serve
+from onespark import cli, launch, memory, serve
 from onespark.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -213,13 +213,13 @@ def test_smoke_answers_of_the_wrong_shape_are_one_line(kind, tmp_path):
     srv = subprocess.Popen([sys.executable, "-c", SERVER, str(port), models or MODELS_OK, chat or CHAT_OK])
     try:
         for _ in range(100):
-            if serve._port_open("127.0.0.1", port):
+            if launch.port_open("127.0.0.1", port):
                 break
             time.sleep(0.05)
         with pytest.raises(UserError) as e:
-            serve.smoke(f"http://127.0.0.1:{port}", "hi", 4, None)
+            launch.smoke(f"http://127.0.0.1:{port}", "hi", 4, None)
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
-        assert str(e.value).endswith(serve.NOT_VLLM)
+        assert str(e.value).endswith(launch.NOT_VLLM)
     finally:
         srv.kill()
         srv.wait()
@@ -257,7 +257,7 @@ def test_serve_stops_the_container_whose_smoke_answer_is_wrong(kind, tmp_path):
     assert line.endswith("; stopped container t1 (its log: docker logs t1; then docker rm t1, or serve again with "
                          "--replace)"), line
     assert "stop t1" in (tmp_path / "calls").read_text().splitlines()
-    assert not (tmp_path / "pid").exists() and not serve._port_open("127.0.0.1", port)  # not serving any more
+    assert not (tmp_path / "pid").exists() and not launch.port_open("127.0.0.1", port)  # not serving any more
 
 
 def test_a_well_formed_answer_still_passes():
@@ -265,10 +265,10 @@ def test_a_well_formed_answer_still_passes():
     srv = subprocess.Popen([sys.executable, "-c", SERVER, str(port), MODELS_OK, CHAT_OK])
     try:
         for _ in range(100):
-            if serve._port_open("127.0.0.1", port):
+            if launch.port_open("127.0.0.1", port):
                 break
             time.sleep(0.05)
-        r = serve.smoke(f"http://127.0.0.1:{port}", "hi", 4, None)
+        r = launch.smoke(f"http://127.0.0.1:{port}", "hi", 4, None)
     finally:
         srv.kill()
         srv.wait()
