@@ -44,8 +44,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from onespark import __version__, options
-from onespark.errors import UserError
+from onespark import __version__, launch, memory, options, tracks
+from onespark.errors import UserError, read_secret
+from onespark.vllm_log import likely_cause
 
 # Neither vLLM wheel names Ray (0.32.0's sharded_rdt_common.py: "vLLM does not depend on Ray, so there is
 # no pin to carry this"); 2.48.0 is the Ray vLLM's own CI lock pins (requirements/test/cuda.txt).
@@ -73,6 +74,48 @@ class Node:
 
     def __str__(self) -> str:
         return f"{self.name} ({self.role})"
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What one `onespark cluster` does, read once from its arguments (run() builds it; nothing below reads
+    the Namespace)."""
+    nodes: str  # HEAD,WORKER as given (the --down hint repeats it)
+    work: str
+    image: str  # the serving image the cluster image is built from
+    iface: str | None
+    pp: bool
+    sync: bool
+    allow_sockets: bool
+    host: str
+    port: int
+    api_key: str | None = field(repr=False)  # --api-key, its file's first line, or $ONESPARK_API_KEY
+    timeout: float
+    prompt: str
+    max_tokens: int
+    bench: bool
+    down: bool
+    dry_run: bool
+    vllm_args: tuple[str, ...]  # the user's, after --
+    guard: bool
+    guard_floor_gib: float
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Cluster:
+        extra = list(args.vllm_args or [])
+        extra = extra[1:] if extra and extra[0] == "--" else extra
+        options.reject_secret_flags(extra, "cluster")
+        api_key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else args.api_key
+        return cls(nodes=args.nodes, work=args.work, image=args.image, iface=args.iface, pp=args.pp, sync=args.sync,
+                   allow_sockets=args.allow_sockets, host=args.host, port=args.port, api_key=api_key,
+                   timeout=args.timeout, prompt=args.prompt, max_tokens=args.max_tokens, bench=args.bench,
+                   down=args.down, dry_run=args.dry_run, vllm_args=tuple(extra), guard=not args.no_memory_guard,
+                   guard_floor_gib=args.guard_floor_gib)
+
+    @property
+    def model(self) -> str:
+        """WORK/hybrid, absolute: the same path on both nodes."""
+        return str(Path(self.work, "hybrid").absolute())
 
 
 # (node, shell command, timeout in s) -> (exit status, stdout + stderr). Tests pass their own.
@@ -297,9 +340,7 @@ def parse_image(out: str) -> dict[str, str] | None:
 
 
 def track_of(vllm_version: str) -> str:
-    from onespark.patches._compat import supported_release  # stdlib-only module; no vLLM import
-
-    return supported_release(vllm_version) or ""
+    return tracks.supported_release(vllm_version) or ""
 
 
 def cluster_image(serving: str) -> str:
@@ -325,32 +366,43 @@ def build_cluster_image_cmd(serving: str) -> str:
 
 
 def ray_container_cmd(image: str, model: str, env: dict[str, str], ray_args: list[str]) -> str:
-    # Host network (Ray and NCCL bind the link address); the RDMA devices and unlimited locked memory for
-    # NCCL's IB transport; --ipc host for PyTorch's shared memory, as `onespark serve` runs one node.
-    parts = ["docker", "run", "-d", "--name", RAY_CONTAINER, "--network", "host", "--ipc", "host",
-             "--gpus", "all", "--ulimit", "memlock=-1", "--ulimit", "stack=67108864",
-             "--device", "/dev/infiniband", "--cap-add", "IPC_LOCK", "-v", f"{model}:/model:ro"]
-    for k, v in env.items():
-        parts += ["-e", f"{k}={v}"]
-    parts += ["-e", "RAY_USAGE_STATS_ENABLED=0", "--entrypoint", "ray", image, "start", "--block",
-              "--disable-usage-stats", *ray_args]
+    # serve's container (host network: Ray and NCCL bind the link address; the OOM adjustment; GPU, --ipc host,
+    # unlimited locked memory), plus the RDMA devices for NCCL's IB transport.
+    parts = [*launch.container_flags(RAY_CONTAINER, model), "--device", "/dev/infiniband", "--cap-add", "IPC_LOCK",
+             *launch.env_flags({**env, "RAY_USAGE_STATS_ENABLED": "0"}),
+             "--entrypoint", "ray", image, "start", "--block", "--disable-usage-stats", *ray_args]
     return shlex.join(parts)
 
 
-def vllm_args(args: argparse.Namespace) -> list[str]:
-    par = (["--tensor-parallel-size", "1", "--pipeline-parallel-size", "2"] if args.pp
+def vllm_args(c: Cluster) -> list[str]:
+    par = (["--tensor-parallel-size", "1", "--pipeline-parallel-size", "2"] if c.pp
            else ["--tensor-parallel-size", "2"])
-    extra = list(args.vllm_args or [])
-    if extra and extra[0] == "--":
-        extra = extra[1:]
-    return ["--host", args.host, "--port", str(args.port), "--distributed-executor-backend", "ray", *par, *extra]
+    return ["--host", c.host, "--port", str(c.port), "--distributed-executor-backend", "ray", *par, *c.vllm_args]
 
 
-def vllm_exec_cmd(args: argparse.Namespace) -> str:
+# The guard's directory on a node, where `onespark serve` keeps its own (memory.state_dir), expanded by that
+# node's shell (its user's home); the files are named by the container, as serve's are (memory.guard_files).
+GUARD_DIR = "${XDG_STATE_HOME:-$HOME/.local/state}/onespark"
+GUARD_LOG, GUARD_REPORT = (f"guard-{RAY_CONTAINER}.log", f"guard-{RAY_CONTAINER}.report")
+
+
+def guard_cmd(c: Cluster) -> str:
+    """The memory guard beside a node's Ray container, as serve starts it beside its own: in the background
+    in its own session (it outlives the ssh command), ending with the container; prints its pid and log.
+    The checkout's .venv-host python, else python3 in the checkout (onespark.memory is standard library only)."""
+    util = memory.vllm_flag(list(c.vllm_args), "--gpu-memory-utilization") or f"{memory.DEFAULT_GPU_UTIL:g}"
+    argv = memory.guard_command(RAY_CONTAINER, floor_gib=c.guard_floor_gib, report=None, util=util)[1:]
+    py = f'"$(command -v {shlex.quote(str(ROOT / ".venv-host" / "bin" / "python"))} || echo python3)"'
+    return (f'd="{GUARD_DIR}"; mkdir -p "$d" && rm -f "$d/{GUARD_REPORT}" && cd {shlex.quote(str(ROOT))} && '
+            f'{{ setsid {py} {shlex.join(argv)} --report "$d/{GUARD_REPORT}" >> "$d/{GUARD_LOG}" 2>&1 < /dev/null & }} '
+            f'&& echo "$! $d/{GUARD_LOG}"')
+
+
+def vllm_exec_cmd(c: Cluster) -> str:
     """vLLM in the head's Ray container, through the image's entrypoint (its defaults stay)."""
     inner = ("echo $$ > /tmp/onespark-vllm.pid; exec /opt/onespark/entrypoint.sh "
-             + shlex.join(vllm_args(args)) + " > /tmp/onespark-vllm.log 2>&1")
-    key = ["-e", "VLLM_API_KEY"] if args.api_key else []
+             + shlex.join(vllm_args(c)) + " > /tmp/onespark-vllm.log 2>&1")
+    key = ["-e", "VLLM_API_KEY"] if c.api_key else []
     return shlex.join(["docker", "exec", "-d", *key, RAY_CONTAINER, "bash", "-c", inner])
 
 
@@ -371,17 +423,17 @@ print(json.dumps(ray.get([probe.options(scheduling_strategy=NodeAffinityScheduli
 """
 
 
-def plan_commands(args: argparse.Namespace, plan: Plan) -> list[tuple[str, Node, str]]:
+def plan_commands(c: Cluster, plan: Plan) -> list[tuple[str, Node, str]]:
     """Every command that changes something, in order, for both machines (what --dry-run prints), each
     tagged with its stage: "sync" (image and checkpoint onto the worker), "ray", "check", "vllm"."""
     head, worker = plan.head, plan.worker
-    model = str(Path(args.work, "hybrid").absolute())
+    model = str(Path(c.work, "hybrid").absolute())
     link_ip = {r: str(plan.link[r].ip.ip) if plan.link else f"{r.upper()}_LINK_IP" for r in ("head", "worker")}
     cmds: list[tuple[str, Node, str]] = []
-    if args.sync:
-        cmds.append(("sync", head, build_cluster_image_cmd(args.image)))
+    if c.sync:
+        cmds.append(("sync", head, build_cluster_image_cmd(c.image)))
         ssh = shlex.join(["ssh", *SSH_OPTS, "--", worker.name])
-        img = shlex.quote(cluster_image(args.image))
+        img = shlex.quote(cluster_image(c.image))
         same = (f"[ \"$({ssh} docker image inspect --format '{{{{.Id}}}}' {img} 2>/dev/null)\" = "
                 f"\"$(docker image inspect --format '{{{{.Id}}}}' {img})\" ]")
         # ~25 GB over the link: only when the worker lacks this very image ID.
@@ -399,9 +451,11 @@ def plan_commands(args: argparse.Namespace, plan: Plan) -> list[tuple[str, Node,
                            "--num-gpus", "1"]}
     for node in (head, worker):
         cmds.append(("ray", node, f"docker rm -f {RAY_CONTAINER} >/dev/null 2>&1; " + ray_container_cmd(
-            cluster_image(args.image), model, plan.env.get(node.role, {}), ray_args[node.role])))
+            cluster_image(c.image), model, plan.env.get(node.role, {}), ray_args[node.role])))
+    if c.guard:  # once the containers exist (the guard refuses a missing one), before vLLM starts in them
+        cmds += [("guard", node, guard_cmd(c)) for node in (head, worker)]
     cmds.append(("check", head, shlex.join(["docker", "exec", RAY_CONTAINER, "python", "-c", PLUGIN_CHECK.strip()])))
-    cmds.append(("vllm", head, vllm_exec_cmd(args)))
+    cmds.append(("vllm", head, vllm_exec_cmd(c)))
     return cmds
 
 
@@ -424,16 +478,16 @@ def print_plan(plan: Plan, cmds: list[tuple[str, Node, str]]) -> None:
 # ---- preflight ----------------------------------------------------------------------------------------
 
 
-def read_commands(args: argparse.Namespace) -> dict[str, str]:
+def read_commands(c: Cluster) -> dict[str, str]:
     """The preflight's read-only commands, run on both nodes (the serving image only on the head)."""
     osp = onespark_cmd(ROOT)
     return {
         "ssh": "true",
         "version": f"{osp} --version",
-        "image": image_probe(cluster_image(args.image)),
-        "serving image": image_probe(args.image),
-        "checkpoint": f"{osp} verify --fast {shlex.quote(str(Path(args.work, 'hybrid').absolute()))}",
-        "doctor": f"{osp} doctor --work {shlex.quote(args.work)} --skip-hf",
+        "image": image_probe(cluster_image(c.image)),
+        "serving image": image_probe(c.image),
+        "checkpoint": f"{osp} verify --fast {shlex.quote(str(Path(c.work, 'hybrid').absolute()))}",
+        "doctor": f"{osp} doctor --work {shlex.quote(c.work)} --skip-hf",
         "link": LINK_PROBE,
     }
 
@@ -461,7 +515,7 @@ def _check_versions(rd: dict[str, str], head: Node, worker: Node, runner: Runner
     return problems
 
 
-def _check_images(args: argparse.Namespace, rd: dict[str, str], head: Node, worker: Node,
+def _check_images(c: Cluster, rd: dict[str, str], head: Node, worker: Node,
                   runner: Runner) -> tuple[list[str], str]:
     """The serving image on the head, the cluster image on both (one ID; --sync builds and copies it), and the
     vLLM track the image's label names ("" when none)."""
@@ -472,16 +526,16 @@ def _check_images(args: argparse.Namespace, rd: dict[str, str], head: Node, work
     rc, out = runner(head, rd["serving image"], 30)
     serving = parse_image(out) if rc == 0 else None
     if serving is None:
-        problems.append(f"node {head}: no image {args.image}: build it there first (./install.sh)")
-    elif not args.sync and (images["head"] is None or images["head"]["from"] != serving["id"]):
+        problems.append(f"node {head}: no image {c.image}: build it there first (./install.sh)")
+    elif not c.sync and (images["head"] is None or images["head"]["from"] != serving["id"]):
         what = "no cluster image" if images["head"] is None else "an outdated cluster image"
-        problems.append(f"node {head}: {what} {cluster_image(args.image)} ({args.image} + Ray {RAY_VERSION}): "
+        problems.append(f"node {head}: {what} {cluster_image(c.image)} ({c.image} + Ray {RAY_VERSION}): "
                         f"pass --sync to build it and copy it to {worker.name}")
-    if images["worker"] is None and not args.sync:
-        problems.append(f"node {worker}: no image {cluster_image(args.image)}: copy it with --sync "
+    if images["worker"] is None and not c.sync:
+        problems.append(f"node {worker}: no image {cluster_image(c.image)}: copy it with --sync "
                         f"(docker save | ssh {worker.name} docker load)")
-    if images["head"] and images["worker"] and images["head"]["id"] != images["worker"]["id"] and not args.sync:
-        problems.append(f"node {worker}: image {cluster_image(args.image)} is {images['worker']['id'][:19]} (onespark "
+    if images["head"] and images["worker"] and images["head"]["id"] != images["worker"]["id"] and not c.sync:
+        problems.append(f"node {worker}: image {cluster_image(c.image)} is {images['worker']['id'][:19]} (onespark "
                         f"{images['worker']['onespark'] or '?'}, vLLM {images['worker']['vllm'] or '?'}), but "
                         f"{images['head']['id'][:19]} (onespark {images['head']['onespark'] or '?'}, vLLM "
                         f"{images['head']['vllm'] or '?'}) on {head.name}: re-copy it with --sync")
@@ -494,13 +548,13 @@ def _check_images(args: argparse.Namespace, rd: dict[str, str], head: Node, work
     return problems, track
 
 
-def _check_checkpoints(args: argparse.Namespace, rd: dict[str, str], head: Node, worker: Node,
+def _check_checkpoints(c: Cluster, rd: dict[str, str], head: Node, worker: Node,
                        runner: Runner) -> list[str]:
     """WORK/hybrid verifies on each node (the worker's only when --sync does not copy and verify it)."""
     problems = []
-    model = Path(args.work, "hybrid").absolute()
+    model = Path(c.work, "hybrid").absolute()
     for node in (head, worker):
-        if node is worker and args.sync:
+        if node is worker and c.sync:
             continue  # copied and verified by --sync
         rc, out = runner(node, rd["checkpoint"], 600)
         if rc != 0:
@@ -522,16 +576,16 @@ def _check_doctor(rd: dict[str, str], head: Node, worker: Node, runner: Runner) 
     return problems
 
 
-def preflight(args: argparse.Namespace, head: Node, worker: Node, runner: Runner) -> Plan:
+def preflight(c: Cluster, head: Node, worker: Node, runner: Runner) -> Plan:
     """Everything checked before anything starts. Returns the plan; plan.problems lists each failure."""
-    rd = read_commands(args)
+    rd = read_commands(c)
     _check_ssh(rd, head, worker, runner)
     problems = _check_versions(rd, head, worker, runner)
-    image_problems, track = _check_images(args, rd, head, worker, runner)
+    image_problems, track = _check_images(c, rd, head, worker, runner)
     problems += image_problems
-    problems += _check_checkpoints(args, rd, head, worker, runner)
+    problems += _check_checkpoints(c, rd, head, worker, runner)
     problems += _check_doctor(rd, head, worker, runner)
-    plan = link_preflight(head, worker, runner, iface=args.iface, allow_sockets=args.allow_sockets,
+    plan = link_preflight(head, worker, runner, iface=c.iface, allow_sockets=c.allow_sockets,
                           track=track or "0.19.1")
     plan.problems[:0] = problems
     plan.vllm_track = track
@@ -557,13 +611,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address vLLM binds on the head (default: %(default)s)")
     p.add_argument("--port", type=options.PORT, default=8000, help="vLLM's port on the head (default: %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("ONESPARK_API_KEY"),
-                   help="require this key on /v1 (default: $ONESPARK_API_KEY; none)")
+                   help="require this key on /v1 (default: $ONESPARK_API_KEY; none); visible in `ps`: prefer "
+                        "--api-key-file or the variable")
+    p.add_argument("--api-key-file", help="read the key from this file (first line)")
     p.add_argument("--timeout", type=options.SECONDS, default=2400, help="seconds to wait for /health (default: %(default)s)")
     p.add_argument("--prompt", default="In one sentence: what is a DGX Spark?", help="the smoke-test question")
     p.add_argument("--max-tokens", type=options.COUNT, default=64, help="smoke-test answer length (default: %(default)s)")
     p.add_argument("--bench", action="store_true", help="after the smoke request: onespark bench --suite published")
     p.add_argument("--down", action="store_true", help="stop the Ray/vLLM containers on both nodes and exit")
     p.add_argument("--dry-run", action="store_true", help="print every command for both machines, run nothing")
+    p.add_argument("--guard-floor-gib", type=memory.GIB_ABOVE_0, default=memory.GUARD_FLOOR_GIB,
+                   help="MemAvailable floor of the memory guard on each node (default: %(default)g)")
+    p.add_argument("--no-memory-guard", action="store_true", help="do not start the memory guard on each node (it "
+                   "stops that node's Ray container before the host runs out of memory)")
     p.add_argument("vllm_args", nargs=argparse.REMAINDER, help="after --: extra vLLM flags (they replace defaults)")
 
 
@@ -664,31 +724,36 @@ def wait_cluster(runner: Runner, head: Node, worker: Node, expect_ips: set[str],
     return seen
 
 
-def wait_vllm(runner: Runner, head: Node, base_url: str, timeout: float) -> str:
-    from onespark.serve import _http, detect_stage, likely_cause
+def guard_reports(runner: Runner, nodes: tuple[Node, ...]) -> str:
+    """What the memory guard of each node wrote when it stopped that node's Ray container ("" when none did)."""
+    out = []
+    for node in nodes:
+        rc, text = runner(node, f'cat "{GUARD_DIR}/{GUARD_REPORT}" 2>/dev/null', 30)
+        if rc == 0 and text.strip():
+            out.append(f"on {node.name}: {text.strip()}")
+    return "\n".join(out)
 
-    t0 = time.monotonic()
-    last = None
+
+def wait_vllm(runner: Runner, c: Cluster, head: Node, worker: Node, base_url: str) -> str:
+    """launch.wait_healthy on vLLM in the head's Ray container; returns its log (NCCL's transport lines)."""
     alive = shlex.join(["docker", "exec", RAY_CONTAINER, "bash", "-c", "kill -0 $(cat /tmp/onespark-vllm.pid)"])
     tail = shlex.join(["docker", "exec", RAY_CONTAINER, "tail", "-n", "400", "/tmp/onespark-vllm.log"])
-    while True:
-        status, _ = _http(f"{base_url}/health", timeout=5)
+
+    def poll(elapsed: float) -> tuple[str, str | None]:
         log = runner(head, tail, 30)[1]
-        if status == 200:
-            print(f"onespark cluster: healthy after {time.monotonic() - t0:.0f} s")
-            return log
-        if runner(head, alive, 30)[0] != 0:
-            raise UserError(f"vLLM on {head.name} exited.\n--- log tail ---\n" + "\n".join(log.splitlines()[-40:])
-                            + f"\n--- likely cause: {likely_cause(log)}\n(full log: docker exec {RAY_CONTAINER} "
-                            f"cat /tmp/onespark-vllm.log)")
-        if time.monotonic() - t0 > timeout:
-            raise UserError(f"/health not green after {timeout:.0f} s (stage: {detect_stage(log) or 'unknown'}); "
-                            f"the containers are left running: docker exec {RAY_CONTAINER} cat /tmp/onespark-vllm.log")
-        stage = detect_stage(log) or "starting"
-        if stage != last:
-            print(f"[{time.monotonic() - t0:5.0f} s] {stage}", flush=True)
-            last = stage
-        time.sleep(3)
+        if runner(head, alive, 30)[0] == 0:
+            return log, None
+        stopped = guard_reports(runner, (head, worker)) if c.guard else ""
+        if stopped:
+            return log, f"vLLM on {head.name} exited after {elapsed:.0f} s: the memory guard stopped it:\n{stopped}"
+        return log, (f"vLLM on {head.name} exited.\n--- log tail ---\n" + "\n".join(log.splitlines()[-40:])
+                     + f"\n--- likely cause: {likely_cause(log)}\n(full log: docker exec {RAY_CONTAINER} "
+                     f"cat /tmp/onespark-vllm.log)")
+
+    launch.wait_healthy(base_url, c.timeout, prog="onespark cluster", poll=poll, tty=False, first="starting",
+                        after_timeout=lambda log: f"the containers are left running: docker exec {RAY_CONTAINER} "
+                                                  f"cat /tmp/onespark-vllm.log")
+    return runner(head, tail, 30)[1]
 
 
 def transport(log: str) -> str | None:
@@ -711,7 +776,7 @@ def _down(runner: Runner, head: Node, worker: Node, dry_run: bool) -> int:
     return 0
 
 
-def _dry_run(args: argparse.Namespace, head: Node, worker: Node) -> int:
+def _dry_run(c: Cluster, head: Node, worker: Node) -> int:
     """Nothing is read from the machines: the link and its NCCL environment are shown as placeholders."""
     plan = Plan(head, worker, {}, {})
     for role in ("head", "worker"):
@@ -720,34 +785,34 @@ def _dry_run(args: argparse.Namespace, head: Node, worker: Node) -> int:
                           "NCCL_IB_GID_INDEX": f"{role.upper()}_ROCE_V2_GID_INDEX",
                           "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,NET"}
     print("onespark cluster: dry run: nothing is read or started. Preflight (read-only, on both nodes):")
-    for what, cmd in read_commands(args).items():
+    for what, cmd in read_commands(c).items():
         shown = ("ip -o -4 addr show; /sys/class/net/*/mtu; /sys/class/infiniband/*/ports/1/{state,gids/*,"
                  "gid_attrs/types/*,gid_attrs/ndevs/*}" if what == "link" else cmd)
         for node in ((head,) if what == "serving image" else (head, worker)):
             print(f"[{node.role} {node.name}] (read {what}) {shown}")
     print("onespark cluster: then, once every check passes (link values below are placeholders):")
-    print_plan(plan, plan_commands(args, plan))
-    print(f"[head {head.name}] wait for /health on http://{args.host}:{args.port}, one chat request"
-          + (", then onespark bench --suite published" if args.bench else ""))
+    print_plan(plan, plan_commands(c, plan))
+    print(f"[head {head.name}] wait for /health on http://{c.host}:{c.port}, one chat request"
+          + (", then onespark bench --suite published" if c.bench else ""))
     return 0
 
 
-def _start_ray(args: argparse.Namespace, plan: Plan, runner: Runner) -> None:
+def _start_ray(c: Cluster, plan: Plan, runner: Runner) -> None:
     """--sync's copies and both Ray containers; after a copy, the cluster image must be one ID on both."""
     head, worker = plan.head, plan.worker
-    for stage, node, cmd in plan_commands(args, plan):
+    for stage, node, cmd in plan_commands(c, plan):
         if stage in ("sync", "ray"):  # the check and vLLM follow once both Ray nodes are up
             _run(runner, node, cmd, 7200, f"the {stage} step")
-    if args.sync:
-        ids = {n.role: parse_image(runner(n, image_probe(cluster_image(args.image)), 30)[1]) for n in (head, worker)}
+    if c.sync:
+        ids = {n.role: parse_image(runner(n, image_probe(cluster_image(c.image)), 30)[1]) for n in (head, worker)}
         if not ids["head"] or not ids["worker"] or ids["head"]["id"] != ids["worker"]["id"]:
-            raise UserError(f"node {worker}: {cluster_image(args.image)} differs from {head.name}'s after the copy: "
-                            f"docker image rm {cluster_image(args.image)} on {worker.name}, then --sync again")
+            raise UserError(f"node {worker}: {cluster_image(c.image)} differs from {head.name}'s after the copy: "
+                            f"docker image rm {cluster_image(c.image)} on {worker.name}, then --sync again")
 
 
-def _report_transport(args: argparse.Namespace, plan: Plan, log: str) -> str | None:
+def _report_transport(c: Cluster, plan: Plan, log: str) -> str | None:
     used = transport(log)
-    if used == "Socket" and not args.allow_sockets:
+    if used == "Socket" and not c.allow_sockets:
         print(f"onespark cluster: warning: NCCL uses TCP sockets, not RoCE (NET/Socket in the log): check "
               f"NCCL_IB_HCA={plan.env['head'].get('NCCL_IB_HCA', '')} and `ibv_devinfo` on both nodes "
               f"(docs/guides/two-sparks.md)", file=sys.stderr)
@@ -756,62 +821,73 @@ def _report_transport(args: argparse.Namespace, plan: Plan, log: str) -> str | N
     return used
 
 
-def _smoke(args: argparse.Namespace, plan: Plan, base_url: str) -> None:
-    from onespark.serve import smoke
-
-    r = smoke(base_url, args.prompt, args.max_tokens, args.api_key)
-    print(f"onespark cluster: {r['model']} answered {args.prompt!r}:\n  {r['answer'].strip()!r}")
-    print(f"onespark cluster: {r['completion_tokens']} tokens in {r['seconds']:.2f} s = {r['tok_per_s']:.1f} tok/s "
-          f"(end to end, one request, {'PP' if args.pp else 'TP'}=2 across {plan.head.name} and {plan.worker.name})")
+def _smoke(c: Cluster, plan: Plan, base_url: str) -> None:
+    launch.print_smoke("onespark cluster", base_url, c.prompt, c.max_tokens, c.api_key,
+                       f"end to end, one request, {'PP' if c.pp else 'TP'}=2 across {plan.head.name} and "
+                       f"{plan.worker.name}")
 
 
-def _bench(args: argparse.Namespace, base_url: str, used: str | None) -> None:
-    env = {**os.environ, **({"OPENAI_API_KEY": args.api_key} if args.api_key else {})}
-    par = "PP=2" if args.pp else "TP=2"
+def _bench(c: Cluster, base_url: str, used: str | None) -> None:
+    env = {**os.environ, **({"OPENAI_API_KEY": c.api_key} if c.api_key else {})}
+    par = "PP=2" if c.pp else "TP=2"
     subprocess.run([sys.executable, "-m", "onespark", "bench", "--base-url", base_url, "--suite", "published",
-                    "--out", str(Path(args.work, "bench-cluster")), "--no-progress", "--no-png",
+                    "--out", str(Path(c.work, "bench-cluster")), "--no-progress", "--no-png",
                     "--hardware", f"2x DGX Spark GB10 ({par}, Ray, {used or 'transport unknown'})",
-                    "--image", cluster_image(args.image)], env=env, check=True)
+                    "--image", cluster_image(c.image)], env=env, check=True)
+
+
+def _start_guards(c: Cluster, plan: Plan, runner: Runner) -> None:
+    """The guard beside each node's Ray container; one that does not start is said loudly, never fatal (as serve)."""
+    for stage, node, cmd in plan_commands(c, plan):
+        if stage != "guard":
+            continue
+        print(f"[{node.role} {node.name}] + {cmd}", flush=True)
+        rc, out = runner(node, cmd, 60)
+        pid, _, log = (out.strip().splitlines() or [""])[-1].partition(" ")
+        if rc == 0 and pid.isdigit():
+            print(f"onespark cluster: memory guard pid {pid} on {node.name}: stops {RAY_CONTAINER} if MemAvailable "
+                  f"stays below {c.guard_floor_gib:g} GiB or the host keeps swapping (log: {log} there)")
+        else:
+            print(f"onespark cluster: warning: the memory guard did not start on {node.name} ({out[-200:]}); "
+                  f"{RAY_CONTAINER} runs unguarded there", file=sys.stderr)
 
 
 def run(args: argparse.Namespace, runner: Runner = shell_runner, nodes: tuple[Node, Node] | None = None) -> int:
     """The CLI entry; tests pass their own runner and nodes (fake machines)."""
     head, worker = nodes or parse_nodes(args.nodes)
-    options.reject_secret_flags(args.vllm_args or [], "cluster")
-    if args.down:
-        return _down(runner, head, worker, args.dry_run)
-    if not head.local and not args.dry_run:
+    c = Cluster.from_args(args)
+    if c.down:
+        return _down(runner, head, worker, c.dry_run)
+    if not head.local and not c.dry_run:
         raise UserError(f"--nodes: the head {head.name} is not this machine: run onespark cluster on {head.name} "
                         f"(vLLM's API server and the smoke request run there)")
-    if args.dry_run:
-        return _dry_run(args, head, worker)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
-        print(f"onespark cluster: warning: --host {args.host} exposes the server beyond this machine without an "
-              "API key; pass --api-key", file=sys.stderr)
-    plan = preflight(args, head, worker, runner)
+    if c.dry_run:
+        return _dry_run(c, head, worker)
+    launch.warn_if_exposed("onespark cluster", c.host, c.api_key)
+    plan = preflight(c, head, worker, runner)
     if plan.problems:
         for p in plan.problems:
             print(f"onespark cluster: error: {p}", file=sys.stderr)
         print(f"onespark cluster: {len(plan.problems)} problem(s), nothing was started", file=sys.stderr)
         return 1
     print_plan(plan, [])
-    _start_ray(args, plan, runner)
+    _start_ray(c, plan, runner)
+    _start_guards(c, plan, runner)
     wait_cluster(runner, head, worker, {str(plan.link["head"].ip.ip), str(plan.link["worker"].ip.ip)})
     print("onespark cluster: Ray cluster of 2 nodes, onespark plugin active in a Ray worker on each")
-    if args.api_key:
-        os.environ["VLLM_API_KEY"] = args.api_key  # `docker exec -e VLLM_API_KEY` takes it from here, not argv
-    _run(runner, head, vllm_exec_cmd(args), 60, "starting vLLM")
-    probe = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    base_url = f"http://{probe}:{args.port}"
-    used = _report_transport(args, plan, wait_vllm(runner, head, base_url, args.timeout))
+    if c.api_key:
+        os.environ["VLLM_API_KEY"] = c.api_key  # `docker exec -e VLLM_API_KEY` takes it from here, not argv
+    _run(runner, head, vllm_exec_cmd(c), 60, "starting vLLM")
+    base_url = f"http://{launch.probe_host(c.host)}:{c.port}"
+    used = _report_transport(c, plan, wait_vllm(runner, c, head, worker, base_url))
     try:
-        _smoke(args, plan, base_url)
+        _smoke(c, plan, base_url)
     except UserError as e:  # a server that answers wrongly is not left serving; stopped, it keeps its log
         for node in (head, worker):
             runner(node, f"docker stop {RAY_CONTAINER}", 120)
         raise UserError(f"{e}; stopped {RAY_CONTAINER} on both nodes (vLLM's log: docker cp "
                         f"{RAY_CONTAINER}:/tmp/onespark-vllm.log . on {head.name})") from None
-    if args.bench:
-        _bench(args, base_url, used)
-    print(f"onespark cluster: serving on {base_url}/v1 (stop: onespark cluster --nodes {args.nodes} --down)")
+    if c.bench:
+        _bench(c, base_url, used)
+    print(f"onespark cluster: serving on {base_url}/v1 (stop: onespark cluster --nodes {c.nodes} --down)")
     return 0

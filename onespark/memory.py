@@ -747,10 +747,11 @@ def guard_main(argv: list[str]) -> int:
         target.close()
 
 
-def guard_command(name: str, *, floor_gib: float, report: Path, util: str | None,
+def guard_command(name: str, *, floor_gib: float, report: Path | None, util: str | None,
                   meminfo: str = "/proc/meminfo", vmstat: str = "/proc/vmstat") -> list[str]:
+    """The guard's argv; report None leaves --report to the caller (cluster names it in the node's shell)."""
     cmd = [sys.executable, "-m", "onespark.memory", "guard", "--container", name, "--floor-gib", f"{floor_gib:g}",
-           "--report", str(report)]
+           *(["--report", str(report)] if report is not None else [])]
     if util:
         cmd += ["--util", util]
     if meminfo != "/proc/meminfo":

@@ -114,7 +114,7 @@ class FakeNodes:
             env = {**os.environ, "ONESPARK_SYSROOT": str(d), "PATH": f"{d / 'bin'}:{os.environ['PATH']}"}
             p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=timeout)
             return p.returncode, p.stdout + p.stderr
-        for what, known in cluster.read_commands(self.args).items():
+        for what, known in cluster.read_commands(cluster.Cluster.from_args(self.args)).items():
             if cmd == known:
                 return self.answers[node.name][what]
         raise AssertionError(f"the preflight ran a command that is not read-only: {cmd!r}")
@@ -132,7 +132,7 @@ WORKER = cluster.Node("spark2", "worker")
 
 def preflight(fake: FakeNodes, *extra: str) -> cluster.Plan:
     fake.args = cluster_args(*extra)
-    return cluster.preflight(fake.args, HEAD, WORKER, fake)
+    return cluster.preflight(cluster.Cluster.from_args(fake.args), HEAD, WORKER, fake)
 
 
 @pytest.fixture
@@ -159,8 +159,8 @@ def test_good_nodes_give_the_roce_plan(nodes):
 def test_every_planned_command_is_valid_bash(nodes):
     fake = FakeNodes(nodes)
     plan = preflight(fake, "--sync", "--api-key", "k")
-    cmds = cluster.plan_commands(fake.args, plan)
-    assert [stage for stage, _, _ in cmds] == ["sync"] * 5 + ["ray", "ray", "check", "vllm"]
+    cmds = cluster.plan_commands(cluster.Cluster.from_args(fake.args), plan)
+    assert [stage for stage, _, _ in cmds] == ["sync"] * 5 + ["ray", "ray", "guard", "guard", "check", "vllm"]
     for _, node, cmd in cmds:
         p = subprocess.run(["bash", "-n", "-c", cmd], capture_output=True, text=True)
         assert p.returncode == 0, (node, cmd, p.stderr)
@@ -168,7 +168,7 @@ def test_every_planned_command_is_valid_bash(nodes):
     ray_worker = cmds[6][2]
     assert "--address 192.168.100.1:6379 --node-ip-address 192.168.100.2" in ray_worker
     assert "-e NCCL_IB_HCA=rocep1s0f1 -e NCCL_IB_GID_INDEX=3" in ray_worker
-    assert "docker exec -d -e VLLM_API_KEY onespark-ray" in cmds[8][2]
+    assert "docker exec -d -e VLLM_API_KEY onespark-ray" in cmds[-1][2]
 
 
 def test_link_probe_reads_gid_index_from_sysfs(tmp_path):
@@ -214,7 +214,7 @@ def test_bad_node_is_one_line_naming_node_and_fix(nodes, case, capsys):
     # Through run(): the same line on stderr, exit 1, and every command it ran was a read-only one.
     fake.calls.clear()
     assert cluster.run(fake.args, runner=fake, nodes=(HEAD, WORKER)) == 1
-    assert all(c in cluster.read_commands(fake.args).values() for _, c in fake.calls)
+    assert all(c in cluster.read_commands(cluster.Cluster.from_args(fake.args)).values() for _, c in fake.calls)
     err = capsys.readouterr().err
     assert f"onespark cluster: error: {line}" in err and "nothing was started" in err
 
@@ -388,7 +388,7 @@ def test_run_end_to_end_against_fake_nodes(nodes, fake_vllm, capsys):
     fake.args = cluster_args("--sync", "--port", str(fake_vllm))
     assert cluster.run(fake.args, runner=fake, nodes=(HEAD, WORKER)) == 0
     out = capsys.readouterr().out
-    changing = [(n, c) for n, c in fake.calls if c not in cluster.read_commands(fake.args).values()]
+    changing = [(n, c) for n, c in fake.calls if c not in cluster.read_commands(cluster.Cluster.from_args(fake.args)).values()]
     order = [next(k for k in ("docker build", "docker save", "mkdir", "rsync", " verify ", "--entrypoint ray",
                               "load_general_plugins", "ray.nodes()", "docker exec -d", "kill -0", "tail -n")
                   if k in c) for _, c in changing]
@@ -404,19 +404,19 @@ def test_run_end_to_end_against_fake_nodes(nodes, fake_vllm, capsys):
 
 
 def test_a_wrong_smoke_answer_stops_the_ray_containers_on_both_nodes(nodes, monkeypatch, capsys):
-    """The smoke request is serve's (onespark.serve.smoke); a server that answers without `usage` is one line,
+    """The smoke request is serve's (onespark.launch.smoke); a server that answers without `usage` is one line,
     and the cluster it started is stopped on both nodes (before: a KeyError traceback, both left serving)."""
-    from onespark import serve
+    from onespark import launch
 
     answers = {"/v1/models": (200, b'{"data": [{"id": "qwen3.5-122b-a10b"}]}'),
                "/v1/chat/completions": (200, b'{"choices": [{"message": {"content": "hi"}}]}')}
-    monkeypatch.setattr(serve, "_http", lambda url, *a, **k: answers.get(url.split(":8000")[1], (200, b"{}")))
+    monkeypatch.setattr(launch, "http", lambda url, *a, **k: answers.get(url.split(":8000")[1], (200, b"{}")))
     fake = FakeCluster(nodes)
     fake.args = cluster_args()
     with pytest.raises(UserError) as e:
         cluster.run(fake.args, runner=fake, nodes=(HEAD, WORKER))
     assert str(e.value) == ("the chat answer has no choices[0].message text or usage.completion_tokens (it answered "
-                            "b'{\"choices\": [{\"message\": {\"content\": \"hi\"}}]}'): " + serve.NOT_VLLM
+                            "b'{\"choices\": [{\"message\": {\"content\": \"hi\"}}]}'): " + launch.NOT_VLLM
                             + "; stopped onespark-ray on both nodes (vLLM's log: docker cp "
                             "onespark-ray:/tmp/onespark-vllm.log . on spark1)")
     assert [(n, c) for n, c in fake.calls if c.startswith("docker stop")] == [
