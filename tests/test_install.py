@@ -133,9 +133,11 @@ def test_bad_options(fakebin, argv, message):
 
 
 def test_dry_run_prints_the_spark_plan_and_runs_nothing(fakebin, tmp_path):
+    """The plan of the plain command a user runs, end to end: the build, the launch, then the curl to try."""
     _fake_docker(fakebin)
     venv, work = tmp_path / "venv", tmp_path / "work"
-    r = _run([BASH, "install.sh", "--dry-run", "--launch", "--work", str(work)], fakebin, ONESPARK_VENV=str(venv))
+    r = _run([BASH, "install.sh", "--dry-run", "-y", "--work", str(work)], fakebin, ONESPARK_VENV=str(venv),
+             XDG_STATE_HOME=str(tmp_path / "state"))
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "no GB10" in out and "./install.sh --demo" in out
@@ -146,12 +148,59 @@ def test_dry_run_prints_the_spark_plan_and_runs_nothing(fakebin, tmp_path):
         "--target vllm-base", "-f Dockerfile.base -t onespark/vllm-base:0.19.1-cu130-sm121",
         "--build-arg VLLM_BASE=onespark/vllm-base:0.19.1-cu130-sm121",
         f"-f Dockerfile.v2 -t onespark/v2:{__version__}",
+        f"{venv}/bin/onespark serve --host 127.0.0.1 --port 8000 --replace",
         "docker run -d --name onespark --network host",
         "--gpus all", f"onespark/v2:{__version__} --host 127.0.0.1 --port 8000",
     ])
+    # Its last lines: the request to try (the spec's served name) and where the logs are.
+    assert out.splitlines()[-4:] == [
+        "onespark: (dry run) then the server answers on http://127.0.0.1:8000/v1 (model qwen3.5-122b-a10b). Try:",
+        "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\",
+        """    -d '{"model": "qwen3.5-122b-a10b", "messages": [{"role": "user", "content": "Hello"}]}'""",
+        f"onespark: logs: docker logs -f onespark (the server), {tmp_path}/state/onespark/guard-onespark.log (its "
+        "memory guard); stop: docker rm -f onespark",
+    ]
     # Nothing ran: no docker call, no sudo, no venv, no work directory.
     assert _calls(fakebin) == []
     assert not venv.exists() and not work.exists()
+
+
+def test_launch_is_the_default_and_no_launch_stops_after_the_images(fakebin, tmp_path):
+    """Issue 25: ./install.sh serves; --launch (what older docs say) changes nothing; --no-launch builds and then
+    names the one command that starts the server, and why it did not."""
+    venv, work = tmp_path / "venv", tmp_path / "work"
+    plan = lambda *a: _run([BASH, "install.sh", "--dry-run", "-y", "--work", str(work), *a], fakebin,  # noqa: E731
+                           ONESPARK_VENV=str(venv))
+    plain, alias, built = plan(), plan("--launch"), plan("--no-launch")
+    assert plain.returncode == alias.returncode == built.returncode == 0, plain.stderr + built.stderr
+    assert alias.stdout == plain.stdout and "docker run -d --name onespark" in plain.stdout
+    assert f"-f Dockerfile.v2 -t onespark/v2:{__version__}" in built.stdout
+    assert "docker run" not in built.stdout and "curl" not in built.stdout
+    assert built.stdout.splitlines()[-3:] == [
+        "onespark: the server is not started (--no-launch). Start it with:",
+        f"  {venv}/bin/onespark serve --host 127.0.0.1 --port 8000 --replace --model {work}/hybrid "
+        "--spec qwen3.5-122b-a10b",
+        "onespark: (or ./install.sh again without --no-launch: the finished steps are skipped)",
+    ]
+    for argv, message in ((["--bench"], "--bench measures the server: drop --no-launch"),
+                          (["--nodes", "spark1,spark2"], "--nodes starts the server on both Sparks: drop --no-launch")):
+        r = plan("--no-launch", *argv)
+        assert r.returncode == 2 and r.stderr.splitlines() == [f"onespark: error: {message}"], r.stderr
+    assert _calls(fakebin) == [] and not venv.exists() and not work.exists()
+
+
+def test_demo_dry_run_ends_with_the_bench_and_the_tiny_models_curl(fakebin, tmp_path):
+    r = _run([BASH, "install.sh", "--dry-run", "--demo", "--port", "8123", "--work", str(tmp_path / "w")], fakebin,
+             ONESPARK_VENV=str(tmp_path / "venv"))
+    assert r.returncode == 0, r.stderr
+    in_order(r.stdout, ["serve --host 127.0.0.1 --port 8123 --replace --demo", "bench --base-url http://127.0.0.1:8123",
+                        "the server answers on http://127.0.0.1:8123/v1 (model onespark-tiny)",
+                        "curl http://127.0.0.1:8123/v1/chat/completions", '"model": "onespark-tiny"',
+                        "docker logs -f onespark"])
+    built = _run([BASH, "install.sh", "--dry-run", "--demo", "--no-launch", "--work", str(tmp_path / "w")], fakebin,
+                 ONESPARK_VENV=str(tmp_path / "venv"))
+    assert built.returncode == 0 and "onespark-demo/v2:" in built.stdout, built.stderr
+    assert "bench --base-url" not in built.stdout and "docker run" not in built.stdout
 
 
 def test_dry_run_on_a_spark_has_no_demo_note(fakebin):
@@ -167,6 +216,8 @@ def test_api_key_never_printed(fakebin):
              ONESPARK_VENV=str(fakebin["dir"].parent / "v"))
     assert r.returncode == 0, r.stderr
     assert secret not in r.stdout + r.stderr
+    # the curl to try sends the key from the user's environment, by name
+    assert '-H "Authorization: Bearer $ONESPARK_API_KEY"' in r.stdout
 
 
 # Every shell option that takes a value, as the last word and followed by another option. Before: bash's

@@ -250,7 +250,8 @@ def test_install_dry_run_prints_the_full_spark_plan_for_the_35b(tmp_path):
         f"+ onespark mtp {w}/hybrid --source {w}/int4 --model qwen3.5-35b-a3b",
         f"+ onespark verify {w}/hybrid --fast --model qwen3.5-35b-a3b",
         "-f Dockerfile.base", "-f Dockerfile.v2",
-        f"serve --model {w}/hybrid --spec qwen3.5-35b-a3b",
+        f"serve --host 127.0.0.1 --port 8000 --replace --model {w}/hybrid --spec qwen3.5-35b-a3b",
+        "the server answers on http://127.0.0.1:8000/v1 (model qwen3.5-35b-a3b)",  # its served name
     ])
     assert not work.exists() and not (tmp_path / "venv").exists()  # nothing ran
     r = _install("--dry-run", "-y", "--model", "qwen3.5-35b-a3b", "--revision", "a" * 40, "--launch",
