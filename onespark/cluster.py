@@ -20,11 +20,13 @@ checkpoint at the same --work path. Order of work, nothing started before the pr
    once on the head) through `docker save | ssh WORKER docker load`, the checkpoint through
    `rsync --partial` (a broken copy resumes), then checks again.
 3. a Ray head (here) and a Ray worker (there), one container each on the host network with the RDMA
-   devices; waits until both nodes are in the cluster and checks that the onespark plugin is active in a
-   Ray worker process on each node (vLLM calls register() there too).
+   devices, composed as serve's container (onespark.launch: --oom-score-adj too), and beside each the memory
+   guard serve starts beside its own (log and report in that node's state directory); waits until both nodes
+   are in the cluster and checks that the onespark plugin is active in a Ray worker process on each node
+   (vLLM calls register() there too).
 4. vLLM on the head: the image's entrypoint (its Spark defaults, MTP-2 included) with
    --distributed-executor-backend ray --tensor-parallel-size 2 (--pp: --pipeline-parallel-size 2);
-   /health, one chat request, and with --bench the published suite, as `onespark serve` does for one node.
+   /health and one chat request (serve's: onespark.launch), and with --bench the published suite.
    NCCL's log says which transport it took; "NET/Socket" is reported with its fix.
 """
 
