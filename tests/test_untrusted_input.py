@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from onespark import cli, launch, memory, serve
+from onespark import cli, launch, memory
 from onespark.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
