@@ -2,9 +2,10 @@
 
   python3 .ci/stage_table.py STAGES_TSV
 
-The budget file gives the cold and warm limits of the whole run in seconds; the run is judged cold when a stage
-built a venv (its name says "(built)"). Exit status 0, or 3 when the total is past its kind's budget by more than
-the margin.
+The budget file gives the cold and warm limits of the whole run in seconds; the run is cold when a row says so
+(.ci/run writes "this run is cold" when it found no uv cache or no demo images), warm otherwise. Exit status 3
+when a warm run is past its budget by more than the margin (a regression: .ci/run fails on it), else 0; a cold run
+past its budget is reported, not failed (a slow fresh machine is not a regression, and CI's own limit is 90 min).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def main(argv: list[str]) -> int:
         name, seconds, rc = line.split("\t")
         rows.append((name, int(seconds), int(rc)))
     total = sum(s for _, s, _ in rows)
-    cold = any("(built)" in name for name, _, _ in rows)
+    cold = any(name == "this run is cold" for name, _, _ in rows)
     width = max(len(n) for n, _, _ in rows + [("total", 0, 0)])
     print("\n== lane stages (wall time) ==")
     for name, seconds, rc in rows:
@@ -42,7 +43,7 @@ def main(argv: list[str]) -> int:
     limit = budget[f"{kind}_s"] * (100 + budget["margin_pct"]) // 100
     verdict = "within" if total <= limit else "OVER"
     print(f"budget ({kind}: {budget[f'{kind}_s']} s + {budget['margin_pct']}% margin = {limit} s): {verdict}")
-    return 0 if total <= limit else 3
+    return 3 if total > limit and not cold else 0
 
 
 if __name__ == "__main__":
