@@ -7,34 +7,60 @@ was tested with (0.19.1, the default track, and 0.32.0; any local build suffix s
 matches the H200's torch: tests/gpu_vllm/) runs too, with 0.32.0's seams, and says so. Where the two differ for a hook, the code
 sits behind one named function in patches/_compat.py (the ledger's "Seam" field).
 
-Switches (environment variables, read once per process by register(); 1/0, true/false, on/off, yes/no):
+Switches (environment variables, read once per process by register(); 1/0, true/false, on/off, yes/no). This list
+is the one description of them: docs/generate.py makes docs/concepts/plugin.md's table from it and TECHNIQUES, and
+fails when an ONESPARK_* variable read in patches/ has no entry, or an entry's default is not its technique's.
+An entry: `NAME=DEFAULT`, what it does, then `Speed/memory:` what it costs and gains.
 
-  ONESPARK_HYBRID_FP8=1      FP8 shared experts: checkpoints that `onespark hybrid` wrote (their
-                             quantization_config has "onespark_fp8") load with quantization
-                             "onespark_hybrid", an INCConfig subclass that gives the spliced layers vLLM's
-                             block-FP8 linear method. Other checkpoints: stock vLLM. Off: such a
-                             checkpoint loads as plain "inc", whose FP8 layers it cannot read.
-  ONESPARK_INT8_LM_HEAD=1    INT8 LM head: ParallelLMHead is replaced (CustomOp.register_oot) by a subclass
-                             whose method quantizes the weight per row after loading, frees the BF16 weight
-                             before the KV cache is sized, and computes logits with onespark.kernels
-                             (Triton on CUDA, the plain-torch reference on CPU). Shared with the MTP draft.
+  ONESPARK_HYBRID_FP8=1
+      FP8 shared experts: checkpoints written by `onespark hybrid` (their `quantization_config` has
+      `onespark_fp8`) load as `onespark_hybrid`, an `INCConfig` subclass: the spliced shared experts get vLLM's
+      block-FP8 linear method, routed experts stay on the INT4 (GPTQ-Marlin) path, `mtp.*` stays 16-bit unless
+      the checkpoint says INT4. Other checkpoints: stock vLLM.
+      Speed/memory: shared experts read 1 byte/param instead of 2: 0.45 GB instead of 0.91 GB for the 144
+      weights (48 layers x 3 x 3,072 x 1,024), plus 0.9 MB of block scales. `0`: the hybrid checkpoint loads as
+      plain `inc`, which cannot read its FP8 layers: use the INT4 checkpoint instead.
+  ONESPARK_INT8_LM_HEAD=1
+      INT8 LM head: vLLM's `ParallelLMHead` is replaced (`CustomOp.register_oot`; 0.32.0:
+      `PluggableLayer.register_oot`) by a subclass whose method quantizes the weight per row after loading and
+      frees the BF16 weight before vLLM sizes the KV cache; logits come from the INT8 Triton kernel (`kernels/`;
+      on CPU its plain-torch reference), vLLM's TP gather and vocab slicing unchanged. The MTP draft shares the
+      same head module, so its logits are INT8 too. Not applied to a head the checkpoint already quantizes, or
+      one tied to the embedding.
+      Speed/memory: 0.76 GB less weight memory (goes to the KV cache); half the bytes read per logits call
+      (timed: bench/results/lm_head_glue_h200.json).
   ONESPARK_TURBOQUANT_BACKEND=1
-                             TurboQuant attention backend: registered as vLLM's AttentionBackendEnum.CUSTOM
-                             (register_backend: a class path, nothing imported), used only by servers started
-                             with --attention-backend CUSTOM and a turboquant_* --kv-cache-dtype, which needs
-                             patches/turboquant.diff (the v2-tq image). Off: CUSTOM stays unregistered.
-  ONESPARK_TQ_PREFILL=flash   (read by the backend, not a 1/0 switch) the prefill path on CUDA: "flash" decodes
-                             the cache into BF16 for FlashAttention-2 (1.02-1.07x BF16 flash on an H200),
-                             "triton" the fused kernel (1.8x), "torch" plain torch (20x at 128K); e.g.
-                             `onespark serve --tq --env ONESPARK_TQ_PREFILL=triton`.
-  ONESPARK_DRAFT_VOCAB=1     MTP draft head over a vocabulary subset: where the checkpoint directory holds
-                             onespark-draft-vocab.json (`onespark draft-vocab DIR`, written by step 2), the
-                             draft's logits come from a contiguous INT8 copy of those rows only (-inf
-                             elsewhere); the target's verify pass keeps the full head. No file: the draft
-                             shares the target's head, as without the plugin. 0: always the full head.
-  ONESPARK_DRAFT_INT4=0      (read by draft_head.attach, not a technique) 1: the subset's rows in INT4 groups of
-                             128 instead of INT8 (off until measured on a GPU: bench/lab/draft_head.py).
-  ONESPARK_ALLOW_ANY_VLLM=0  1 = run on an untested vLLM version anyway (logged as a warning).
+      TurboQuant attention backend (`patches/turboquant_backend.py`), registered as vLLM's `CUSTOM` backend
+      (`register_backend`: a class path, nothing imported); used only by servers started with
+      `--attention-backend CUSTOM` and a `turboquant_*` `--kv-cache-dtype`, which exist only in the v2-tq image
+      (`patches/turboquant.diff`). Decode and MTP-verify batches: one Triton decode-attention call; everything
+      else: per request, the cache decoded into BF16 and attended by FlashAttention (`ONESPARK_TQ_PREFILL`).
+      Speed/memory: 3.9x the KV tokens per GB (K4V4); speed: docs/concepts/turboquant.md. `0`: `CUSTOM` stays
+      unregistered.
+  ONESPARK_TQ_PREFILL=flash
+      (read by the TurboQuant backend, not a 1/0 switch) the prefill path on CUDA: `flash` decodes the cache
+      into BF16 for FlashAttention-2, `triton` the fused kernel that attends straight from the codes, `torch`
+      plain torch; e.g. `onespark serve --tq --env ONESPARK_TQ_PREFILL=triton`.
+      Speed/memory: on an H200, `flash` 1.02-1.07x BF16 flash, `triton` 1.8x, `torch` 20x at 128K
+      (docs/concepts/turboquant.md).
+  ONESPARK_DRAFT_VOCAB=1
+      MTP draft head over a vocabulary subset: where the checkpoint directory holds `onespark-draft-vocab.json`
+      (`onespark draft-vocab DIR`, written by step 2), the draft's logits come from a contiguous INT8 copy of
+      those rows (32,768 of 248,320 by default), -inf elsewhere; the target's verify pass keeps the full INT8
+      head, so the output is unchanged. No file: the draft shares the target's head, as without the plugin.
+      `0`: always the full head.
+      Speed/memory: 1/7.6 of the head's bytes per draft pass, ~4.9 ms less per MTP-2 step on a Spark (on paper:
+      docs/concepts/draft-head.md); 101 MB more weight memory.
+  ONESPARK_DRAFT_INT4=0
+      (read by `draft_head.attach`, not a technique) with the draft vocabulary in use, `1` puts the subset's rows
+      in INT4 groups of 128 (`int4_gemv`), quantized from the INT8 rows; changes only which tokens are drafted.
+      Off until measured on a GPU (`bench/lab/draft_head.py`).
+      Speed/memory: half the draft head's bytes again (52 vs 101 MB): ~0.18 ms less per draft pass on a Spark,
+      on paper.
+  ONESPARK_ALLOW_ANY_VLLM=0
+      The plugin refuses any vLLM but 0.19.1 and 0.32.0 (local build suffixes such as `+cu130` or `+cpu` are
+      fine; the GPU lane's 0.26.0 runs with 0.32.0's seams): `installed vLLM is X, but this plugin was built and
+      tested for vLLM 0.19.1 or 0.32.0`; `1` runs anyway with a warning.
 
 VLLM_PLUGINS="" (vLLM's own switch) disables the whole plugin. What each patch touches, why, and when to
 remove it: patches/README.md (the ledger; tests/test_plugin_ledger.py keeps it complete).
