@@ -159,16 +159,21 @@ def test_greedy_with_mtp_equals_greedy_without(mtp_run, plain_server, record_pro
     assert agree >= 0.99, summary
 
 
+def agreement(x: dict, ref: dict) -> tuple[int, float, list[float]]:
+    """Two servers' teacher-forced scores (test_plugin_server.score): positions, top-1 agreement, |dlogprob| each."""
+    pairs = [(a, b) for p, q in zip(x["top1"], ref["top1"]) for a, b in zip(p, q)]
+    dlp = [abs(a - b) for p, q in zip(x["actual_lp"], ref["actual_lp"]) for a, b in zip(p, q)]
+    return len(pairs), sum(a == b for a, b in pairs) / len(pairs), dlp
+
+
 def test_int8_head_matches_bf16_head_teacher_forced(plain_server, bf16_server, record_property):
-    int8, bf16 = score(plain_server), score(bf16_server)
-    pairs = [(a, b) for p, q in zip(int8["top1"], bf16["top1"]) for a, b in zip(p, q)]
-    agree = sum(a == b for a, b in pairs) / len(pairs)
-    lp_diff = max(abs(a - b) for p, q in zip(int8["actual_lp"], bf16["actual_lp"]) for a, b in zip(p, q))
-    summary = (f"INT8 vs BF16 head on Qwen3.5-MoE: top-1 identical at {agree:.2%} of {len(pairs)} teacher-forced "
+    n, agree, dlp = agreement(score(plain_server), score(bf16_server))
+    lp_diff = max(dlp)
+    summary = (f"INT8 vs BF16 head on Qwen3.5-MoE: top-1 identical at {agree:.2%} of {n} teacher-forced "
                f"positions; max |logprob diff| {lp_diff:.4f}")
     record_property("int8_vs_bf16_qwen35", summary)
     print(summary)
-    assert len(pairs) >= 200
+    assert n >= 200
     assert agree >= 0.99, summary
     assert 0 < lp_diff < 0.5, summary  # differs (a no-op would be 0.0), by INT8 rounding only
 
@@ -216,14 +221,12 @@ def test_upstream_turboquant_on_the_hybrid_model(scripted_qwen35, plain_server, 
         record_property("upstream_tq", f"upstream turboquant_4bit_nc did not serve the hybrid model: {why}")
         pytest.xfail(f"upstream TurboQuant on the hybrid model: {why}")
     try:
-        tq, ref = score(srv), score(plain_server)
+        n, agree, dlps = agreement(score(srv), score(plain_server))
     finally:
         srv.stop()
-    pairs = [(a, b) for p, q in zip(tq["top1"], ref["top1"]) for a, b in zip(p, q)]
-    agree = sum(a == b for a, b in pairs) / len(pairs)
-    dlp = max(abs(a - b) for p, q in zip(tq["actual_lp"], ref["actual_lp"]) for a, b in zip(p, q))
+    dlp = max(dlps)
     summary = (f"upstream turboquant_4bit_nc vs BF16 cache (vLLM {served_vllm()}, Qwen3.5-MoE): top-1 {agree:.2%} of "
-               f"{len(pairs)} teacher-forced positions, max |logprob diff| {dlp:.4f}")
+               f"{n} teacher-forced positions, max |logprob diff| {dlp:.4f}")
     record_property("upstream_tq", summary)
     print(summary)
     assert agree >= MIN_TOP1 and dlp <= MAX_DLP, summary
@@ -270,11 +273,9 @@ def test_turboquant_serves_the_hybrid_model_close_to_the_bf16_cache(tq_server, p
     assert re.search(r"TurboQuant attention backend serves 1 layers \(plain-torch reference kernels", log), \
         "the attention layer is not served by onespark's TurboQuant backend"
     tq, ref = score(srv), score(plain_server)
-    pairs = [(a, b) for p, q in zip(tq["top1"], ref["top1"]) for a, b in zip(p, q)]
-    agree = sum(a == b for a, b in pairs) / len(pairs)
-    dlp = [abs(a - b) for p, q in zip(tq["actual_lp"], ref["actual_lp"]) for a, b in zip(p, q)]
+    n, agree, dlp = agreement(tq, ref)
     same = sum(p == q for p, q in zip(tq["gen_tokens"], ref["gen_tokens"]))
-    summary = (f"{preset} vs BF16 cache (vLLM 0.32.0, Qwen3.5-MoE): top-1 {agree:.2%} of {len(pairs)} teacher-forced "
+    summary = (f"{preset} vs BF16 cache (vLLM 0.32.0, Qwen3.5-MoE): top-1 {agree:.2%} of {n} teacher-forced "
                f"positions, |logprob diff| mean {sum(dlp) / len(dlp):.4f} max {max(dlp):.4f}; greedy "
                f"{GEN_TOKENS}-token continuations identical {same}/{len(PROMPTS)}")
     record_property(f"tq_{preset}", summary)
