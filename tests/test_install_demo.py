@@ -115,6 +115,11 @@ def test_install_demo_end_to_end(tmp_path, demo_container):
     out = r.stdout + r.stderr
     assert r.returncode == 0, f"install.sh --demo failed after {elapsed:.0f} s:\n{out[-6000:]}"
     assert key not in out, "the API key must never be printed"
+    # Its last lines: the curl to try, with the key by name only, and where the logs are (issue 25).
+    tail = r.stdout.splitlines()[-5:]
+    assert tail[0] == f"onespark: ready: the server answers on http://127.0.0.1:{port}/v1 (model onespark-tiny). Try:"
+    assert '-H "Authorization: Bearer $ONESPARK_API_KEY"' in tail[1], tail
+    assert tail[-1].startswith("onespark: logs: docker logs -f onespark (the server), "), tail
     # install.sh built its own host venv in the clone and ran every onespark command from it.
     host = clone / ".venv-host"
     assert f"host tools: creating {host}" in out, out[:3000]
