@@ -14,7 +14,6 @@ cluster gains what serve had (the OOM adjustment, the key from a file, the memor
 from __future__ import annotations
 
 import ast
-import json
 import os
 import re
 import shlex
@@ -27,10 +26,12 @@ import pytest
 
 from onespark import cluster, launch, memory, serve
 from onespark.errors import UserError
-from tests.test_cluster import HEAD, WORKER, FakeCluster, cluster_args, roce_node
+from tests import test_cluster
+from tests.test_cluster import HEAD, WORKER, FakeCluster, cluster_args
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-launch-7f3a9c"  # a value no command, path or log line would hold by chance
+nodes, fake_vllm = test_cluster.nodes, test_cluster.fake_vllm  # its fixtures: RoCE nodes, a vLLM stand-in
 
 
 def _cluster_dry_run(*extra: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -89,11 +90,6 @@ def test_serve_and_cluster_share_the_container_flags(tmp_path):
         launch.container_flags(cluster.RAY_CONTAINER, "/data/w/hybrid")
 
 
-@pytest.fixture
-def nodes(tmp_path):
-    return {"spark1": roce_node(tmp_path / "a", "192.168.100.1"), "spark2": roce_node(tmp_path / "b", "192.168.100.2")}
-
-
 class GuardedCluster(FakeCluster):
     """FakeCluster whose nodes answer the guard's start with a pid and log path, and (stopped=True) whose vLLM
     exits with the worker's guard report on disk."""
@@ -122,6 +118,10 @@ def test_cluster_run_starts_the_guard_on_each_node_and_never_passes_the_key(node
     key_file = tmp_path / "key"
     key_file.write_text(KEY + "\n")
     monkeypatch.setenv("VLLM_API_KEY", "")  # run() sets it; monkeypatch then restores this process's
+    keys = []  # the key each request of the smoke test carried
+    http = launch.http
+    monkeypatch.setattr(launch, "http", lambda url, *a, api_key=None, **k: keys.append((url.split("/", 3)[3], api_key))
+                        or http(url, *a, api_key=api_key, **k))
     fake = GuardedCluster(nodes)
     fake.args = cluster_args("--port", str(fake_vllm), "--api-key-file", str(key_file))
     assert cluster.run(fake.args, runner=fake, nodes=(HEAD, WORKER)) == 0
@@ -129,6 +129,7 @@ def test_cluster_run_starts_the_guard_on_each_node_and_never_passes_the_key(node
     assert KEY not in out + err
     assert not [c for _, c in fake.calls if KEY in c]
     assert os.environ["VLLM_API_KEY"] == KEY  # where `docker exec -e VLLM_API_KEY` reads it
+    assert ("v1/models", KEY) in keys and ("v1/chat/completions", KEY) in keys
     assert [n for n, c in fake.calls if "onespark.memory guard" in c] == ["spark1", "spark2"]
     for name in ("spark1", "spark2"):
         assert re.search(rf"onespark cluster: memory guard pid \d+ on {name}: stops onespark-ray if MemAvailable "
@@ -146,39 +147,6 @@ def test_a_vllm_the_guard_stopped_is_named_with_the_report(nodes, monkeypatch):
         cluster.run(fake.args, runner=fake, nodes=(HEAD, WORKER))
     assert str(e.value).startswith("vLLM on spark1 exited after 0 s: the memory guard stopped it:\non spark2: "
                                    "onespark memory guard stopped container onespark-ray: MemAvailable 3.1 GiB")
-
-
-@pytest.fixture
-def fake_vllm():
-    """/health, /v1/models and one chat completion that checks the bearer key."""
-    import http.server
-    import threading
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def _send(self, body):
-            ok = self.path == "/health" or self.headers.get("Authorization") == f"Bearer {KEY}"
-            data = json.dumps(body if ok else {"error": "unauthorized"}).encode()
-            self.send_response(200 if ok else 401)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            self._send({} if self.path == "/health" else {"data": [{"id": "qwen3.5-122b-a10b"}]})
-
-        def do_POST(self):
-            self.rfile.read(int(self.headers["Content-Length"]))
-            self._send({"choices": [{"message": {"content": "A desktop AI computer."}}],
-                        "usage": {"completion_tokens": 5}})
-
-        def log_message(self, *a):
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    yield srv.server_address[1]
-    srv.shutdown()
 
 
 def test_the_planned_guard_command_starts_the_real_guard(tmp_path):
