@@ -18,6 +18,7 @@ import pytest
 from onespark.checkpoint import MANIFEST_FILE
 from onespark.hybrid import hybrid
 from tests._checkpoints import synth_pair
+from tests.test_reliability import cli, one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD = "model-00002-of-00003.safetensors"
@@ -30,19 +31,6 @@ def digest(d: Path, skip=(".onespark.lock",)) -> dict[str, str]:
 
 
 REWRITTEN = (".onespark.lock", MANIFEST_FILE)  # a repair writes a new manifest: its created_utc is now
-
-
-def cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "onespark", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, **kw)
-
-
-def one_line_error(r: subprocess.CompletedProcess, command: str) -> str:
-    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
-    assert "Traceback" not in r.stderr, r.stderr
-    last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"onespark {command}: error: "), r.stderr
-    return last
 
 
 @pytest.fixture(scope="module")
