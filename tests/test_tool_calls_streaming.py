@@ -91,11 +91,9 @@ def test_chat_completions_tool_calls_survive_multi_token_deltas(server):
         assert chunks <= tokens / interval + 3, (chunks, tokens)
 
 
-def test_responses_api_tool_calls_survive_multi_token_deltas(server, request):
-    if server[1] == BOUNDARY_CHUNK:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "vLLM 0.19.1's /v1/responses loses the reasoning that shares a delta with </think>, as chat completions "
-            "did before reasoning-boundary.diff: not patched on this path yet (patches/README.md)")))
+def test_responses_api_tool_calls_survive_multi_token_deltas(server):
+    """At BOUNDARY_CHUNK tokens a chunk the reasoning's last piece shares a delta with </think> and the first call:
+    responses-tool-calls.diff keeps it in the reasoning item (stock 0.19.1 lost it, as its chat path did)."""
     check_responses(server[0])
 
 
