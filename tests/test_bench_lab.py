@@ -21,7 +21,7 @@ SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name != "harness.py")
 
 def test_the_lab_holds_the_benchmarks():
     assert SCRIPTS == ["checkpoint.py", "draft_head.py", "lm_head.py", "lm_head_glue.py", "turboquant.py",
-                       "turboquant_quality.py"]
+                       "turboquant_quality.py", "vllm_step.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

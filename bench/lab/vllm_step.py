@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
+
 from onespark import qwen35, specs, synth
 
 MODELS = {"122b": "qwen3.5-122b-a10b", "35b": "qwen3.5-35b-a3b"}
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", default="1024,32768,131072")
     p.add_argument("--batch", default="1,4")
     p.add_argument("--deadline-s", type=float, default=540, help="start no engine past this many seconds")
-    p.add_argument("--git-sha", default="unknown")
+    p.add_argument("--git-sha", help="the commit measured (default: git rev-parse HEAD)")
     p.add_argument("--one", help=argparse.SUPPRESS)  # MODEL:CONFIG, in the child
     a = p.parse_args(argv)
     ctxs, batches = [int(x) for x in a.ctx.split(",")], [int(x) for x in a.batch.split(",")]
@@ -164,13 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         model, config = a.one.split(":")
         one(model, config, ctxs, batches, a.out)
         return 0
-    import torch
     import vllm
 
     t0 = time.monotonic()
-    result = dict(schema_version=1, git_sha=a.git_sha, command="bench/lab/vllm_step.py " + " ".join(argv or sys.argv[1:]),
-                  gpu=torch.cuda.get_device_name(), vllm=vllm.__version__, torch=torch.__version__,
-                  decode_steps=DECODE_STEPS, h200_bw=H200_BW, spark_bw=SPARK_BW, runs=[], not_run=[])
+    result = harness.header(a.git_sha, argv=argv) | dict(vllm=vllm.__version__, decode_steps=DECODE_STEPS,
+                                                         h200_bw=H200_BW, spark_bw=SPARK_BW, runs=[], not_run=[])
     order = [(m, c) for c in a.configs.split(",") for m in a.models.split(",")]
     for model, config in order:
         left = a.deadline_s - (time.monotonic() - t0)
@@ -194,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 run["error"] = error
         result["runs"].append(run)
         print(run.get("error", "")[-600:], flush=True)
-        tmp = a.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        os.replace(tmp, a.out)
+        harness.write_result(a.out, result)
     print(f"{'model':18s} {'config':12s} {'ctx':>7s} {'b':>2s} {'ms/step':>8s} {'GB/step':>8s} {'TB/s':>6s} {'Spark ms (est.)':>15s}")
     for run in result["runs"]:
         for pt in run.get("points", []):
