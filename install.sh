@@ -413,7 +413,7 @@ say_ready() {
   local names container guard_log model url auth=
   names=$(serve_names) || die "cannot read onespark serve's defaults from $ONESPARK_ROOT/onespark"
   { read -r container; read -r guard_log; read -r model; } <<<"$names"
-  ((DEMO)) || model=$MODEL  # a spec's served name is the spec's (onespark/specs.py vllm_args)
+  ((DEMO)) || model=$MODEL  # a spec's served name is the spec's (onespark/model/specs.py vllm_args)
   url=$(local_url)
   # The key is never printed: the curl takes it from the user's own environment.
   # shellcheck disable=SC2016  # $ONESPARK_API_KEY is for the user's shell to expand, not this one

@@ -258,7 +258,7 @@ def _compare(args) -> int:
 def _checked_settings(args) -> Settings:
     """The run's settings, every flag checked (and the output directory writable) before anything is sent."""
     if args.spec:
-        from onespark import specs
+        from onespark.model import specs
         args.model = args.model or specs.get(args.spec, flag="--spec").name  # = the --served-model-name serve --spec sets
     resolve_keys(args)
     if "--api-key" in sys.argv or any(a.startswith("--api-key=") for a in sys.argv):

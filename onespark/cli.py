@@ -20,7 +20,7 @@ from onespark.options import Parser, redact_argv
 
 # name -> (module, one-line help). A table on purpose (`duplicates` pairs its same-shape rows): one row a command.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "specs": ("onespark.specs", "the supported models: repos, pinned revisions, shapes, MTP layout, serving defaults"),
+    "specs": ("onespark.model.specs", "the supported models: repos, pinned revisions, shapes, MTP layout, serving defaults"),
     "doctor": ("onespark.doctor", "preflight: GPU, driver, Docker, NVIDIA runtime, disk, memory, Hugging Face"),
     "synth": ("onespark.synth", "write a small checkpoint in the real Intel INT4 / Qwen FP8 formats"),
     "download": ("onespark.download", "step 0: the INT4 checkpoint, and the FP8 shared experts by byte range"),

@@ -29,7 +29,7 @@ GIB = 1024**3
 SPARK_COMPUTE_CAP = "12.1"
 # CUDA 13.0 needs an R580 driver or newer.
 MIN_DRIVER_MAJOR = 580
-# Disk the steps write (estimates from the checkpoint sizes, GB = 1e9), per model in onespark.specs (the 122B:
+# Disk the steps write (estimates from the checkpoint sizes, GB = 1e9), per model in onespark.model.specs (the 122B:
 # step 0 the INT4 checkpoint, 77 GB, + ~0.5 GB of FP8 ranges; steps 1-2 the hybrid checkpoint, ~71 GB); these
 # are the default spec's. On Docker's disk: step 3's build (CUDA devel image ~10 GB, torch ~5 GB, build cache
 # and ccache ~15 GB) and the images (~25 GB).
@@ -292,7 +292,7 @@ def check_debootstrap() -> list[Check]:
 def _spec(args: argparse.Namespace):
     if not getattr(args, "spec", None):
         return None
-    from onespark import specs
+    from onespark.model import specs
     return specs.get(args.spec, flag="--spec")
 
 

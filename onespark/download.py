@@ -1,5 +1,5 @@
 """Step 0, `onespark download [--model NAME] --dest DIR`: the INT4 checkpoint, and of the FP8 one only what step 1
-needs. Repos and pinned revisions come from the spec (onespark.specs; default qwen3.5-122b-a10b):
+needs. Repos and pinned revisions come from the spec (onespark.model.specs; default qwen3.5-122b-a10b):
 
     DEST/int4  e.g. Intel/Qwen3.5-122B-A10B-int4-AutoRound at a pinned commit (huggingface_hub snapshot_download:
                resumable, its progress bars; ~77 GB)
@@ -32,13 +32,13 @@ import struct
 from pathlib import Path
 from urllib.parse import quote
 
-from onespark import qwen35, specs
 from onespark.checkpoint import DOWNLOAD_RECORD, INDEX_FILE, Output, Writer, load_json, open_checkpoint, rewrite_index
 from onespark.errors import UserError, at_path
 from onespark.lock import locked
+from onespark.model import qwen35, specs
 from onespark.safetensors_io import MAX_HEADER_BYTES, Range, encode_header, parse_header, write_safetensors_tmp
 
-# The default spec's pinned commits (every spec's repos, pins and where each pin comes from: onespark.specs).
+# The default spec's pinned commits (every spec's repos, pins and where each pin comes from: onespark.model.specs).
 INT4_REPO = specs.SPECS[specs.DEFAULT].int4.repo
 INT4_REVISION = specs.SPECS[specs.DEFAULT].int4.revision
 FP8_REPO = specs.SPECS[specs.DEFAULT].fp8.repo

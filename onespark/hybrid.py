@@ -1,5 +1,5 @@
 """Step 1, `onespark hybrid [--model NAME] --int4 DIR --fp8 DIR|hf:REPO --out DIR`: FP8 shared experts in the INT4
-checkpoint. --model (default qwen3.5-122b-a10b, see onespark.specs) refuses another model's files, naming the spec
+checkpoint. --model (default qwen3.5-122b-a10b, see onespark.model.specs) refuses another model's files, naming the spec
 they look like; a spec without an FP8 source (qwen3.6-35b-a3b) skips the step and says why.
 
 Replaces the 3 x num_hidden_layers BF16 `mlp.shared_expert.{gate,up,down}_proj.weight` tensors of the
@@ -42,7 +42,7 @@ import os
 import shutil
 from pathlib import Path
 
-from onespark import __version__, qwen35, specs
+from onespark import __version__
 from onespark.checkpoint import (
     DOWNLOAD_RECORD,
     INDEX_FILE,
@@ -61,6 +61,7 @@ from onespark.checkpoint import (
 )
 from onespark.errors import UserError
 from onespark.lock import locked
+from onespark.model import qwen35, specs
 from onespark.safetensors_io import Header, Range, copy_file_tmp, encode_header, write_safetensors_tmp
 
 PROGRESS_FILE = ".onespark-hybrid-progress.json"

@@ -2,7 +2,7 @@
 
 vLLM finds a tensor only through model.safetensors.index.json. The Intel 122B release keeps its MTP head
 (785 tensors) in model_extra_tensors.safetensors without listing it there (the reason albond's
-add-mtp-weights.py exists; the 35B release lists its 2329: onespark.specs), and a public fork's splice
+add-mtp-weights.py exists; the 35B release lists its 2329: onespark.model.specs), and a public fork's splice
 step dropped the file altogether (112 -> 45 tok/s). --model (default qwen3.5-122b-a10b) refuses another
 model's files, naming the spec they look like.
 This step makes the index list every mtp.* tensor at the file that really holds it, whatever step 1 or
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from onespark import qwen35, specs
 from onespark.checkpoint import (
     CONFIG,
     INDEX_FILE,
@@ -32,6 +31,7 @@ from onespark.checkpoint import (
 )
 from onespark.errors import UserError
 from onespark.lock import locked
+from onespark.model import qwen35, specs
 from onespark.safetensors_io import copy_file_atomic, read_header, write_json_atomic
 
 

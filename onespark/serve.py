@@ -162,7 +162,7 @@ def _with_drafter(args: argparse.Namespace, image: str, user: list[str]) -> list
         if args.drafter_dir or args.num_draft_tokens:
             raise UserError("--drafter-dir/--num-draft-tokens are for --drafter dflash")
         return user
-    from onespark import specs
+    from onespark.model import specs
     if args.demo:
         raise UserError("--drafter dflash: not on the CPU demo (its tiny model has no DFlash drafter); drop --demo "
                         "or use --drafter mtp")
@@ -189,7 +189,7 @@ def _with_spec(spec_name: str | None, user: list[str]) -> list[str]:
     """The spec's serving flags before the user's vLLM flags, leaving out any flag the user sets."""
     if not spec_name:
         return user
-    from onespark import specs
+    from onespark.model import specs
     spec_args, i = specs.get(spec_name, flag="--spec").vllm_args(), 0
     keep = []
     while i < len(spec_args):  # flag value pairs

@@ -5,8 +5,8 @@
     onespark synth --model NAME --format fp8  --out DIR
 
 `int4` is the layout of the spec's Intel AutoRound repository (e.g. Intel/Qwen3.5-122B-A10B-int4-AutoRound),
-`fp8` that of its Qwen FP8 one (tensor names, dtypes and shapes: onespark.qwen35, which cites its sources;
-the repos, dims and MTP layout of each model: onespark.specs). `--preset tiny` (default) writes the spec's tiny
+`fp8` that of its Qwen FP8 one (tensor names, dtypes and shapes: onespark.model.qwen35, which cites its sources;
+the repos, dims and MTP layout of each model: onespark.model.specs). `--preset tiny` (default) writes the spec's tiny
 dims (~10 MB, every structural feature of the real model), `--preset real` its real dims without weights.
 What each file holds:
 
@@ -46,11 +46,12 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from onespark import __version__, options, qwen35, specs
+from onespark import __version__, options
 from onespark.checkpoint import INDEX_FILE, rewrite_index
 from onespark.errors import UserError
 from onespark.lock import LOCK_FILE, locked
-from onespark.qwen35 import EXTRA_FILE
+from onespark.model import qwen35, specs
+from onespark.model.qwen35 import EXTRA_FILE
 from onespark.safetensors_io import nbytes_of, write_json_atomic, write_safetensors
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -59,7 +60,7 @@ GROUP = 128
 # Linear layers a W4A16-mixed export keeps 16-bit (routers, the small GDN projections).
 MIXED_16BIT = re.compile(r"(\.mlp\.gate|\.shared_expert_gate|\.in_proj_a|\.in_proj_b)$")
 
-# The default spec's real and tiny text_config (the dims of every model live in onespark.specs).
+# The default spec's real and tiny text_config (the dims of every model live in onespark.model.specs).
 REAL_TEXT = specs.TEXT_122B
 TINY_TEXT = specs.TINY_122B
 

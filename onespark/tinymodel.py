@@ -10,7 +10,7 @@ Two architectures, one per vLLM track:
                        the linear_* head fields, MoE with a shared expert + shared_expert_gate,
                        mtp_num_hidden_layers 1 with every mtp.* tensor), config written by
                        onespark.synth.make_config (the same function `onespark synth` uses), tensor names
-                       and shapes from onespark.qwen35 (which cites vLLM's model files). BF16, no
+                       and shapes from onespark.model.qwen35 (which cites vLLM's model files). BF16, no
                        quantization_config, no vision weights (serve with --language-model-only). Head dim
                        256 as in the real model (what the TurboQuant kernels support). Norms are Gemma-style
                        (x * (1 + w)): their weights are zeros; the Gated DeltaNet output norm is a plain
@@ -194,8 +194,8 @@ def _qwen35_config(vocab: int, eos_id: int, pad_id: int) -> dict:
 
 
 def _qwen35_tensors(rng: np.random.Generator, config: dict, mtp_init: str) -> dict[str, np.ndarray]:
-    """Every tensor onespark.qwen35 lists for `config` (language model + MTP), float32 (BF16 on write)."""
-    from onespark import qwen35
+    """Every tensor onespark.model.qwen35 lists for `config` (language model + MTP), float32 (BF16 on write)."""
+    from onespark.model import qwen35
 
     tc = config["text_config"]
     h, vocab = tc["hidden_size"], tc["vocab_size"]

@@ -1,12 +1,12 @@
 """`onespark verify DIR [--model NAME] [--fast]`: is this checkpoint exactly what its config, index and manifest say?
 
 Checks, each reported with the file and tensor it concerns:
-- the config is the chosen spec's model (onespark.specs; default qwen3.5-122b-a10b): other files are refused
+- the config is the chosen spec's model (onespark.model.specs; default qwen3.5-122b-a10b): other files are refused
   with the spec they look like; `--model custom` checks any checkpoint of this family against its own config
   and refuses one whose config lacks a fact the layout is derived from;
 - every shard's header parses and its size matches the header (truncation), every index entry exists
   in the shard it names, no tensor is in two files, no tensor sits in a shard without an index entry;
-- every tensor has the dtype and shape the config implies (onespark.qwen35: INT4 qweight/qzeros/scales,
+- every tensor has the dtype and shape the config implies (onespark.model.qwen35: INT4 qweight/qzeros/scales,
   FP8 weight + weight_scale_inv, 16-bit elsewhere), and every tensor the config implies is present,
   all mtp.* tensors included (the spec's published count for real shapes: 785 for the 122B, 2329 for the
   35B's INT4 release);
@@ -27,9 +27,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from onespark import draft_vocab, qwen35, specs
+from onespark import draft_vocab
 from onespark.checkpoint import INDEX_FILE, MANIFEST, MANIFEST_FILE, Checkpoint, load_json, open_checkpoint, sha256_file
 from onespark.errors import UserError
+from onespark.model import qwen35, specs
 
 MAX_LISTED = 10  # per kind of problem; the rest are counted
 # Step 1 compares its output with the manifest (sizes, headers) and rewrites what differs; a file of the right

@@ -34,8 +34,8 @@ from typing import Any
 from vllm.model_executor.layers.quantization import register_quantization_config
 from vllm.model_executor.layers.quantization.inc import INCConfig
 
-# What step 1 writes; onespark.qwen35 imports only the standard library, so the plugin may import it anywhere.
-from onespark.qwen35 import HYBRID_KEY, SCALE_SUFFIX
+# What step 1 writes; onespark.model.qwen35 imports only the standard library, so the plugin may import it anywhere.
+from onespark.model.qwen35 import HYBRID_KEY, SCALE_SUFFIX
 
 logger = logging.getLogger("vllm.onespark")
 

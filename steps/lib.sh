@@ -206,12 +206,12 @@ onespark_step() {
   fi
 }
 
-# ---- model specs (onespark/specs.py: repos, pins, sizes, MTP layout, serving defaults per model) ---------
+# ---- model specs (onespark/model/specs.py: repos, pins, sizes, MTP layout, serving defaults per model) ---------
 
 # shellcheck disable=SC2034  # read by install.sh and steps/0-2 (this file is sourced)
 MODEL_DEFAULT=qwen3.5-122b-a10b
 
-# spec_get MODEL FIELD: one field of a model spec. The system python3 reads onespark/specs.py (standard
+# spec_get MODEL FIELD: one field of a model spec. The system python3 reads onespark/model/specs.py (standard
 # library only), so this works before install.sh has built the host virtualenv, and in --dry-run. An unknown
 # MODEL prints the one-line list of specs; callers assign with `x=$(spec_get ...) || exit 2`.
 spec_get() {

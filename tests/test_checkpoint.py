@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from onespark import qwen35, specs
 from onespark.checkpoint import MANIFEST_FILE, Output, Writer
 from onespark.errors import UserError
 from onespark.hybrid import hybrid
 from onespark.lock import LOCK_FILE
+from onespark.model import qwen35, specs
 from onespark.mtp import mtp
 from onespark.safetensors_io import Range, copy_file_tmp, read_header, write_safetensors
 from onespark.synth import REAL_TEXT, REAL_VISION, TINY_TEXT, synth

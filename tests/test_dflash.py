@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from onespark import specs
+from onespark.model import specs
 from tests._hub import NEEDS_NGINX, NGINX, hub_env, publish, serve
 
 ROOT = Path(__file__).resolve().parent.parent

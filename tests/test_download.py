@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from onespark import qwen35, specs
+from onespark.model import qwen35, specs
 from onespark.synth import TINY_TEXT, synth
 from tests._hub import NEEDS_NGINX, NGINX, hub_env, publish, serve
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from onespark import launch, memory, qwen35, serve, synth
+from onespark import launch, memory, serve, synth
 from onespark.errors import UserError
+from onespark.model import qwen35
 from onespark.safetensors_io import read_header
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +44,7 @@ def _meminfo(path: Path, *, total_kb=SPARK_KB, avail_gib=115.0, cached_gib=2.0, 
 
 def _real_122b_bytes() -> int:
     """Tensor bytes of the real Intel 122B INT4 checkpoint with its 785 BF16 mtp.* tensors (the layout in
-    onespark.qwen35 for the real config; g_idx left out, as the index's total_size of a release without it)."""
+    onespark.model.qwen35 for the real config; g_idx left out, as the index's total_size of a release without it)."""
     cfg = synth.make_config("int4", synth.REAL_TEXT, vision=synth.REAL_VISION)
     size = {"BF16": 2, "F16": 2, "F32": 4, "I32": 4}
     total = 0

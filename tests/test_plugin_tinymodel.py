@@ -92,14 +92,14 @@ def test_cli(tmp_path):
 def test_qwen35_weights_are_every_tensor_the_real_layout_implies(tiny_qwen35_dir):
     from safetensors import safe_open
 
-    from onespark import qwen35
+    from onespark.model import qwen35
 
     cfg = json.loads((tiny_qwen35_dir / "config.json").read_text())
     tc = cfg["text_config"]
     assert cfg["architectures"] == ["Qwen3_5MoeForConditionalGeneration"] and tc["model_type"] == "qwen3_5_moe_text"
     assert "quantization_config" not in cfg and tc["attn_output_gate"] is True and tc["mtp_num_hidden_layers"] == 1
     assert tc["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] and tc["head_dim"] == 256
-    # The independent reference: onespark.qwen35 lists what the real checkpoint holds (used by `verify`).
+    # The independent reference: onespark.model.qwen35 lists what the real checkpoint holds (used by `verify`).
     want = qwen35.expected_tensors(cfg)
     with safe_open(str(tiny_qwen35_dir / "model.safetensors"), framework="np") as f:
         got = {n: (f.get_slice(n).get_dtype(), tuple(f.get_slice(n).get_shape())) for n in f.keys()}

@@ -1,4 +1,4 @@
-"""Model specs (onespark.specs): synth -> hybrid -> mtp -> verify per spec, --model plumbing, bad input.
+"""Model specs (onespark.model.specs): synth -> hybrid -> mtp -> verify per spec, --model plumbing, bad input.
 
 References: files are read back with the `safetensors` library and torch, INT8/INT4 words decoded with torch
 bit operations written here; the real-shape MTP counts are the public figures (785 for the 122B's INT4 release,
@@ -18,9 +18,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from onespark import qwen35, specs
 from onespark.errors import UserError
 from onespark.hybrid import hybrid
+from onespark.model import qwen35, specs
 from onespark.mtp import mtp
 from onespark.synth import master_weight, synth_spec
 from onespark.verify import verify

@@ -17,7 +17,7 @@ wheel set: tests/gpu_vllm/). Configs, in the order they run (the deadline stops 
 
 Decode step = (last_token_ts - first_token_ts) / (generated - 1), vLLM's own per-request timestamps (engine core,
 monotonic); each (context, batch) point is one request batch after a warm-up. Bytes per step come from the
-shapes (onespark.qwen35): weights each step reads once (8 of 256 experts per token, the expected number of
+shapes (onespark.model.qwen35): weights each step reads once (8 of 256 experts per token, the expected number of
 distinct experts for the batch's tokens), the KV cache of the 12 attention layers and the 36 GDN states. The
 Spark estimate is bytes / 273 GB/s plus the H200's measured time beyond its own bytes / bandwidth: an estimate.
 """
@@ -35,7 +35,8 @@ from pathlib import Path
 
 import harness
 
-from onespark import qwen35, specs, synth
+from onespark import synth
+from onespark.model import qwen35, specs
 
 MODELS = {"122b": "qwen3.5-122b-a10b", "35b": "qwen3.5-35b-a3b"}
 CONFIGS = {  # name -> (FP8 shared experts, INT8 head, MTP-2, extra engine kwargs)

@@ -13,7 +13,7 @@ release stores its MTP head, (d) sizes, and (e) serving defaults. `custom` build
 
 Sources of the facts (so each can be checked again):
 - 122B dims: Qwen/Qwen3.5-122B-A10B config.json as transformers' Qwen3_5MoeTextConfig reads it (the dims
-  this project used since its first synth). 785 MTP tensors, 16-bit, not in the INT4 index: onespark/qwen35.py
+  this project used since its first synth). 785 MTP tensors, 16-bit, not in the INT4 index: onespark/model/qwen35.py
   and albond/DGX_Spark_Qwen3.5-122B-A10B-AR-INT4 patches/02-mtp-speculative/add-mtp-weights.py.
 - 35B dims: transformers 5.24.0 `models/qwen3_5_moe/configuration_qwen3_5_moe.py` (its defaults are
   documented as checkpoint "Qwen/Qwen3.5-35B-A3B": hidden 2048, 40 layers, 16/2 heads, 32 linear value

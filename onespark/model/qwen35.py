@@ -14,7 +14,7 @@ Sources, so each detail can be checked again:
   `mtp.pre_fc_norm_hidden`, `mtp.pre_fc_norm_embedding`, `mtp.layers.{i}.*` = one full-attention MoE
   decoder layer). Layer types: transformers `Qwen3_5MoeTextConfig` (`layer_types`, or every
   `full_attention_interval`-th layer full attention).
-- MTP tensor counts follow from the config (each model's published count: onespark.specs). The 122B's
+- MTP tensor counts follow from the config (each model's published count: onespark.model.specs). The 122B's
   785 = 4 + (2 norms + 4 attn + 2 qk-norms + gate + shared gate + 3 shared + 256 * 3 experts) single
   `.weight` tensors, i.e. its MTP head is stored 16-bit (albond's add-mtp-weights.py copies them unchanged).
 - INT4 packing (`packing_format: auto_round:auto_gptq`): intel/auto-round
