@@ -16,7 +16,8 @@ LAB = Path(__file__).resolve().parents[1] / "bench" / "lab"
 sys.path.insert(0, str(LAB))  # the harness is a lab module, imported here as the lab scripts import it
 import harness
 
-SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name != "harness.py")
+MODULES = {"harness.py", "turboquant_upstream.py"}  # imported by the scripts, not run
+SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name not in MODULES)
 
 
 def test_the_lab_holds_the_benchmarks():
@@ -45,3 +46,20 @@ def test_result_file_is_written_whole_with_its_header(tmp_path):
 def test_rel_err_is_frobenius_and_never_a_silent_nan():
     assert harness.rel_err(torch.tensor([3.0, 4.0]), torch.tensor([3.0, 0.0])) == 4 / 3
     assert harness.rel_err(torch.tensor([float("nan"), 1.0]), torch.ones(2)) == float("inf")
+
+
+def test_upstream_comparisons_exact_reference_is_causal_gqa_attention():
+    """turboquant_upstream.exact_attention (what ours and upstream's TurboQuant are both scored against) equals
+    torch's SDPA in float64 with GQA and the last T positions' lower-right causal mask."""
+    import turboquant_upstream as up
+    from torch.nn.attention.bias import causal_lower_right
+
+    g = torch.Generator().manual_seed(0)
+    T, L, hq, hkv, d = 3, 37, 8, 2, 16
+    q, k, v = (torch.randn(n, h, d, generator=g, dtype=torch.float64) for n, h in ((T, hq), (L, hkv), (L, hkv)))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.repeat_interleave(4, 1).transpose(0, 1)[None],
+        v.repeat_interleave(4, 1).transpose(0, 1)[None], attn_mask=causal_lower_right(T, L), scale=0.25)[0]
+    got = up.exact_attention(q, k, v, 0.25)
+    assert got.dtype == torch.float64 and torch.allclose(got, ref.transpose(0, 1), atol=1e-12)
+    assert not torch.allclose(up.exact_attention(q, k, v, 0.5), got)  # the scale is used

@@ -15,6 +15,11 @@ Decode baseline: torch FlashAttention on a BF16 cache with the 16 query heads of
 query rows (`fa_bf16_folded_ms`: what FlashInfer's and FlashAttention's GQA decode kernels do); the unfolded
 GQA call (`fa_bf16_ms`) is kept only as what a naive call costs.
 
+Upstream vLLM's TurboQuant (turboquant_upstream.py: its own store and decode ops, imported from an installed
+vLLM 0.26.0) is timed beside ours on the same shapes, depths and batches, each preset against upstream's preset of
+the same bytes per token, and both are checked against float64 attention on the unquantized keys and values
+(`exact_checks`). Without an importable vLLM the result says so (`upstream`: null) and has ours alone.
+
 Shape: Qwen3.5-122B-A10B full-attention layer: 32 query heads, 2 KV heads, head_dim 256, one layer.
 Times are per layer and decode step, medians of CUDA-graph replays (harness.median_ms; one call per
 graph); each call walks several disjoint copies of the cache (different blocks) so that no config is
@@ -32,6 +37,7 @@ import time
 import harness
 import torch
 import torch.nn.functional as F
+import turboquant_upstream as up
 
 from onespark.kernels import turboquant as tq
 from onespark.kernels import turboquant_triton as tt
@@ -89,6 +95,42 @@ def check_correctness(out_rows):
             print(f"check {name} T={T}: decode rel err {out_rows[-1]['decode_rel_err']:.2e}, encode code mismatch {code_mismatch:.1e}", flush=True)
 
 
+def check_exact(out_rows):
+    """Ours and upstream's (when installed) against float64 attention on the unquantized K/V: the error a user
+    sees from each cache at the same bytes, two sequences (4096 and 1001 tokens), q_len 1 and 3."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lens = [4096, 1001]
+    pages = [-(-n // PAGE) for n in lens]
+    bt = torch.zeros(2, max(pages), dtype=torch.int32, device="cuda")
+    bt[0, : pages[0]] = torch.arange(pages[0], dtype=torch.int32)
+    bt[1, : pages[1]] = pages[0] + torch.arange(pages[1], dtype=torch.int32)
+    kv = [(torch.randn(n, HKV, D, device="cuda", generator=g).to(torch.bfloat16) * 2,
+           torch.randn(n, HKV, D, device="cuda", generator=g).to(torch.bfloat16)) for n in lens]
+    sl = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    seed = tq.rotation_seed(3)
+    for name, p in tq.PRESETS.items():
+        lay = tq.CacheLayout(p, HKV, PAGE)
+        cache = lay.empty(sum(pages), "cuda")
+        ups = up.Upstream(up.PAIRS[name], sum(pages), HKV, D, PAGE, HQ, SM_SCALE) if up.version() else None
+        for b, (k, v) in enumerate(kv):
+            slots = tq.seq_slots(bt[b], lens[b], PAGE)
+            tt.encode(k, v, slots, cache, lay, seed)
+            if ups:
+                ups.store(k, v, slots)
+        for T in (1, 3):
+            q = torch.randn(2, HQ, T, D, device="cuda", generator=g).to(torch.bfloat16)
+            ours = tt.decode_attention(q, cache, lay, bt, sl, seed, SM_SCALE, max(lens))  # [B, HQ, T, D]
+            theirs = ups.attend(q.transpose(1, 2).contiguous(), bt, lens, sl) if ups else None  # [B, T, HQ, D]
+            for b, (k, v) in enumerate(kv):
+                exact = up.exact_attention(q[b].transpose(0, 1), k, v, SM_SCALE)  # [T, HQ, D]
+                row = dict(preset=name, q_len=T, seq_len=lens[b], ours_rel_err=harness.rel_err(ours[b].transpose(0, 1), exact))
+                if ups:
+                    row.update(upstream_preset=ups.preset, upstream_rel_err=harness.rel_err(theirs[b], exact))
+                out_rows.append(row)
+                print(f"exact {name} T={T} L={lens[b]}: ours {row['ours_rel_err']:.2e}"
+                      + (f", upstream {ups.preset} {row['upstream_rel_err']:.2e}" if ups else ""), flush=True)
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -100,6 +142,7 @@ class Pools:
         self.kv = torch.empty(2, max_tokens * HKV * D, dtype=torch.bfloat16, device="cuda")
         self.kv.normal_()
         self.tq = {}
+        self.up = {}
 
     def tq_cache(self, name):
         if name not in self.tq:
@@ -113,6 +156,17 @@ class Pools:
             sc.copy_(torch.rand_like(sc) + 0.5)
             self.tq[name] = (lay, cache)
         return self.tq[name]
+
+    def upstream_cache(self, name):
+        """Upstream's cache for the preset paired with ours, filled by its store kernel from the BF16 pool."""
+        if name not in self.up:
+            self.up.clear()
+            torch.cuda.empty_cache()
+            ups = up.Upstream(up.PAIRS[name], self.max_tokens // PAGE, HKV, D, PAGE, HQ, SM_SCALE)
+            kv = self.kv.view(2, self.max_tokens, HKV, D)
+            ups.store(kv[0], kv[1], torch.arange(self.max_tokens, device="cuda"))
+            self.up[name] = ups
+        return self.up[name]
 
 
 def bench_config(pools, name, depth, T, B, copies_cap=32, **kcfg):
@@ -136,6 +190,27 @@ def bench_config(pools, name, depth, T, B, copies_cap=32, **kcfg):
 
     tq_ms = graph_ms(run_tq) / copies
     return tq_ms, copies
+
+
+def bench_upstream(pools, name, depth, T, B, copies_cap=32):
+    """Upstream's decode (q_len 1) or verify path (q_len 3) on the same depth, batch and disjoint copies as ours."""
+    ups = pools.upstream_cache(name)
+    tokens = B * depth
+    copies = max(1, min(copies_cap, pools.max_tokens // tokens))
+    nb_call = tokens // PAGE
+    g = torch.Generator(device="cuda").manual_seed(depth + B)
+    tables = [(c * nb_call + torch.randperm(nb_call, device="cuda", generator=g).to(torch.int32)).view(B, depth // PAGE)
+              for c in range(copies)]
+    seq_lens = torch.full((B,), depth, dtype=torch.int32, device="cuda")
+    arange = torch.arange(0, depth + 1, device="cuda", dtype=torch.int32)
+    q = torch.randn(B, T, HQ, D, device="cuda", dtype=torch.bfloat16)
+    bufs = [ups.buffers(B) for _ in range(copies)]
+
+    def run():
+        for c in range(copies):
+            ups.attend(q, tables[c], [depth] * B, seq_lens, bufs=bufs[c], arange=arange)
+
+    return graph_ms(run) / copies, ups.bytes_per_token_head
 
 
 def bench_fa(pools, depth, T, B, copies_cap=32):
@@ -397,6 +472,8 @@ def decode(result, quick, out):
     result["copy_gbps"], result["copy_gbps_by_method"] = max(by.values()), by
     print(f"copy bandwidth {result['copy_gbps']:.0f} GB/s", flush=True)
     section(result, "correctness", check_correctness, result["checks"])
+    result["exact_checks"] = []
+    section(result, "against float64 attention", check_exact, result["exact_checks"])
     harness.write_result(out, result)
     depths = [8192, 262144] if quick else DEPTHS
     pools = Pools(max_tokens=8 * max(depths))
@@ -420,11 +497,16 @@ def decode(result, quick, out):
         row = dict(preset=name, depth=depth, q_len=T, batch=B, tq_ms=tq_ms, fa_bf16_ms=fa["gqa"],
                    fa_bf16_folded_ms=fa["folded"], bf16_floor_ms=floor, encode_ms=enc,
                    tq_over_floor=tq_ms / floor, tq_gbps=tq_bytes / tq_ms / 1e6, copies=copies)
+        if result["upstream"]:
+            up_ms, up_bytes = bench_upstream(pools, name, depth, T, B)
+            row.update(upstream_preset=up.PAIRS[name], upstream_ms=up_ms,
+                       upstream_gbps=B * depth * HKV * up_bytes / up_ms / 1e6, tq_over_upstream=tq_ms / up_ms)
         result["rows"].append(row)
         nan = float("nan")
         print(f"{name} L={depth:>6} T={T} B={B}: tq {tq_ms * 1000:7.1f} us  fa {(fa['gqa'] or nan) * 1000:7.1f} us"
               f"  fa-folded {(fa['folded'] or nan) * 1000:7.1f} us  floor {floor * 1000:7.1f} us"
-              f"  tq/floor {tq_ms / floor:.2f}  tq {row['tq_gbps']:.0f} GB/s  enc {enc * 1000:.1f} us", flush=True)
+              f"  tq/floor {tq_ms / floor:.2f}  tq {row['tq_gbps']:.0f} GB/s  enc {enc * 1000:.1f} us"
+              + (f"  upstream {row['upstream_ms'] * 1000:7.1f} us" if "upstream_ms" in row else ""), flush=True)
 
     for name, p in tq.PRESETS.items():
         for depth in depths:
@@ -453,7 +535,10 @@ def main():
     torch.manual_seed(0)
     result = harness.header(args.git_sha)
     print(f"{result['device']}, torch {result['torch']}, triton {result['triton']}", flush=True)
-    result.update(shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page=PAGE), rows=[], checks=[], needle=[])
+    result.update(shape=dict(q_heads=HQ, kv_heads=HKV, head_dim=D, page=PAGE), rows=[], checks=[], needle=[],
+                  upstream=up.version() and dict(vllm=up.version(), pairs=up.PAIRS))
+    print(f"upstream TurboQuant: {'vLLM ' + up.version() if result['upstream'] else 'no vLLM with its ops here: ours alone'}",
+          flush=True)
     if args.prefill:
         result.update(prefill_rows=[], prefill_checks=[], prefill_sweep=[], chunk=PREFILL_CHUNK)
         section(result, "prefill", prefill, result, args.quick)
@@ -474,12 +559,13 @@ def main():
     harness.write_result(args.out, result)
     nan = float("nan")
     print(f"\n{'preset':<16} {'depth':>6} {'T':>2} {'B':>2} {'tq_us':>8} {'fold_us':>8} {'tq/fold':>7} {'naive_us':>8}"
-          f" {'floor_us':>8} {'tq/floor':>8}")
+          f" {'floor_us':>8} {'tq/floor':>8} {'upstr_us':>8} {'tq/upstr':>8}")
     for r in result["rows"]:
         fold = r['fa_bf16_folded_ms'] or nan
         print(f"{r['preset']:<16} {r['depth']:>6} {r['q_len']:>2} {r['batch']:>2} {r['tq_ms'] * 1000:8.1f}"
               f" {fold * 1000:8.1f} {r['tq_ms'] / fold:7.2f} {(r['fa_bf16_ms'] or nan) * 1000:8.1f}"
-              f" {r['bf16_floor_ms'] * 1000:8.1f} {r['tq_over_floor']:8.2f}")
+              f" {r['bf16_floor_ms'] * 1000:8.1f} {r['tq_over_floor']:8.2f}"
+              f" {r.get('upstream_ms', nan) * 1000:8.1f} {r.get('tq_over_upstream', nan):8.2f}")
     print(f"errors: {result.get('errors', [])}")
     print(f"wrote {args.out} in {result['wall_s']:.0f} s")
 

@@ -3,7 +3,7 @@
   python bench/lab/vllm_step.py --out F.json [--models 122b,35b] [--configs stock,...] [--deadline-s 540]
 
 Each (model, config) is a fresh vLLM engine in a child process (`--one`): `--load-format dummy` on the real
-config.json (onespark.synth.make_config with the spec's real dims: AutoRound INT4 experts, 16-bit shared experts,
+config.json (onespark.checkpoint.synth.make_config with the spec's real dims: AutoRound INT4 experts, 16-bit shared experts,
 and for `fp8-shared` step 1's onespark_fp8 section), CUDA graphs and torch.compile on, prefix caching off (every
 request prefills, so two runs of one prompt cost the same), TRITON_ATTN and Triton GDN prefill (the GPU lane's
 wheel set: tests/gpu_vllm/). Configs, in the order they run (the deadline stops the list, never a config midway):
@@ -49,13 +49,28 @@ CONFIGS = {  # name -> (FP8 shared experts, INT8 head, MTP-2, extra engine kwarg
 H200_BW = 4.3e12  # B/s, a device-to-device copy on this workplace's H200 (read + write; KINDS.md, 2026-10-28)
 SPARK_BW = 273e9  # B/s, the GB10's LPDDR5x (published)
 DECODE_STEPS = 64
+# CUDA graphs for the batch sizes measured (tokens per step: batch x (1 + drafts)), not vLLM's default 67 sizes:
+# capture time is per size, and the call's budget is 10 minutes
+CAPTURE_SIZES = [1, 2, 3, 4, 6, 8, 12, 16]
+
+
+def spec_counts(llm) -> dict:
+    """vLLM's own speculative-decoding counters (drafts = verify steps, accepted draft tokens), summed."""
+    counts = {"drafts": 0.0, "accepted": 0.0}
+    for m in llm.get_metrics():
+        name = m.name.removesuffix("_total")
+        if name == "vllm:spec_decode_num_drafts":
+            counts["drafts"] += m.value
+        elif name == "vllm:spec_decode_num_accepted_tokens":
+            counts["accepted"] += m.value
+    return counts
 
 
 def write_config(out: Path, model: str, fp8_shared: bool) -> dict:
     spec = specs.get(MODELS[model])
     config = synth.make_config("int4", dict(spec.text), mtp_dtype=spec.mtp_dtype, vision=synth.REAL_VISION,
                                mixed_bits=spec.mixed_bits)
-    if fp8_shared:  # what step 1 writes (onespark.hybrid._hybrid_config) for the spliced shared experts
+    if fp8_shared:  # what step 1 writes (onespark.checkpoint.hybrid._hybrid_config) for the spliced shared experts
         layers = [w[: -len(".weight")] for w in qwen35.shared_expert_weights(config)]
         config["quantization_config"][qwen35.HYBRID_KEY] = {
             "layers": layers, "weight_block_size": [128, 128], "activation_scheme": "dynamic", "fmt": "e4m3",
@@ -117,21 +132,26 @@ def one(model: str, config_name: str, ctxs: list[int], batches: list[int], out: 
         llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, language_model_only=True,
                   max_model_len=max(ctxs) + DECODE_STEPS + 16, max_num_seqs=max(batches),
                   gpu_memory_utilization=0.88, enable_prefix_caching=False, disable_log_stats=False,
-                  gdn_prefill_backend="triton", **kw)
+                  gdn_prefill_backend="triton", cudagraph_capture_sizes=CAPTURE_SIZES, **kw)
         result = dict(model=MODELS[model], config=config_name, startup_s=round(time.monotonic() - t0, 1), points=[])
         rng = random.Random(0)
         sp = SamplingParams(max_tokens=DECODE_STEPS + 1, ignore_eos=True, temperature=0, detokenize=False)
 
-        def run(ctx: int, batch: int) -> tuple[list[float], float]:
+        def run(ctx: int, batch: int) -> tuple[list[float], float, dict]:
+            """Median-ready step times: the engine steps after the first token are the generated tokens minus
+            one, less the drafts accepted (random weights accept few, but an accepted draft is a step saved)."""
             prompts = [TokensPrompt(prompt_token_ids=[rng.randrange(1000, 200000) for _ in range(ctx)])
                        for _ in range(batch)]
+            before = spec_counts(llm) if mtp2 else None
             outs = llm.generate(prompts, sp, use_tqdm=False)
+            spec = {k: v - before[k] for k, v in spec_counts(llm).items()} if mtp2 else {}
+            accepted_per_req = spec.get("accepted", 0.0) / batch
             steps, ttft = [], 0.0
             for o in outs:
                 m = o.metrics
-                steps.append((m.last_token_ts - m.first_token_ts) / (m.num_generation_tokens - 1))
+                steps.append((m.last_token_ts - m.first_token_ts) / max(m.num_generation_tokens - 1 - accepted_per_req, 1))
                 ttft = max(ttft, m.first_token_ts - m.scheduled_ts)
-            return steps, ttft
+            return steps, ttft, spec
 
         run(min(ctxs), 1)  # warm-up: first-request allocations and lazy kernels out of the numbers
         out.write_text(json.dumps(result))
@@ -139,14 +159,15 @@ def one(model: str, config_name: str, ctxs: list[int], batches: list[int], out: 
             for batch in batches:
                 if ctx * batch > 2 * max(ctxs):  # e.g. 128K x 4: prefill alone would take the call's budget
                     continue
-                steps, ttft = run(ctx, batch)
+                steps, ttft, spec = run(ctx, batch)
                 ms = 1e3 * sorted(steps)[len(steps) // 2]
                 b = step_bytes(config, fp8_shared, int8_head, ctx, batch, 3 if mtp2 else 1)
                 h200_floor = b["total"] / H200_BW
                 result["points"].append(dict(ctx=ctx, batch=batch, step_ms=round(ms, 3), prefill_s=round(ttft, 3),
                                    bytes=round(b["total"]), bytes_by_part={k: round(v) for k, v in b.items()},
                                    achieved_tb_s=round(b["total"] / (ms / 1e3) / 1e12, 3),
-                                   spark_estimate_ms=round(1e3 * (b["total"] / SPARK_BW) + max(ms - 1e3 * h200_floor, 0), 2)))
+                                   spark_estimate_ms=round(1e3 * (b["total"] / SPARK_BW) + max(ms - 1e3 * h200_floor, 0), 2),
+                                   **({"spec_decode": spec} if mtp2 else {})))
                 out.write_text(json.dumps(result))
                 print(f"  {model} {config_name} ctx {ctx} batch {batch}: {ms:.2f} ms/step", flush=True)
 
