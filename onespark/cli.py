@@ -22,13 +22,13 @@ from onespark.options import Parser, redact_argv
 COMMANDS: dict[str, tuple[str, str]] = {
     "specs": ("onespark.model.specs", "the supported models: repos, pinned revisions, shapes, MTP layout, serving defaults"),
     "doctor": ("onespark.doctor", "preflight: GPU, driver, Docker, NVIDIA runtime, disk, memory, Hugging Face"),
-    "synth": ("onespark.synth", "write a small checkpoint in the real Intel INT4 / Qwen FP8 formats"),
-    "download": ("onespark.download", "step 0: the INT4 checkpoint, and the FP8 shared experts by byte range"),
-    "hybrid": ("onespark.hybrid", "step 1: splice FP8 shared-expert weights into the INT4 checkpoint"),
-    "mtp": ("onespark.mtp", "step 2: make every mtp.* tensor loadable"),
-    "verify": ("onespark.verify", "check a checkpoint against its index, config and manifest"),
-    "draft-vocab": ("onespark.draft_vocab", "the MTP draft's vocabulary subset: the K most frequent token ids"),
-    "tiny-model": ("onespark.tinymodel", "write a tiny servable model (weights + tokenizer) that vLLM runs on CPU"),
+    "synth": ("onespark.checkpoint.synth", "write a small checkpoint in the real Intel INT4 / Qwen FP8 formats"),
+    "download": ("onespark.checkpoint.download", "step 0: the INT4 checkpoint, and the FP8 shared experts by byte range"),
+    "hybrid": ("onespark.checkpoint.hybrid", "step 1: splice FP8 shared-expert weights into the INT4 checkpoint"),
+    "mtp": ("onespark.checkpoint.mtp", "step 2: make every mtp.* tensor loadable"),
+    "verify": ("onespark.checkpoint.verify", "check a checkpoint against its index, config and manifest"),
+    "draft-vocab": ("onespark.checkpoint.draft_vocab", "the MTP draft's vocabulary subset: the K most frequent token ids"),
+    "tiny-model": ("onespark.checkpoint.tinymodel", "write a tiny servable model (weights + tokenizer) that vLLM runs on CPU"),
     "serve": ("onespark.serve", "launch the v2 / v2-tq container on 127.0.0.1 and wait until it answers"),
     "cluster": ("onespark.cluster", "two Sparks: preflight both, Ray head + worker, vLLM TP=2 (or PP=2) across them"),
     "bench": ("onespark.bench.cli", "benchmark an OpenAI-compatible endpoint (published, depth, concurrency, ...)"),
@@ -94,7 +94,7 @@ def _main(argv: list[str]) -> int:
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
     if name in ("download", "hybrid", "mtp", "synth"):  # the commands that lock a directory
-        from onespark import lock  # who holds an output directory, for the message a second writer gets
+        from onespark.checkpoint import lock  # who holds an output directory, for the message a second writer gets
         lock.COMMAND = "onespark " + shlex.join(redact_argv(argv))
     try:
         return int(module.run(args) or 0)

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from onespark import options, shape
-from onespark.checkpoint import INDEX, INDEX_FILE
+from onespark.checkpoint.writer import INDEX, INDEX_FILE
 from onespark.errors import UserError
 from onespark.vllm_log import detect_stage
 
@@ -140,7 +140,7 @@ def weights_bytes(model: str | os.PathLike) -> tuple[int, str]:
         doc = None
     except (OSError, ValueError, RecursionError) as e:
         raise PlanError(f"{index}: unreadable ({e}): the checkpoint is damaged; onespark verify {d}") from None
-    if doc is not None:  # the index's declared shape (onespark.checkpoint.INDEX): a null file name, a list...
+    if doc is not None:  # the index's declared shape (onespark.checkpoint.writer.INDEX): a null file name, a list...
         try:
             shape.check(doc, INDEX, str(index), f"the checkpoint is damaged; onespark verify {d}")
         except UserError as e:

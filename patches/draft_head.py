@@ -21,7 +21,7 @@ Switch: ONESPARK_DRAFT_VOCAB (default on where the file exists; 0 = the draft sh
 1 with no file = an error naming the command that writes it). ONESPARK_DRAFT_INT4=1 (default 0, until a GPU
 measurement says it pays: bench/lab/draft_head.py) keeps the subset's rows in INT4 groups of 128 instead
 (half the bytes again; quantized from the INT8 rows, so twice rounded: it changes only what is drafted).
-A file that does not match the checkpoint (onespark.draft_vocab.check_file: ids in range, unique, specials
+A file that does not match the checkpoint (onespark.checkpoint.draft_vocab.check_file: ids in range, unique, specials
 present, this tokenizer.json) stops the server with one line naming the file and the fix.
 """
 
@@ -151,7 +151,7 @@ def _model_dir(proposer) -> Path | None:
 def attach(proposer, target_language_model) -> bool:
     """After vLLM shared the target's head with the draft: give the draft a DraftSubsetHead where the switch
     and the file say so. Returns whether it did."""
-    from onespark import draft_vocab
+    from onespark.checkpoint import draft_vocab
     from onespark.patches import ENV_DRAFT_VOCAB, switch
 
     target_head = getattr(target_language_model, "lm_head", None)

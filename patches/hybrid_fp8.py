@@ -5,7 +5,7 @@ Same code on vLLM 0.19.1 and 0.32.0 (their INCConfig.get_quant_method / from_con
 
 Selection. `onespark hybrid` (step 1) keeps `quant_method: "auto-round"` and adds
 `quantization_config["onespark_fp8"] = {"layers": [HF module names], "weight_block_size": [128, 128],
-"activation_scheme": "dynamic", "fmt": "e4m3", "scale_name": "weight_scale_inv", ...}` (onespark.hybrid's
+"activation_scheme": "dynamic", "fmt": "e4m3", "scale_name": "weight_scale_inv", ...}` (onespark.checkpoint.hybrid's
 docstring). vLLM (both versions) asks every registered config's `override_quantization_method` before the built-in
 ones (config/model.py, `_verify_quantization`); ours answers "onespark_hybrid" for exactly those
 checkpoints, so no --quantization flag is needed. Any other checkpoint never reaches this class: stock INC.

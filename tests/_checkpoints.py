@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from onespark.synth import synth
+from onespark.checkpoint.synth import synth
 
 
 def load_all(d: Path) -> dict[str, torch.Tensor]:

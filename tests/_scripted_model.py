@@ -1,6 +1,6 @@
 """A tiny model whose greedy reply is a fixed text, to test what vLLM's serving layer makes of a reply.
 
-`write_scripted_model(out, reply, arch=...)` writes onespark's tiny Qwen2-MoE (onespark.tinymodel), or with
+`write_scripted_model(out, reply, arch=...)` writes onespark's tiny Qwen2-MoE (onespark.checkpoint.tinymodel), or with
 arch="qwen3.5-moe" its real-architecture Qwen3.5-MoE whose MTP layer drafts what the head predicts (so under
 MTP-2 the script is drafted and accepted, 1-3 tokens a step), and then:
   * splits the reply into pieces that are all different strings and adds each to the tokenizer as a token
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from onespark.tinymodel import write_tiny_model
+from onespark.checkpoint.tinymodel import write_tiny_model
 
 CHAIN = 3.0  # x the tiny model's 0.35 / sqrt(hidden): ~17 logits for the next piece against ~5.6 for its successor row
 WHOLE = ("<think>", "</think>", "<tool_call>", "</tool_call>")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onespark.tinymodel import _safetensors_bytes, write_tiny_model
+from onespark.checkpoint.tinymodel import _safetensors_bytes, write_tiny_model
 
 H, NH, NKV, HD, FF, LAYERS = 256, 4, 2, 256, 512, 2
 HEAD_MARGIN = 0.35  # tinymodel's value: a clear successor, so teacher-forced top-1 is stable

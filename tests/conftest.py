@@ -99,14 +99,14 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from onespark.tinymodel import write_tiny_model
+    from onespark.checkpoint.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen35_dir(tmp_path_factory):
-    from onespark.tinymodel import write_tiny_model
+    from onespark.checkpoint.tinymodel import write_tiny_model
 
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen35", seed=0, arch="qwen3.5-moe")
 

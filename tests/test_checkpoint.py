@@ -19,15 +19,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from onespark.checkpoint import MANIFEST_FILE, Output, Writer
+from onespark.checkpoint.hybrid import hybrid
+from onespark.checkpoint.lock import LOCK_FILE
+from onespark.checkpoint.mtp import mtp
+from onespark.checkpoint.safetensors_io import Range, copy_file_tmp, read_header, write_safetensors
+from onespark.checkpoint.synth import REAL_TEXT, REAL_VISION, TINY_TEXT, synth
+from onespark.checkpoint.verify import verify
+from onespark.checkpoint.writer import MANIFEST_FILE, Output, Writer
 from onespark.errors import UserError
-from onespark.hybrid import hybrid
-from onespark.lock import LOCK_FILE
 from onespark.model import qwen35, specs
-from onespark.mtp import mtp
-from onespark.safetensors_io import Range, copy_file_tmp, read_header, write_safetensors
-from onespark.synth import REAL_TEXT, REAL_VISION, TINY_TEXT, synth
-from onespark.verify import verify
 from tests._checkpoints import load_all, synth_pair
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def _unpack_gptq(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def test_int4_packing_decodes_to_the_master_weight(pair):
-    from onespark.synth import master_weight
+    from onespark.checkpoint.synth import master_weight
     t = load_all(pair / "int4")
     p = "model.language_model.layers.3.self_attn.q_proj"  # a full-attention layer (layer_types[3])
     q, s, z, g = t[p + ".qweight"], t[p + ".scales"], t[p + ".qzeros"], t[p + ".g_idx"]
@@ -252,7 +252,7 @@ def test_fp8_source_with_wrong_shapes(pair, tmp_path):
 def test_not_enough_disk_is_checked_before_writing(pair, tmp_path, monkeypatch):
     import shutil as sh
     real = sh.disk_usage
-    monkeypatch.setattr("onespark.hybrid.shutil.disk_usage", lambda p: real(p)._replace(free=1000))
+    monkeypatch.setattr("onespark.checkpoint.hybrid.shutil.disk_usage", lambda p: real(p)._replace(free=1000))
     with pytest.raises(UserError, match="not enough free disk"):
         hybrid(pair / "int4", str(pair / "fp8"), tmp_path / "o", log=lambda m: None)
     assert not list((tmp_path / "o").glob("*.safetensors"))
@@ -291,7 +291,7 @@ def test_cli_exit_status_and_one_line_error(pair, tmp_path):
 
 SLOW_CHILD = """
 import sys, time
-import onespark.safetensors_io as io
+import onespark.checkpoint.safetensors_io as io
 real = io.copy_range
 def slow(*a):  # the test's brake: makes the kill land mid-splice, deterministically
     time.sleep(0.01)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from onespark.synth import synth
+from onespark.checkpoint.synth import synth
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["steps/0-download.sh", "steps/1-hybrid.sh", "steps/2-mtp.sh"]

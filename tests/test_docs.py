@@ -121,7 +121,7 @@ def test_a_broken_link_or_anchor_fails(tmp_path):
 
 def pointers_in_code(root: Path = ROOT) -> list[str]:
     """Every docs/*.md page a message or comment of the code names, and the files that name it. Our pages are
-    lower-case (another repository's `docs/FINDINGS.md`, cited in onespark/synth.py, is not ours)."""
+    lower-case (another repository's `docs/FINDINGS.md`, cited in onespark/checkpoint/synth.py, is not ours)."""
     code = [root / "install.sh", *(root / "steps").glob("*.sh"), *(root / "docker").glob("*"),
             *[p for d in ("onespark", "patches", "kernels", "bench") for p in (root / d).rglob("*.py")]]
     found = []

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from onespark.checkpoint.synth import TINY_TEXT, synth
 from onespark.model import qwen35, specs
-from onespark.synth import TINY_TEXT, synth
 from tests._hub import NEEDS_NGINX, NGINX, hub_env, publish, serve
 
 pytestmark = pytest.mark.skipif(NGINX is None, reason=NEEDS_NGINX)
@@ -80,9 +80,9 @@ def test_download_int4_and_ranged_fp8_then_splice(hub, tmp_path):
     # the fetched tensors are byte-identical to the source's, and step 1 accepts them
     from safetensors import safe_open
 
-    from onespark.hybrid import hybrid
-    from onespark.mtp import mtp
-    from onespark.verify import verify
+    from onespark.checkpoint.hybrid import hybrid
+    from onespark.checkpoint.mtp import mtp
+    from onespark.checkpoint.verify import verify
     with safe_open(str(fp8 / "fp8-shared-experts.safetensors"), framework="pt") as got:
         src = {}
         for f in (d / "src-fp8").glob("*.safetensors"):
@@ -171,7 +171,7 @@ def test_step_0_script_downloads_then_says_already_done(hub, tmp_path):
 
 
 def test_interrupted_fp8_fetch_resumes_without_refetching(hub, tmp_path, monkeypatch):
-    from onespark import download
+    from onespark.checkpoint import download
     d, endpoint = hub
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")

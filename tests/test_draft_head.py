@@ -267,8 +267,8 @@ def test_plugin_shard_without_subset_ids_is_all_neg_inf(int4):
 def probe(tmp_path_factory):
     """Runs _probe_main (bottom) in a fresh interpreter: vLLM's ParallelLMHead (the plugin's INT8 one),
     LogitsProcessor and EagleProposer._maybe_share_lm_head as the plugin wraps it."""
-    from onespark import draft_vocab
-    from onespark.tinymodel import write_tiny_model
+    from onespark.checkpoint import draft_vocab
+    from onespark.checkpoint.tinymodel import write_tiny_model
 
     root = tmp_path_factory.mktemp("draft-head")
     model = write_tiny_model(root / "tiny", seed=0)
@@ -339,8 +339,8 @@ SUBSET = 340  # of the tiny tokenizer's 677: the greedy continuations hold token
 
 @pytest.fixture(scope="module")
 def subset_server(tmp_path_factory):
-    from onespark import draft_vocab
-    from onespark.tinymodel import write_tiny_model
+    from onespark.checkpoint import draft_vocab
+    from onespark.checkpoint.tinymodel import write_tiny_model
     from tests.test_v032_server import CPU_FLAGS, MTP
     from tests.vllm_server import VLLMServer
 

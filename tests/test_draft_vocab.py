@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from onespark import draft_vocab
+from onespark.checkpoint import draft_vocab
+from onespark.checkpoint.synth import synth
+from onespark.checkpoint.tinymodel import write_tiny_model
 from onespark.errors import UserError
-from onespark.synth import synth
-from onespark.tinymodel import write_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

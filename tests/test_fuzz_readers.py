@@ -20,14 +20,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from onespark import draft_vocab, memory
-from onespark.checkpoint import INDEX_FILE, open_checkpoint
+from onespark import memory
+from onespark.checkpoint import draft_vocab
+from onespark.checkpoint.hybrid import Plan
+from onespark.checkpoint.mtp import mtp
+from onespark.checkpoint.safetensors_io import encode_header, parse_header
+from onespark.checkpoint.synth import synth
+from onespark.checkpoint.verify import verify
+from onespark.checkpoint.writer import INDEX_FILE, open_checkpoint
 from onespark.errors import UserError, read_secret
-from onespark.hybrid import Plan
-from onespark.mtp import mtp
-from onespark.safetensors_io import encode_header, parse_header
-from onespark.synth import synth
-from onespark.verify import verify
 
 SEED = 23
 MUTANTS = 60  # random deep mutations per input, on top of the systematic depth <= 2 ones

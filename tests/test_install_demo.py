@@ -310,7 +310,7 @@ def test_v2_tq_builds_and_defaults_to_turboquant(track):
 
 def test_serve_reports_a_dying_container(tmp_path):
     """A container that dies during start-up: `onespark serve` exits 1 with the log tail and the cause."""
-    from onespark.tinymodel import write_tiny_model
+    from onespark.checkpoint.tinymodel import write_tiny_model
 
     _demo_v2_image()  # serve --demo runs it
     model = write_tiny_model(tmp_path / "tiny")

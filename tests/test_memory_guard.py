@@ -23,10 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from onespark import launch, memory, serve, synth
+from onespark import launch, memory, serve
+from onespark.checkpoint import synth
+from onespark.checkpoint.safetensors_io import read_header
 from onespark.errors import UserError
 from onespark.model import qwen35
-from onespark.safetensors_io import read_header
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3

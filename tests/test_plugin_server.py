@@ -122,7 +122,7 @@ def test_a_server_that_cannot_start_fails_fast_with_its_log(tmp_path):
 def test_tied_head_stays_bf16_and_serves(tmp_path):
     # Qwen2-MoE ties by assigning the embedding's Parameter to lm_head.weight: quantizing would free
     # nothing (the embedding keeps it), so the plugin must leave that head alone, and serving must work.
-    from onespark.tinymodel import write_tiny_model
+    from onespark.checkpoint.tinymodel import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tied", seed=0, tie_word_embeddings=True)
     with VLLMServer(model) as server:

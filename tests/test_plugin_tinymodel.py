@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from onespark.checkpoint.tinymodel import TINY, write_tiny_model
 from onespark.errors import UserError
-from onespark.tinymodel import TINY, write_tiny_model
 
 
 def test_same_seed_same_bytes_other_seed_other_weights(tmp_path, tiny_model_dir):

@@ -3,8 +3,8 @@ and functions a reader follows: each must exist in the code.
 
 Every backticked path in the map exists. In the two path tables (checkpoint, logits), the cell that names the
 code (`FILE`: `name` -> `name` ...) is read left to right: a path sets the file, `module.name` looks in
-onespark/module.py, `Class.method` and `.method` (the last class named) look for the method, and any other
-name must be defined at the top level of the file named last.
+onespark/module.py (or a wing's, onespark/WING/module.py), `Class.method` and `.method` (the last class named)
+look for the method, and any other name must be defined at the top level of the file named last.
 """
 
 from __future__ import annotations
@@ -57,6 +57,12 @@ def defined(path: Path) -> dict[str, set[str]]:
     return names
 
 
+def module_file(name: str) -> Path | None:
+    """onespark's module `name`, at the top level or in one of its wings (model/, checkpoint/, serving/)."""
+    found = [ROOT / "onespark" / f"{name}.py", *sorted((ROOT / "onespark").glob(f"*/{name}.py"))]
+    return next((f for f in found if f.exists()), None)
+
+
 def cell_problems(cell: str) -> list[str]:
     problems, file, last_class = [], None, None
     for span in SPAN.findall(cell):
@@ -69,8 +75,8 @@ def cell_problems(cell: str) -> list[str]:
         where = file
         if span.startswith("."):
             head, tail = last_class, span[1:]
-        elif tail and (ROOT / "onespark" / f"{head}.py").exists() and head not in defined(file):
-            where, head, tail = ROOT / "onespark" / f"{head}.py", tail, ""
+        elif tail and module_file(head) and head not in defined(file):
+            where, head, tail = module_file(head), tail, ""
         names = defined(where)
         rel = where.relative_to(ROOT)
         if head not in names:
@@ -98,9 +104,9 @@ def test_map_names_are_defined():
 
 
 def test_map_check_finds_a_wrong_name():
-    assert cell_problems("`onespark/hybrid.py`: `hybrid` -> `Plan.no_such_method`") == [
-        "`Plan.no_such_method`: onespark/hybrid.py's Plan has no method no_such_method"]
-    assert cell_problems("`onespark/mtp.py`: `checkpoint.NoWriter`") == [
-        "`checkpoint.NoWriter`: onespark/checkpoint.py defines no NoWriter"]
+    assert cell_problems("`onespark/checkpoint/hybrid.py`: `hybrid` -> `Plan.no_such_method`") == [
+        "`Plan.no_such_method`: onespark/checkpoint/hybrid.py's Plan has no method no_such_method"]
+    assert cell_problems("`onespark/checkpoint/mtp.py`: `writer.NoWriter`") == [
+        "`writer.NoWriter`: onespark/checkpoint/writer.py defines no NoWriter"]
     assert cell_problems("`patches/lm_head.py`: `Int8LMHeadMethod.apply`, `.create_weights`, `.nope`") == [
         "`.nope`: patches/lm_head.py's Int8LMHeadMethod has no method nope"]

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from onespark.checkpoint import MANIFEST_FILE
+from onespark.checkpoint.hybrid import hybrid
+from onespark.checkpoint.mtp import mtp
+from onespark.checkpoint.verify import verify
+from onespark.checkpoint.writer import MANIFEST_FILE
 from onespark.errors import UserError
-from onespark.hybrid import hybrid
-from onespark.mtp import mtp
-from onespark.verify import verify
 from tests._checkpoints import synth_pair
 from tests._hub import hub_env
 
@@ -349,7 +349,7 @@ def test_api_key_from_file_or_env_reaches_the_server_and_no_record(tmp_path):
 
 HELD_CHILD = """
 import os, sys, time
-import onespark.safetensors_io as io
+import onespark.checkpoint.safetensors_io as io
 real = io.copy_range
 go = sys.argv.pop(1)
 def held(*a):  # the test's brake: the first run copies nothing until the test has tried the second one
@@ -390,7 +390,7 @@ def test_second_writer_is_refused_naming_the_holder(pair, finished, tmp_path):
 
 
 def test_download_refuses_a_destination_in_use(tmp_path):
-    from onespark.lock import locked
+    from onespark.checkpoint.lock import locked
     env = dict(os.environ, HF_ENDPOINT="http://127.0.0.1:9", NO_PROXY="127.0.0.1", HF_HUB_OFFLINE="0")
     with locked(tmp_path / "m" / "fp8", "--dest"):  # this process holds it; the child must not write there
         r = cli("download", "--dest", str(tmp_path / "m"), "--skip-int4", "--fp8-revision", "2" * 40, env=env)
@@ -405,7 +405,7 @@ def _relabel(ck_dir: Path, name: str, dtype: str, widen: bool = False) -> None:
     (widen) the values as F32 (twice the bytes)."""
     import numpy as np
 
-    from onespark.safetensors_io import Range, read_header, write_safetensors
+    from onespark.checkpoint.safetensors_io import Range, read_header, write_safetensors
     idx = json.loads((ck_dir / "model.safetensors.index.json").read_text())
     fname = idx["weight_map"][name]
     h = read_header(ck_dir / fname)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from onespark.checkpoint import MANIFEST_FILE
-from onespark.hybrid import hybrid
+from onespark.checkpoint.hybrid import hybrid
+from onespark.checkpoint.writer import MANIFEST_FILE
 from tests._checkpoints import synth_pair
 from tests.test_reliability import cli, one_line_error
 
@@ -132,7 +132,7 @@ def test_a_killed_run_resumed_with_other_inputs_starts_over(pairs, tmp_path):
     ref = tmp_path / "ref"
     hybrid(b / "int4", str(b / "fp8"), ref, log=lambda m: None)
     out = tmp_path / "hy"
-    import onespark.hybrid as hy
+    import onespark.checkpoint.hybrid as hy
     real = hy.Writer.write
     calls = []
 
@@ -235,7 +235,7 @@ def test_when_only_the_tables_fail_the_json_in_out_is_named(tmp_path):
 # killed there with SIGKILL (the resume test). `started` says it got there.
 HELD_SYNTH = """
 import os, sys, time
-import onespark.synth as s
+import onespark.checkpoint.synth as s
 real = s.write_safetensors
 go, started = sys.argv.pop(1), sys.argv.pop(1)
 calls = []

@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from onespark.checkpoint.hybrid import hybrid
+from onespark.checkpoint.mtp import mtp
+from onespark.checkpoint.synth import master_weight, synth_spec
+from onespark.checkpoint.verify import verify
 from onespark.errors import UserError
-from onespark.hybrid import hybrid
 from onespark.model import qwen35, specs
-from onespark.mtp import mtp
-from onespark.synth import master_weight, synth_spec
-from onespark.verify import verify
 from tests._checkpoints import load_all
 from tests._plan import in_order
 

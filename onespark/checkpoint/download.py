@@ -16,7 +16,7 @@ source (qwen3.6-35b-a3b) skips DEST/fp8 and says why.
 Every directory carries `onespark-download.json` (repo, revision, bytes); step 1 copies that into its manifest.
 Re-running resumes: snapshot_download keeps every file it finished (huggingface_hub 2.4 starts the file it
 was in again: it writes each download to a per-process temp name, its PR #4228); fetched FP8 byte ranges are
-kept as parts until the file is assembled. The files are written by onespark.checkpoint.Writer (temp name, fsync,
+kept as parts until the file is assembled. The files are written by onespark.checkpoint.writer.Writer (temp name, fsync,
 rename), the download record last: a directory whose record says complete is reported as already fetched.
 Endpoint: HF_ENDPOINT (as huggingface_hub reads it); token: HF_TOKEN or `hf auth login`, never printed.
 """
@@ -32,11 +32,25 @@ import struct
 from pathlib import Path
 from urllib.parse import quote
 
-from onespark.checkpoint import DOWNLOAD_RECORD, INDEX_FILE, Output, Writer, load_json, open_checkpoint, rewrite_index
+from onespark.checkpoint.lock import locked
+from onespark.checkpoint.safetensors_io import (
+    MAX_HEADER_BYTES,
+    Range,
+    encode_header,
+    parse_header,
+    write_safetensors_tmp,
+)
+from onespark.checkpoint.writer import (
+    DOWNLOAD_RECORD,
+    INDEX_FILE,
+    Output,
+    Writer,
+    load_json,
+    open_checkpoint,
+    rewrite_index,
+)
 from onespark.errors import UserError, at_path
-from onespark.lock import locked
 from onespark.model import qwen35, specs
-from onespark.safetensors_io import MAX_HEADER_BYTES, Range, encode_header, parse_header, write_safetensors_tmp
 
 # The default spec's pinned commits (every spec's repos, pins and where each pin comes from: onespark.model.specs).
 INT4_REPO = specs.SPECS[specs.DEFAULT].int4.repo
@@ -277,7 +291,7 @@ def _fetch_parts(f: Fetcher, plan: list[tuple[str, int, int, list]], parts: Path
 
 
 def download_int4(repo: str, revision: str, dest: Path, log=print) -> dict:
-    with locked(Path(dest), "--dest"):  # one writer per directory (onespark.lock)
+    with locked(Path(dest), "--dest"):  # one writer per directory (onespark.checkpoint.lock)
         return _download_whole(repo, revision, Path(dest), "the INT4 checkpoint", _check_int4, log,
                                flags="--int4-repo and --revision")
 
@@ -297,7 +311,7 @@ def _check_int4(dest: Path) -> tuple[dict, str]:
 
 
 def _check_drafter(dest: Path, spec: specs.Spec) -> tuple[dict, str]:
-    from onespark.verify import drafter_problems
+    from onespark.checkpoint.verify import drafter_problems
 
     problems, st = drafter_problems(dest, spec)
     if problems:

@@ -39,9 +39,9 @@ from collections import Counter
 from pathlib import Path
 
 from onespark import __version__, options
-from onespark.checkpoint import load_json, sha256_file
+from onespark.checkpoint.safetensors_io import write_json_atomic
+from onespark.checkpoint.writer import load_json, sha256_file
 from onespark.errors import UserError
-from onespark.safetensors_io import write_json_atomic
 from onespark.shape import Int, ListOf, MapOf, Nullable, Num, Obj, OneOf, Str, Tuple
 
 FILE = "onespark-draft-vocab.json"

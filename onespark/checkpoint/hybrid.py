@@ -6,7 +6,7 @@ Replaces the 3 x num_hidden_layers BF16 `mlp.shared_expert.{gate,up,down}_proj.w
 Intel INT4 checkpoint (144 for the 122B) by the FP8 weights of the Qwen FP8 checkpoint and adds each one's
 `weight_scale_inv`. Every other tensor, `mtp.*` included, is copied byte for byte with os.copy_file_range;
 no shard is ever read into memory. Plan decides every output file before a byte is written; the writer
-(onespark.checkpoint.Writer) writes each under a temporary name, fsyncs and renames it, and keeps a progress
+(onespark.checkpoint.writer.Writer) writes each under a temporary name, fsyncs and renames it, and keeps a progress
 record, so an interrupted run resumes (files already written are kept when their size and the inputs still
 match). The input directories are only read.
 
@@ -43,7 +43,9 @@ import shutil
 from pathlib import Path
 
 from onespark import __version__
-from onespark.checkpoint import (
+from onespark.checkpoint.lock import locked
+from onespark.checkpoint.safetensors_io import Header, Range, copy_file_tmp, encode_header, write_safetensors_tmp
+from onespark.checkpoint.writer import (
     DOWNLOAD_RECORD,
     INDEX_FILE,
     MANIFEST,
@@ -60,9 +62,7 @@ from onespark.checkpoint import (
     rewrite_index,
 )
 from onespark.errors import UserError
-from onespark.lock import locked
 from onespark.model import qwen35, specs
-from onespark.safetensors_io import Header, Range, copy_file_tmp, encode_header, write_safetensors_tmp
 
 PROGRESS_FILE = ".onespark-hybrid-progress.json"
 CONFIG_FILES = ("config.json", "quantization_config.json")  # rewritten, not copied
@@ -248,7 +248,7 @@ def _resolve_fp8(source: dict, out: Path) -> Path:
     """The FP8 directory to read: the local one, or the needed tensors fetched by byte range next to --out."""
     if source["path"] is not None:
         return Path(source["path"])
-    from onespark import download  # imports huggingface_hub only when needed
+    from onespark.checkpoint import download  # imports huggingface_hub only when needed
     dest = out.parent / f".{out.name}.fp8-fetch"
     rec = download.fetch_fp8(source["repo"], source["revision"], dest)
     source.update(repo=rec["repo"], revision=rec["revision"])
@@ -283,7 +283,7 @@ def _other_inputs(old: dict, new: dict) -> str | None:
 
 
 def hybrid(int4_dir: Path, fp8_arg: str, out: Path, **kw) -> dict:
-    """Step 1 into `out`, holding its lock (onespark.lock): a second run into the same --out is refused."""
+    """Step 1 into `out`, holding its lock (onespark.checkpoint.lock): a second run into the same --out is refused."""
     out = Path(out)
     _check_dirs(Path(int4_dir), Path(fp8_arg) if Path(fp8_arg).exists() else None, out)  # before out exists
     with locked(out, "--out"):

@@ -16,7 +16,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from onespark.checkpoint import (
+from onespark.checkpoint.lock import locked
+from onespark.checkpoint.safetensors_io import copy_file_atomic, read_header, write_json_atomic
+from onespark.checkpoint.writer import (
     CONFIG,
     INDEX_FILE,
     MANIFEST,
@@ -30,9 +32,7 @@ from onespark.checkpoint import (
     sha256_file,
 )
 from onespark.errors import UserError
-from onespark.lock import locked
 from onespark.model import qwen35, specs
-from onespark.safetensors_io import copy_file_atomic, read_header, write_json_atomic
 
 
 def _required_mtp(config: dict) -> set[str]:
@@ -73,7 +73,7 @@ def _restore_head(path: Path, source: Path, log) -> list[str]:
 
 
 def mtp(path: Path, **kw) -> dict:
-    """Step 2 in `path`, holding its lock (onespark.lock): never while step 1 still writes there."""
+    """Step 2 in `path`, holding its lock (onespark.checkpoint.lock): never while step 1 still writes there."""
     path = Path(path)
     if not path.is_dir():
         return _mtp(path, **kw)  # open_checkpoint says what is wrong with it

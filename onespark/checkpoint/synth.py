@@ -47,12 +47,12 @@ import ml_dtypes
 import numpy as np
 
 from onespark import __version__, options
-from onespark.checkpoint import INDEX_FILE, rewrite_index
+from onespark.checkpoint.lock import LOCK_FILE, locked
+from onespark.checkpoint.safetensors_io import nbytes_of, write_json_atomic, write_safetensors
+from onespark.checkpoint.writer import INDEX_FILE, rewrite_index
 from onespark.errors import UserError
-from onespark.lock import LOCK_FILE, locked
 from onespark.model import qwen35, specs
 from onespark.model.qwen35 import EXTRA_FILE
-from onespark.safetensors_io import nbytes_of, write_json_atomic, write_safetensors
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 GROUP = 128
@@ -395,7 +395,7 @@ def synth(out: Path, fmt: str, *, dims: dict | None = None, seed: int = 0, mtp_i
           mtp_dtype: str = "bf16", g_idx: bool = True, shards: int = 3, weights: bool = True,
           vision: dict | None = None, mixed_bits: int | None = None, log=lambda m: None) -> dict:
     """Write a checkpoint; returns its config. See the module docstring for what is written. Holds --out's lock
-    (onespark.lock) while it writes; a killed run resumes when run again with the same arguments (_Progress)."""
+    (onespark.checkpoint.lock) while it writes; a killed run resumes when run again with the same arguments (_Progress)."""
     out = Path(out)
     config = make_config(fmt, dims or TINY_TEXT, mtp_dtype=mtp_dtype, vision=vision, mixed_bits=mixed_bits)
     args = dict(fmt=fmt, config=config, seed=seed, mtp_in_index=mtp_in_index, g_idx=g_idx, shards=shards,

@@ -9,7 +9,7 @@ Two architectures, one per vLLM track:
                        DeltaNet) + 1 full_attention (gated: attn_output_gate, q_proj carries the gate),
                        the linear_* head fields, MoE with a shared expert + shared_expert_gate,
                        mtp_num_hidden_layers 1 with every mtp.* tensor), config written by
-                       onespark.synth.make_config (the same function `onespark synth` uses), tensor names
+                       onespark.checkpoint.synth.make_config (the same function `onespark synth` uses), tensor names
                        and shapes from onespark.model.qwen35 (which cites vLLM's model files). BF16, no
                        quantization_config, no vision weights (serve with --language-model-only). Head dim
                        256 as in the real model (what the TurboQuant kernels support). Norms are Gemma-style
@@ -76,7 +76,7 @@ TINY = {
     "tokenizer_vocab_target": 800,
 }
 
-# qwen3.5-moe: the real text_config's structure at toy sizes (real: onespark.synth.REAL_TEXT). 4 layers =
+# qwen3.5-moe: the real text_config's structure at toy sizes (real: onespark.checkpoint.synth.REAL_TEXT). 4 layers =
 # 3 Gated DeltaNet + 1 full attention (full_attention_interval 4, as the real 48); head_dim 256, 2 query
 # heads and 1 KV head (real: 32 and 2); GDN 2 key heads and 4 value heads of 64 (real: 16 and 64 of 128).
 TINY_QWEN35 = {
@@ -183,7 +183,7 @@ def _tensors(rng: np.random.Generator, vocab: int, tie: bool) -> dict[str, np.nd
 
 
 def _qwen35_config(vocab: int, eos_id: int, pad_id: int) -> dict:
-    from onespark.synth import make_config
+    from onespark.checkpoint.synth import make_config
 
     # make_config's architecture part is the format's; a BF16 checkpoint has no quantization_config.
     config = make_config("fp8", dict(TINY_QWEN35, vocab_size=vocab))

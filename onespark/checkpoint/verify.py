@@ -13,7 +13,7 @@ Checks, each reported with the file and tensor it concerns:
 - every F8_E4M3 weight has its weight_scale_inv;
 - the manifest's sizes and sha256 match the files (--fast checks sizes only);
 - the draft vocabulary (onespark-draft-vocab.json), when present: ids in the vocabulary, unique, the special
-  tokens in it, built for this tokenizer.json (onespark.draft_vocab.check_file).
+  tokens in it, built for this tokenizer.json (onespark.checkpoint.draft_vocab.check_file).
 Exit status 0 when all hold; otherwise 1, with every problem on stderr and the first in the last line.
 """
 
@@ -27,8 +27,16 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from onespark import draft_vocab
-from onespark.checkpoint import INDEX_FILE, MANIFEST, MANIFEST_FILE, Checkpoint, load_json, open_checkpoint, sha256_file
+from onespark.checkpoint import draft_vocab
+from onespark.checkpoint.writer import (
+    INDEX_FILE,
+    MANIFEST,
+    MANIFEST_FILE,
+    Checkpoint,
+    load_json,
+    open_checkpoint,
+    sha256_file,
+)
 from onespark.errors import UserError
 from onespark.model import qwen35, specs
 

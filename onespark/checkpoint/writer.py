@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 from onespark import shape
-from onespark.errors import UserError
-from onespark.lock import LOCK_FILE
-from onespark.safetensors_io import (
+from onespark.checkpoint.lock import LOCK_FILE
+from onespark.checkpoint.safetensors_io import (
     MAX_HEADER_BYTES,
     REDOWNLOAD,
     Header,
@@ -25,6 +24,7 @@ from onespark.safetensors_io import (
     read_header,
     write_json_atomic,
 )
+from onespark.errors import UserError
 from onespark.shape import Bool, Int, ListOf, MapOf, Nullable, Obj, OneOf, Str
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -311,7 +311,7 @@ class Writer:
         - a repair (`carried`: a finished run's intact files, by its manifest): those the plan still makes at that
           size (`expect`: file -> size, None where only writing tells, as for JSON files);
         - a killed run on the same inputs: the files its progress record lists, still of the recorded size;
-        - a killed run on other inputs: nothing, and every file it left is deleted (not the lock: onespark.lock).
+        - a killed run on other inputs: nothing, and every file it left is deleted (not the lock: onespark.checkpoint.lock).
         Then the temp files of a killed run go: never renamed, so never trusted."""
         self.fingerprint = fingerprint
         if carried:

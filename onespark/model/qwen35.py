@@ -37,11 +37,11 @@ from typing import NamedTuple
 TEXT_PREFIX = "model.language_model."
 LAYERS = TEXT_PREFIX + "layers."
 MTP_PREFIX = "mtp."  # the MTP head's tensors (vLLM's qwen3_5_mtp.py); the main model skips them
-EXTRA_FILE = "model_extra_tensors.safetensors"  # where the Intel releases keep the MTP head (onespark.mtp)
+EXTRA_FILE = "model_extra_tensors.safetensors"  # where the Intel releases keep the MTP head (onespark.checkpoint.mtp)
 SHARED_EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")
 FLOAT_DTYPES = frozenset({"BF16", "F16", "F32"})
 SCALE_SUFFIX = "weight_scale_inv"  # an FP8 weight's per-block scale: `X.weight` -> `X.weight_scale_inv`
-HYBRID_KEY = "onespark_fp8"  # quantization_config[HYBRID_KEY]: written by step 1, see onespark.hybrid
+HYBRID_KEY = "onespark_fp8"  # quantization_config[HYBRID_KEY]: written by step 1, see onespark.checkpoint.hybrid
 
 
 # Tuples, not dataclasses, as safetensors_io.TensorInfo: the 122B's layer list has ~37k of them (256 experts x 3
@@ -242,7 +242,7 @@ def expected_tensors(config: dict, *, include_mtp: bool = True) -> dict[str, Exp
     """Every tensor the config implies, with its dtype(s) and shape.
 
     Handles the three layouts this project meets: auto-round INT4, Qwen FP8, and the hybrid
-    (auto-round INT4 whose quantization_config[HYBRID_KEY] lists FP8 layers; see onespark.hybrid).
+    (auto-round INT4 whose quantization_config[HYBRID_KEY] lists FP8 layers; see onespark.checkpoint.hybrid).
     """
     qc = config.get("quantization_config") or {}
     method = qc.get("quant_method", "")
