@@ -35,7 +35,7 @@ from pathlib import Path
 
 import harness
 
-from onespark import synth
+from onespark.checkpoint import synth
 from onespark.model import qwen35, specs
 
 MODELS = {"122b": "qwen3.5-122b-a10b", "35b": "qwen3.5-35b-a3b"}
