@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("onespark.checkpoint.tinymodel", "write a tiny servable model (weights + tokenizer) that vLLM runs on CPU"),
     "serve": ("onespark.serve", "launch the v2 / v2-tq container on 127.0.0.1 and wait until it answers"),
     "cluster": ("onespark.cluster", "two Sparks: preflight both, Ray head + worker, vLLM TP=2 (or PP=2) across them"),
+    "compress": ("onespark.serving.compress", "LLMLingua-2 prompt compression: a proxy in front of vLLM, opt-in per request"),
     "bench": ("onespark.bench.cli", "benchmark an OpenAI-compatible endpoint (published, depth, concurrency, ...)"),
 }
 

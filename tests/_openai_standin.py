@@ -2,7 +2,8 @@
 vLLM never gives: a JSON list where an object belongs, strings for numbers, a non-JSON /v1/models.
 
     with StandIn(models=..., answers=["ok", "list", "ok"]) as srv:   # one answer kind per chat request, in turn
-        srv.base_url, srv.requests (path of every request), srv.auth (every Authorization header)
+        srv.base_url, srv.requests (path of every request), srv.auth (every Authorization header),
+        srv.bodies (the raw body of every POST)
 
 Answer kinds for POST /v1/chat/completions (streamed with usage, as vLLM streams; a request with stream false
 gets one JSON answer without logprobs, of the same kind: ok, list, strnum or garbage):
@@ -27,6 +28,7 @@ class StandIn:
         self.models, self.answers = models, list(answers or ["ok"])
         self.requests: list[str] = []
         self.auth: list[str | None] = []
+        self.bodies: list[bytes] = []
         self._chat = 0
         self._lock = threading.Lock()
         srv = self
@@ -56,7 +58,14 @@ class StandIn:
 
             def do_POST(self):
                 srv._seen(self)
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                with srv._lock:
+                    srv.bodies.append(raw)
+                try:
+                    body = json.loads(raw or b"{}")
+                except (ValueError, RecursionError):  # as vLLM answers a body that is not JSON
+                    self._send(400, json.dumps({"error": {"message": "not JSON", "code": 400}}))
+                    return
                 if self.path == "/tokenize":
                     self._send(200, json.dumps({"count": 5}))
                     return
