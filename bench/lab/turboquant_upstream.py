@@ -39,19 +39,20 @@ class Upstream:
     """One upstream TurboQuant cache of `num_blocks` pages, in the backend's layout: allocated
     (num_blocks, Hk, page, slot) and viewed (num_blocks, page, Hk, slot), as forward() transposes it."""
 
-    def __init__(self, preset: str, num_blocks: int, hkv: int, d: int, page: int, hq: int, scale: float):
+    def __init__(self, preset: str, num_blocks: int, hkv: int, d: int, page: int, hq: int, scale: float,
+                 device: str = "cuda"):
         from vllm.model_executor.layers.quantization.turboquant.centroids import get_centroids
         from vllm.model_executor.layers.quantization.turboquant.config import TurboQuantConfig
         from vllm.v1.attention.backends.turboquant_attn import _build_hadamard
 
-        self.preset, self.page, self.hq, self.d, self.scale = preset, page, hq, d, scale
+        self.preset, self.page, self.hq, self.d, self.scale, self.device = preset, page, hq, d, scale, device
         self.cfg = TurboQuantConfig.from_cache_dtype(preset, d)
-        self.h = _build_hadamard(d, "cuda")  # the backend's rotation: Pi = Pi^T = H / sqrt(d)
-        self.centroids = get_centroids(d, self.cfg.centroid_bits).to("cuda", torch.float32)
+        self.h = _build_hadamard(d, device)  # the backend's rotation: Pi = Pi^T = H / sqrt(d)
+        self.centroids = get_centroids(d, self.cfg.centroid_bits).to(device, torch.float32)
         c = self.centroids.sort().values
         self.midpoints = (c[:-1] + c[1:]) / 2
         self.cache = torch.zeros(num_blocks, hkv, page, self.cfg.slot_size_aligned, dtype=torch.uint8,
-                                 device="cuda").transpose(1, 2)
+                                 device=device).transpose(1, 2)
         self.bytes_per_token_head = self.cfg.key_packed_size + self.cfg.value_packed_size
 
     def store(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, chunk: int = 65536) -> None:
@@ -77,9 +78,10 @@ class Upstream:
 
     def buffers(self, batch: int, dtype=torch.bfloat16, splits: int = 32):
         """The backend's workspace for a decode batch (mid_o, output, lse)."""
-        return (torch.empty(batch, self.hq, splits, self.d + 1, dtype=torch.float32, device="cuda"),
-                torch.empty(batch, self.hq, self.d, dtype=dtype, device="cuda"),
-                torch.empty(batch, self.hq, dtype=torch.float32, device="cuda"))
+        dev = self.device
+        return (torch.empty(batch, self.hq, splits, self.d + 1, dtype=torch.float32, device=dev),
+                torch.empty(batch, self.hq, self.d, dtype=dtype, device=dev),
+                torch.empty(batch, self.hq, dtype=torch.float32, device=dev))
 
     def attend(self, q: torch.Tensor, block_table: torch.Tensor, seq_lens_cpu: list[int], seq_lens: torch.Tensor,
                bufs=None, arange: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,7 +93,7 @@ class Upstream:
         flat = q.reshape(B * T, self.hq, self.d)
         output = torch.zeros_like(flat)
         if arange is None:
-            arange = torch.arange(0, max(seq_lens_cpu) + 1, device="cuda", dtype=seq_lens.dtype)
+            arange = torch.arange(0, max(seq_lens_cpu) + 1, device=self.device, dtype=seq_lens.dtype)
         for i, L in enumerate(seq_lens_cpu):
             out = self._decode(flat[i * T : (i + 1) * T], block_table[i : i + 1].expand(T, -1), arange[L - T + 1 : L + 1])
             output[i * T : (i + 1) * T] = out.to(flat.dtype)
