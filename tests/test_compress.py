@@ -318,3 +318,37 @@ def test_through_the_demo_vllm_server(vllm_server, compressor):
     usage = squeezed.json()["usage"]
     assert usage["prompt_tokens"] < plain.json()["usage"]["prompt_tokens"]
     assert usage["onespark_compression"]["tokens_removed"] == int(squeezed.headers[REMOVED_HEADER]) > 0
+
+
+# ---- step 0's --compressor -----------------------------------------------------------------------------------
+
+
+def test_download_fetches_the_pinned_compressor_and_checks_it(tmp_path):
+    import subprocess
+    import sys
+
+    from onespark.model import specs
+    from tests._hub import NEEDS_NGINX, NGINX, hub_env, publish, serve
+
+    if NGINX is None:
+        pytest.skip(NEEDS_NGINX)
+    src = write_tiny_lingua(tmp_path / "src")
+    (src / "pytorch_model.bin").write_bytes(b"\0" * 1000)  # the repos' duplicate weights: not fetched
+    bert, xlm = specs.COMPRESSORS["bert-base"].source, specs.COMPRESSORS["xlm-roberta-large"].source
+    publish(tmp_path / "hub" / "www", bert.repo, bert.revision, src)
+    publish(tmp_path / "hub" / "www", xlm.repo, xlm.revision, src)  # a BERT where XLM-R belongs: refused
+    dest = tmp_path / "work"
+    with serve(tmp_path / "hub") as endpoint:
+        def download(name):
+            return subprocess.run([sys.executable, "-m", "onespark", "download", "--dest", str(dest), "--skip-int4",
+                                   "--skip-fp8", "--compressor", name], env=hub_env(endpoint, tmp_path),
+                                  capture_output=True, text=True, timeout=120)
+        ok, again, wrong = download("bert-base"), download("bert-base"), download("xlm-roberta-large")
+    assert ok.returncode == 0, ok.stderr
+    got = dest / "llmlingua2" / "bert-base"
+    rec = json.loads((got / "onespark-download.json").read_text())
+    assert rec["complete"] and rec["revision"] == bert.revision and not (got / "pytorch_model.bin").exists()
+    assert again.returncode == 0 and "already downloaded" in again.stdout
+    assert wrong.returncode == 1 and "not the xlm-roberta token classifier" in wrong.stderr
+    assert [ln for ln in wrong.stderr.splitlines() if "error" in ln][0].startswith("onespark download: error: ")
+    assert compress.Compressor(got, "cpu").family == "bert-base-multilingual-cased"

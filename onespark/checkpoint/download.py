@@ -7,6 +7,8 @@ needs. Repos and pinned revisions come from the spec (onespark.model.specs; defa
                `fp8-shared-experts.safetensors` the 144 shared-expert weights + their weight_scale_inv
                (~0.5 GB), read by HTTP byte ranges: for each shard that holds some, its 8-byte length and
                JSON header, then the tensors' bytes (neighbours coalesced into one request). Never a whole shard.
+    DEST/llmlingua2/NAME  with --compressor NAME: a pinned LLMLingua-2 checkpoint for `onespark compress serve`
+               (config, tokenizer, model.safetensors; checked: family, headers, the published sha256; ~2.2 GB)
     DEST/dflash  with --drafter dflash (vLLM 0.32.0 track): the spec's DFlash drafter, whole, at
                --drafter-revision (no public pin), then checked as `onespark verify --drafter` checks it (~1.6 GB)
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -32,6 +35,7 @@ import struct
 from pathlib import Path
 from urllib.parse import quote
 
+from onespark import shape
 from onespark.checkpoint.lock import locked
 from onespark.checkpoint.safetensors_io import (
     MAX_HEADER_BYTES,
@@ -185,7 +189,7 @@ def _ranges(infos: list) -> list[tuple[int, int, list]]:
     return out
 
 
-def _finished_record(dest: Path, repo: str, revision: str) -> dict | None:
+def _finished_record(dest: Path, repo: str, revision: str, need_index: bool = True) -> dict | None:
     """The download record of a complete earlier fetch of repo@revision into dest, re-validated (headers
     parse, file sizes match), or None when there is work left."""
     rec_path = dest / DOWNLOAD_RECORD
@@ -194,7 +198,7 @@ def _finished_record(dest: Path, repo: str, revision: str) -> dict | None:
     rec = load_json(rec_path, "download record")
     if rec.get("repo") != repo or rec.get("revision") != revision or not rec.get("complete"):
         return None
-    open_checkpoint(dest)
+    open_checkpoint(dest, need_index=need_index)
     return rec
 
 
@@ -319,16 +323,51 @@ def _check_drafter(dest: Path, spec: specs.Spec) -> tuple[dict, str]:
     return {"files": st["files"], "bytes": st["bytes"]}, f"{st['bytes'] / 1e9:.2f} GB, {st['tensors']} tensors"
 
 
-def _download_whole(repo: str, revision: str, dest: Path, what: str, check, log, *, flags: str) -> dict:
-    """`what`, the whole repo at the pin, into dest; `check(dest)` -> (record fields, summary) or a UserError.
-    The record ("complete") is written last, so a killed or failed download is never taken for a finished one."""
-    rec = _finished_record(dest, repo, revision)
+def download_compressor(c: specs.Compressor, dest: Path, log=print) -> dict:
+    """An LLMLingua-2 checkpoint (`--compressor NAME`, for `onespark compress serve`) to DEST/llmlingua2/NAME:
+    its config, tokenizer and safetensors weights at the pin (not the repo's duplicate pytorch_model.bin),
+    then checked: the family and head llmlingua needs, headers that parse, the sha256 where one is public."""
+    with locked(Path(dest), "--dest"):
+        return _download_whole(c.source.repo, c.source.revision, Path(dest), f"the LLMLingua-2 compressor {c.name}",
+                               lambda d: check_compressor(d, c), log, flags="--compressor",
+                               allow=["*.json", "*.safetensors", "*.txt", "*.model"], need_index=False)
+
+
+def check_compressor(dest: Path, c: specs.Compressor) -> tuple[dict, str]:
+    """(record fields, summary) of a compressor checkpoint that is what `c` says, else a UserError."""
+    fix = f"delete {dest} and run `onespark download --dest DIR --compressor {c.name}` again"
+    config = shape.load(dest / "config.json", shape.Obj({"model_type": shape.Str(), "architectures":
+                                                         shape.ListOf(shape.Str(), min_len=1)}), fix)
+    if config["model_type"] != c.model_type or not any("ForTokenClassification" in a for a in config["architectures"]):
+        raise UserError(f"{dest}/config.json: a {config['model_type']} {config['architectures'][0]}, not the "
+                        f"{c.model_type} token classifier {c.source.repo} is: {fix}")
+    if not (dest / "tokenizer.json").is_file() and not (dest / "vocab.txt").is_file():
+        raise UserError(f"{dest}: no tokenizer.json or vocab.txt: {fix}")
+    ck = open_checkpoint(dest, need_index=False)  # one model.safetensors: its header parses, its size matches
+    for name, want in c.sha256.items():
+        h = hashlib.sha256()
+        with open(dest / name, "rb") as f:
+            while block := f.read(CHUNK):
+                h.update(block)
+        if h.hexdigest() != want:
+            raise UserError(f"{dest}/{name}: sha256 {h.hexdigest()[:16]}... is not the published {want[:16]}...: {fix}")
+    size = sum(p.stat().st_size for p in dest.iterdir() if p.is_file())
+    return ({"files": len(ck.headers), "bytes": size, "sha256_checked": sorted(c.sha256)},
+            f"{size / 1e9:.2f} GB, {c.model_type}, sha256 {'checked' if c.sha256 else 'not published'}")
+
+
+def _download_whole(repo: str, revision: str, dest: Path, what: str, check, log, *, flags: str,
+                    allow: list[str] | None = None, need_index: bool = True) -> dict:
+    """`what`, the whole repo at the pin (or its files matching `allow`), into dest; `check(dest)` -> (record
+    fields, summary) or a UserError. The record ("complete") is written last, so a killed or failed download is
+    never taken for a finished one."""
+    rec = _finished_record(dest, repo, revision, need_index)
     if rec:
         log(f"{what} already downloaded: {dest} ({repo}@{revision[:12]})")
         return rec
     log(f"downloading {what} {repo}@{revision[:12]} -> {dest} (interrupted? re-run: finished files are kept)")
     _check_hub(repo, revision, flags)
-    _snapshot(repo, revision, dest)
+    _snapshot(repo, revision, dest, allow)
     fields, summary = check(dest)
     rec = {"repo": repo, "revision": revision, "complete": True, **fields}
     with Writer(dest, FETCH_PROGRESS, DOWNLOAD_RECORD, log=log) as w:
@@ -368,12 +407,13 @@ def _check_hub(repo: str, revision: str, flags: str) -> None:
         raise UserError(f"{repo}: {where} answered HTTP {r.status_code}: try again later (finished files are kept)")
 
 
-def _snapshot(repo: str, revision: str, dest: Path) -> None:
+def _snapshot(repo: str, revision: str, dest: Path, allow: list[str] | None = None) -> None:
     """The whole repo at the pin into dest (huggingface_hub keeps finished files: a re-run resumes)."""
     from huggingface_hub import snapshot_download
 
     try:
-        snapshot_download(repo, revision=revision, local_dir=dest, max_workers=4, endpoint=_endpoint())
+        snapshot_download(repo, revision=revision, local_dir=dest, max_workers=4, endpoint=_endpoint(),
+                          allow_patterns=allow)
     except OSError:
         raise  # permission denied, disk full...: the CLI names the path and the fix
     except Exception as e:  # huggingface_hub's errors name the repo and the HTTP status
@@ -395,6 +435,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dflash: also fetch the spec's DFlash drafter to DEST/dflash (vLLM 0.32.0 track; default "
                         "mtp: the checkpoint's own MTP layer, nothing to fetch)")
     p.add_argument("--drafter-revision", help="commit SHA of the drafter repo (required: it has no public pin)")
+    p.add_argument("--compressor", choices=sorted(specs.COMPRESSORS),
+                   help=f"also fetch this LLMLingua-2 prompt compressor (pinned) to DEST/{specs.COMPRESSOR_DIR}/NAME, "
+                        f"for `onespark compress serve` ("
+                        + ", ".join(f"{c.name} ~{c.source.size_gb:g} GB" for c in specs.COMPRESSORS.values())
+                        + "; default: none)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -420,6 +465,9 @@ def run(args: argparse.Namespace) -> int:
         log(f"step 0: no FP8 source for {spec.name}: {spec.no_splice}; FP8 fetch skipped")
     if drafter:
         download_drafter(*drafter, args.dest / "dflash", spec, log=log)
+    if args.compressor:
+        download_compressor(specs.COMPRESSORS[args.compressor],
+                            args.dest / specs.COMPRESSOR_DIR / args.compressor, log=log)
     return 0
 
 

@@ -164,6 +164,40 @@ def dflash_config(spec: "Spec", model: str = DRAFTER_MOUNT, tokens: int | None =
     """--speculative-config for the DFlash drafter: the fields of the published record's serve line."""
     return {"method": "dflash", "model": model, "num_speculative_tokens": tokens or spec.dflash_tokens}
 
+@dataclasses.dataclass(frozen=True)
+class Compressor:
+    """An LLMLingua-2 prompt compressor (`onespark compress serve`, issue 27): `onespark download --compressor
+    NAME` fetches it to DEST/COMPRESSOR_DIR/NAME and checks it against these facts."""
+    name: str
+    source: Source
+    model_type: str  # config.json's: the family llmlingua's word rules follow (bert or xlm-roberta)
+    params_m: float  # millions of parameters, all FP32 as published (size_gb = 4 bytes each)
+    sha256: dict  # file -> sha256 where a public record gives it: checked after the download
+
+
+COMPRESSOR_DIR = "llmlingua2"
+# The two LLMLingua-2 checkpoints Microsoft publishes (MIT), trained on MeetingBank compressions by GPT-4.
+# Pins: the commit several independent public reproductions load with llmlingua 0.2.2 (their snapshot paths
+# and manifests name the full SHA, and one of them the weights' sha256); sizes from the Hub's file list as
+# those records quote it (model.safetensors 2132 MiB and 677 MiB).
+COMPRESSORS: dict[str, Compressor] = {c.name: c for c in (
+    Compressor("xlm-roberta-large",
+               Source("microsoft/llmlingua-2-xlm-roberta-large-meetingbank", "ebaba9b0e874dadd3003ffcff828e4397e568089",
+                      "the snapshot public LLMLingua-2 reproductions pin (models--microsoft--llmlingua-2-xlm-roberta-"
+                      "large-meetingbank/snapshots/ebaba9b0e874...), with the weights' sha256", 2.24),
+               "xlm-roberta", 558.9,
+               {"model.safetensors": "a33a153b2493bff6be06af6921e69de9c0d0bb6ff06fe5bbb68670ba8d980ae2"}),
+    Compressor("bert-base",
+               Source("microsoft/llmlingua-2-bert-base-multilingual-cased-meetingbank",
+                      "5f0c82792b7ea14c6484e015b6a072009496b7f2",
+                      "the snapshot public LLMLingua-2 deployments pin (models--microsoft--llmlingua-2-bert-base-"
+                      "multilingual-cased-meetingbank/snapshots/5f0c82792b7e...); no public sha256 of its weights",
+                      0.71),
+               "bert", 177.9, {}),
+)}
+DEFAULT_COMPRESSOR = "xlm-roberta-large"  # the paper's main model; bert-base: ~3x fewer FLOPs, a bit weaker
+
+
 SPECS: dict[str, Spec] = {s.name: s for s in (
     Spec(
         name="qwen3.5-122b-a10b", title="Qwen3.5-122B-A10B (122B, 10B active): the recipe this project reproduces",
