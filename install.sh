@@ -363,7 +363,7 @@ step_bench() {
 
 # --nodes HEAD,WORKER: two different ssh addresses, and a real Spark pair (not the one-machine demo).
 # Each name is [user@]host, host a DNS name or an IP address: a name that starts with `-` is an ssh option
-# (-oProxyCommand=... runs a command here). The rule of onespark/cluster.py's is_ssh_destination, which
+# (-oProxyCommand=... runs a command here). The rule of onespark/serving/cluster.py's is_ssh_destination, which
 # checks an IPv6 address in full; here its shape.
 check_nodes() {
   ((DEMO)) && die "--nodes needs two DGX Sparks; --demo runs on this one machine: drop --nodes or --demo"
@@ -379,7 +379,7 @@ check_nodes() {
   done
 }
 
-# Two Sparks instead of one (onespark/cluster.py): preflight of both machines, the worker's image and
+# Two Sparks instead of one (onespark/serving/cluster.py): preflight of both machines, the worker's image and
 # checkpoint filled in (docker save | ssh docker load, rsync --partial, verify), Ray on both, vLLM here;
 # then health, the smoke request and, with --bench, the published suite.
 step_cluster() {
@@ -397,11 +397,11 @@ step_cluster() {
 }
 
 # What serve names the things it starts, one a line: the container (its --name default), the memory guard's log
-# (onespark.memory) and the demo's served model (serve's DEMO_ARGS). Read from that code, not copied here.
+# (onespark.serving.memory) and the demo's served model (serve's DEMO_ARGS). Read from that code, not copied here.
 serve_names() {
   PYTHONPATH=$ONESPARK_ROOT python3 -c '
 import argparse
-from onespark import memory, serve
+from onespark.serving import memory, serve
 p = argparse.ArgumentParser()
 serve.add_arguments(p)
 name = p.get_default("name")

@@ -21,7 +21,7 @@ from onespark.options import Parser, redact_argv
 # name -> (module, one-line help). A table on purpose (`duplicates` pairs its same-shape rows): one row a command.
 COMMANDS: dict[str, tuple[str, str]] = {
     "specs": ("onespark.model.specs", "the supported models: repos, pinned revisions, shapes, MTP layout, serving defaults"),
-    "doctor": ("onespark.doctor", "preflight: GPU, driver, Docker, NVIDIA runtime, disk, memory, Hugging Face"),
+    "doctor": ("onespark.serving.doctor", "preflight: GPU, driver, Docker, NVIDIA runtime, disk, memory, Hugging Face"),
     "synth": ("onespark.checkpoint.synth", "write a small checkpoint in the real Intel INT4 / Qwen FP8 formats"),
     "download": ("onespark.checkpoint.download", "step 0: the INT4 checkpoint, and the FP8 shared experts by byte range"),
     "hybrid": ("onespark.checkpoint.hybrid", "step 1: splice FP8 shared-expert weights into the INT4 checkpoint"),
@@ -29,8 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "verify": ("onespark.checkpoint.verify", "check a checkpoint against its index, config and manifest"),
     "draft-vocab": ("onespark.checkpoint.draft_vocab", "the MTP draft's vocabulary subset: the K most frequent token ids"),
     "tiny-model": ("onespark.checkpoint.tinymodel", "write a tiny servable model (weights + tokenizer) that vLLM runs on CPU"),
-    "serve": ("onespark.serve", "launch the v2 / v2-tq container on 127.0.0.1 and wait until it answers"),
-    "cluster": ("onespark.cluster", "two Sparks: preflight both, Ray head + worker, vLLM TP=2 (or PP=2) across them"),
+    "serve": ("onespark.serving.serve", "launch the v2 / v2-tq container on 127.0.0.1 and wait until it answers"),
+    "cluster": ("onespark.serving.cluster", "two Sparks: preflight both, Ray head + worker, vLLM TP=2 (or PP=2) across them"),
     "compress": ("onespark.serving.compress", "LLMLingua-2 prompt compression: a proxy in front of vLLM, opt-in per request"),
     "bench": ("onespark.bench.cli", "benchmark an OpenAI-compatible endpoint (published, depth, concurrency, ...)"),
 }

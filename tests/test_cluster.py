@@ -30,8 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from onespark import __version__, cluster
+from onespark import __version__
 from onespark.errors import UserError
+from onespark.serving import cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 ID_A = "sha256:" + "a" * 64
@@ -404,9 +405,9 @@ def test_run_end_to_end_against_fake_nodes(nodes, fake_vllm, capsys):
 
 
 def test_a_wrong_smoke_answer_stops_the_ray_containers_on_both_nodes(nodes, monkeypatch, capsys):
-    """The smoke request is serve's (onespark.launch.smoke); a server that answers without `usage` is one line,
+    """The smoke request is serve's (onespark.serving.launch.smoke); a server that answers without `usage` is one line,
     and the cluster it started is stopped on both nodes (before: a KeyError traceback, both left serving)."""
-    from onespark import launch
+    from onespark.serving import launch
 
     answers = {"/v1/models": (200, b'{"data": [{"id": "qwen3.5-122b-a10b"}]}'),
                "/v1/chat/completions": (200, b'{"choices": [{"message": {"content": "hi"}}]}')}

@@ -20,7 +20,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from onespark import memory
 from onespark.checkpoint import draft_vocab
 from onespark.checkpoint.hybrid import Plan
 from onespark.checkpoint.mtp import mtp
@@ -29,6 +28,7 @@ from onespark.checkpoint.synth import synth
 from onespark.checkpoint.verify import verify
 from onespark.checkpoint.writer import INDEX_FILE, open_checkpoint
 from onespark.errors import UserError, read_secret
+from onespark.serving import memory
 
 SEED = 23
 MUTANTS = 60  # random deep mutations per input, on top of the systematic depth <= 2 ones

@@ -121,7 +121,7 @@ def test_fingerprint_covers_what_the_build_context_and_copy_lines_bring_in(tree,
     ("bench/lab/probe.py", False),
     ("tests/test_images.py", False),
     ("kernels/lm_head.py", True),
-    ("onespark/serve.py", True),
+    ("onespark/serving/serve.py", True),
     ("bench/prompts/published.json", True),
     ("Dockerfile.v2", True),
 ], ids=lambda v: str(v))

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from onespark import __version__, doctor, serve, vllm_log
+from onespark import __version__
 from onespark.errors import UserError
+from onespark.serving import doctor, serve, vllm_log
 from tests._plan import in_order
 
 ROOT = Path(__file__).resolve().parent.parent

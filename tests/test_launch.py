@@ -1,4 +1,4 @@
-"""One launch path (onespark/launch.py): serve and cluster compose their containers with one function, and
+"""One launch path (onespark/serving/launch.py): serve and cluster compose their containers with one function, and
 cluster gains what serve had (the OOM adjustment, the key from a file, the memory guard on each node).
 
 1. cluster's --dry-run plan: every `docker run` carries --oom-score-adj, the key (from --api-key-file or
@@ -7,13 +7,11 @@ cluster gains what serve had (the OOM adjustment, the key from a file, the memor
    and a vLLM the guard stopped is reported with the guard's report.
 3. The planned guard command, run in bash against a stub docker: it starts the real guard, which watches the
    container, writes its log where serve's is, and prints its pid and log path.
-4. No import circle among onespark/*.py (module- and function-level imports, read with ast), and no module
-   imports another's `_`-prefixed name; a tiny package with a circle shows the check finds one.
+(No import circle, no private imports: tests/test_wings.py, for the whole distribution.)
 """
 
 from __future__ import annotations
 
-import ast
 import os
 import re
 import shlex
@@ -24,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from onespark import cluster, launch, memory, serve
 from onespark.errors import UserError
+from onespark.serving import cluster, launch, memory, serve
 from tests import test_cluster
 from tests.test_cluster import HEAD, WORKER, FakeCluster, cluster_args
 
@@ -53,10 +51,10 @@ def test_cluster_plan_has_the_oom_adjustment_the_guard_and_no_key(tmp_path, how)
     assert [ln.split("]")[0] for ln in runs] == ["[head spark1", "[worker spark2"]
     for ln in runs:
         assert "--oom-score-adj 1000" in ln, ln
-    guards = [ln.split("]")[0] for ln in plan if "-m onespark.memory guard --container onespark-ray" in ln]
+    guards = [ln.split("]")[0] for ln in plan if "-m onespark.serving.memory guard --container onespark-ray" in ln]
     assert guards == ["[head spark1", "[worker spark2"]
     # The guard starts after both Ray containers exist (it refuses a missing one) and before vLLM does.
-    order = [("ray" if " docker run " in ln else "guard" if "onespark.memory guard" in ln
+    order = [("ray" if " docker run " in ln else "guard" if "onespark.serving.memory guard" in ln
               else "vllm" if "entrypoint.sh" in ln else "") for ln in plan]
     order = [o for o in order if o]
     assert order == ["ray", "ray", "guard", "guard", "vllm"]
@@ -67,7 +65,7 @@ def test_cluster_plan_has_the_oom_adjustment_the_guard_and_no_key(tmp_path, how)
 def test_cluster_plan_without_the_guard():
     p = _cluster_dry_run("--no-memory-guard")
     assert p.returncode == 0, p.stderr
-    assert "onespark.memory guard" not in p.stdout and "--oom-score-adj 1000" in p.stdout
+    assert "onespark.serving.memory guard" not in p.stdout and "--oom-score-adj 1000" in p.stdout
 
 
 def test_cluster_bad_key_file_is_one_line(tmp_path):
@@ -99,7 +97,7 @@ class GuardedCluster(FakeCluster):
         self.stopped = stopped
 
     def __call__(self, node, cmd, timeout):
-        if "onespark.memory guard" in cmd:
+        if "onespark.serving.memory guard" in cmd:
             self.calls.append((node.name, cmd))
             return 0, f"{4000 + len(self.calls)} /home/u/.local/state/onespark/guard-onespark-ray.log"
         if self.stopped and "kill -0" in cmd:
@@ -130,12 +128,12 @@ def test_cluster_run_starts_the_guard_on_each_node_and_never_passes_the_key(node
     assert not [c for _, c in fake.calls if KEY in c]
     assert os.environ["VLLM_API_KEY"] == KEY  # where `docker exec -e VLLM_API_KEY` reads it
     assert ("v1/models", KEY) in keys and ("v1/chat/completions", KEY) in keys
-    assert [n for n, c in fake.calls if "onespark.memory guard" in c] == ["spark1", "spark2"]
+    assert [n for n, c in fake.calls if "onespark.serving.memory guard" in c] == ["spark1", "spark2"]
     for name in ("spark1", "spark2"):
         assert re.search(rf"onespark cluster: memory guard pid \d+ on {name}: stops onespark-ray if MemAvailable "
                          r"stays below 5 GiB", out), out
     assert "(log: /home/u/.local/state/onespark/guard-onespark-ray.log there)" in out
-    guard_at = next(i for i, (_, c) in enumerate(fake.calls) if "onespark.memory guard" in c)
+    guard_at = next(i for i, (_, c) in enumerate(fake.calls) if "onespark.serving.memory guard" in c)
     assert guard_at < next(i for i, (_, c) in enumerate(fake.calls) if "docker exec -d" in c)
 
 
@@ -170,87 +168,6 @@ def test_the_planned_guard_command_starts_the_real_guard(tmp_path):
         time.sleep(0.2)
     text = Path(log).read_text()
     assert "onespark memory guard: watching container onespark-ray" in text and "ended" in text, text
-
-
-# ---- no import circle ---------------------------------------------------------------------------------------
-
-
-def import_graph(pkg_dir: Path, pkg: str) -> dict[str, set[str]]:
-    """module -> the package's modules it imports, anywhere in its body (a function-level import is a
-    dependency too: it only moves the circle to run time)."""
-    mods = {f"{pkg}.{p.stem}" for p in pkg_dir.glob("*.py") if p.stem != "__init__"}
-    graph: dict[str, set[str]] = {}
-    for path in sorted(pkg_dir.glob("*.py")):
-        me = pkg if path.stem == "__init__" else f"{pkg}.{path.stem}"
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                deps |= {a.name for a in node.names if a.name in mods}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                if node.module in mods:
-                    deps.add(node.module)
-                elif node.module == pkg:
-                    deps |= {f"{pkg}.{a.name}" for a in node.names if f"{pkg}.{a.name}" in mods}
-        graph[me] = deps - {me}
-    return graph
-
-
-def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import circle [a, b, ..., a], or None."""
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
-
-    def visit(m: str, path: list[str]) -> list[str] | None:
-        state[m] = 1
-        for d in sorted(graph.get(m, ())):
-            if state.get(d) == 1:
-                return path[path.index(d):] + [d] if d in path else [m, d, m]
-            if d not in state:
-                found = visit(d, path + [d])
-                if found:
-                    return found
-        state[m] = 2
-        return None
-
-    for m in sorted(graph):
-        if m not in state:
-            found = visit(m, [m])
-            if found:
-                return found
-    return None
-
-
-def private_imports(pkg_dir: Path, pkg: str) -> list[str]:
-    """`from pkg.x import _y` (or `from pkg import _x`) in a module other than pkg.x itself."""
-    found = []
-    for path in sorted(pkg_dir.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(pkg):
-                found += [f"{path.name}: from {node.module} import {a.name}" for a in node.names
-                          if (a.name.startswith("_") and a.name != "__version__")
-                          or node.module.rpartition(".")[2].startswith("_")]
-    return found
-
-
-def test_onespark_modules_have_no_import_circle():
-    graph = import_graph(ROOT / "onespark", "onespark")
-    assert "onespark.serve" in graph and "onespark.launch" in graph["onespark.serve"]  # the graph is read at all
-    assert find_circle(graph) is None, find_circle(graph)
-    assert private_imports(ROOT / "onespark", "onespark") == []
-
-
-def test_the_circle_check_finds_a_circle(tmp_path):
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from pkg import b\n")
-    (pkg / "b.py").write_text("def f():\n    from pkg.c import g\n    return g\n")  # function-level, still a dep
-    (pkg / "c.py").write_text("import pkg.a\n\ndef g():\n    from pkg.b import _h\n")
-    graph = import_graph(pkg, "pkg")
-    assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.c"}, "pkg.c": {"pkg.a", "pkg.b"}}
-    assert find_circle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
-    assert private_imports(pkg, "pkg") == ["c.py: from pkg.b import _h"]
-    (pkg / "c.py").write_text("def g():\n    pass\n")
-    assert find_circle(import_graph(pkg, "pkg")) is None
 
 
 def test_serve_launch_holds_no_key_in_its_repr(tmp_path):

@@ -1,4 +1,4 @@
-"""Unified memory (onespark.memory): the plan's arithmetic, the guard against scripted meminfo/vmstat files,
+"""Unified memory (onespark.serving.memory): the plan's arithmetic, the guard against scripted meminfo/vmstat files,
 and the guard stopping a real process that allocates inside a memory-limited cgroup.
 
 The plan's expected numbers are computed by hand in the comments (MemTotal 119.70 GiB = 125,514,547 kB, the
@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from onespark import launch, memory, serve
 from onespark.checkpoint import synth
 from onespark.checkpoint.safetensors_io import read_header
 from onespark.errors import UserError
 from onespark.model import qwen35
+from onespark.serving import launch, memory, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
@@ -243,9 +243,9 @@ def test_serve_dry_run_shows_plan_oom_adjustment_and_guard(tmp_path, capsys):
     serve.run(_serve_args(model, "--dry-run", "--meminfo", _meminfo(tmp_path / "mi")))
     out = capsys.readouterr().out
     assert "--oom-score-adj 1000" in out and re.search(r"host reserve +21\.5 GiB", out)
-    assert "-m onespark.memory guard --container onespark --floor-gib 5" in out
+    assert "-m onespark.serving.memory guard --container onespark --floor-gib 5" in out
     serve.run(_serve_args(model, "--dry-run", "--no-memory-guard", "--meminfo", _meminfo(tmp_path / "mi")))
-    assert "onespark.memory guard" not in capsys.readouterr().out
+    assert "onespark.serving.memory guard" not in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -425,7 +425,7 @@ def test_the_container_lifecycle_with_a_docker_that_records(tmp_path, monkeypatc
     assert guard.returncode == 0 and "container srv ended" in out, out
 
 
-GUARD = [sys.executable, "-m", "onespark.memory", "guard"]
+GUARD = [sys.executable, "-m", "onespark.serving.memory", "guard"]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -443,8 +443,8 @@ def test_guard_options_that_would_stop_a_healthy_server_are_refused(tmp_path, fl
         r = subprocess.run(GUARD + ["--pid", str(target.pid), "--floor-gib", "5", "--meminfo", str(mi), *flags],
                            cwd=ROOT, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2, r.stdout + r.stderr
-        assert r.stderr.splitlines() == [f"python -m onespark.memory guard: error: {message} "
-                                         "(see python -m onespark.memory guard --help)"], r.stderr
+        assert r.stderr.splitlines() == [f"python -m onespark.serving.memory guard: error: {message} "
+                                         "(see python -m onespark.serving.memory guard --help)"], r.stderr
         assert target.poll() is None  # still running
     finally:
         target.kill()
@@ -456,7 +456,7 @@ def test_guard_of_a_process_or_container_that_does_not_exist_is_exit_2(tmp_path)
     gone.wait()  # reaped: its PID names no process now
     r = subprocess.run(GUARD + ["--pid", str(gone.pid)], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert (r.returncode, r.stderr.splitlines()) == (2, [
-        f"python -m onespark.memory guard: error: --pid {gone.pid}: no such process (it exited, or the number is "
+        f"python -m onespark.serving.memory guard: error: --pid {gone.pid}: no such process (it exited, or the number is "
         "wrong): give the PID of the running server"]), r.stdout + r.stderr
     fake = tmp_path / "bin"
     fake.mkdir()  # docker as it answers for a name it does not know
@@ -468,7 +468,7 @@ def test_guard_of_a_process_or_container_that_does_not_exist_is_exit_2(tmp_path)
     r = subprocess.run(GUARD + ["--container", "nosuch"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=60)
     assert (r.returncode, r.stderr.splitlines()) == (2, [
-        "python -m onespark.memory guard: error: --container nosuch: Error: No such container: nosuch: give the "
+        "python -m onespark.serving.memory guard: error: --container nosuch: Error: No such container: nosuch: give the "
         "name `docker ps` lists for the running server"]), r.stdout + r.stderr
     assert (tmp_path / "calls").read_text().splitlines() == ["inspect --type container --format {{.Id}} nosuch"]
 
@@ -571,7 +571,7 @@ def test_the_guard_stops_a_real_allocation_before_the_cgroup_limit(cgroup, tmp_p
     server = _in_cgroup(d, ALLOCATOR)
     report = tmp_path / "report"
     # floor 96 MiB of the 256 MiB limit: at 80 MiB/s the guard has ~1.2 s between the floor and the limit
-    guard = subprocess.Popen([sys.executable, "-m", "onespark.memory", "guard", "--pid", str(server.pid),
+    guard = subprocess.Popen([sys.executable, "-m", "onespark.serving.memory", "guard", "--pid", str(server.pid),
                               "--cgroup", str(d), "--floor-gib", str(96 / 1024), "--interval", "0.1",
                               "--report", str(report)],
                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -644,7 +644,7 @@ def test_a_real_container_gets_the_oom_adjustment_and_the_guard_stops_it(tmp_pat
 
 
 def test_doctor_makes_the_same_plan(tmp_path):
-    from onespark import doctor
+    from onespark.serving import doctor
 
     model = _index_only(tmp_path / "work" / "hybrid", _real_122b_bytes())
     mi = _meminfo(tmp_path / "mi")
@@ -745,7 +745,7 @@ def test_install_launch_runs_the_plan_and_the_guard_by_default(tmp_path):
     assert r.returncode == 0, r.stderr
     launch = r.stdout[r.stdout.index("onespark serve --host"):]
     assert "memory plan: not made yet" in launch  # no checkpoint in a dry run
-    assert "--oom-score-adj 1000" in launch and "-m onespark.memory guard --container onespark --floor-gib 5" in launch
+    assert "--oom-score-adj 1000" in launch and "-m onespark.serving.memory guard --container onespark --floor-gib 5" in launch
 
 
 def test_an_unwritable_guard_log_is_one_line_before_anything_starts(tmp_path, monkeypatch):

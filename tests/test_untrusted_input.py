@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from onespark import cli, launch, memory
+from onespark import cli
 from onespark.errors import UserError
+from onespark.serving import launch, memory
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG_KEY = "sk-live-7f3e9a0c41d2b85e6f7a9c0d1e2f3a4b5c6d7e8f"

@@ -13,9 +13,10 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 
-from onespark import memory, options
+from onespark import options
 from onespark.errors import UserError
-from onespark.vllm_log import detect_stage
+from onespark.serving import memory
+from onespark.serving.vllm_log import detect_stage
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 NOT_VLLM = "not what vLLM answers: is another server on that port? The server's log says more"

@@ -20,13 +20,13 @@ checkpoint at the same --work path. Order of work, nothing started before the pr
    once on the head) through `docker save | ssh WORKER docker load`, the checkpoint through
    `rsync --partial` (a broken copy resumes), then checks again.
 3. a Ray head (here) and a Ray worker (there), one container each on the host network with the RDMA
-   devices, composed as serve's container (onespark.launch: --oom-score-adj too), and beside each the memory
+   devices, composed as serve's container (onespark.serving.launch: --oom-score-adj too), and beside each the memory
    guard serve starts beside its own (log and report in that node's state directory); waits until both nodes
    are in the cluster and checks that the onespark plugin is active in a Ray worker process on each node
    (vLLM calls register() there too).
 4. vLLM on the head: the image's entrypoint (its Spark defaults, MTP-2 included) with
    --distributed-executor-backend ray --tensor-parallel-size 2 (--pp: --pipeline-parallel-size 2);
-   /health and one chat request (serve's: onespark.launch), and with --bench the published suite.
+   /health and one chat request (serve's: onespark.serving.launch), and with --bench the published suite.
    NCCL's log says which transport it took; "NET/Socket" is reported with its fix.
 """
 
@@ -46,9 +46,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from onespark import __version__, launch, memory, options, tracks
+from onespark import __version__, options, tracks
 from onespark.errors import UserError, read_secret
-from onespark.vllm_log import likely_cause
+from onespark.serving import launch, memory
+from onespark.serving.vllm_log import likely_cause
 
 # Neither vLLM wheel names Ray (0.32.0's sharded_rdt_common.py: "vLLM does not depend on Ray, so there is
 # no pin to carry this"); 2.48.0 is the Ray vLLM's own CI lock pins (requirements/test/cuda.txt).
@@ -63,7 +64,7 @@ LABEL_VLLM = "dev.onespark.vllm.version"
 LABEL_RAY = "dev.onespark.ray.version"
 LABEL_FROM = "dev.onespark.cluster.from"  # the serving image's ID the cluster image was built from
 SSH_OPTS = ["-o", "BatchMode=yes", "-o", "ConnectTimeout=10"]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # onespark/serving/cluster.py -> the checkout
 # Interfaces that are never the link between two Sparks.
 NOT_LINK = ("lo", "docker", "veth", "br-", "virbr", "tailscale", "wg")
 
@@ -391,7 +392,7 @@ GUARD_LOG, GUARD_REPORT = (f"guard-{RAY_CONTAINER}.log", f"guard-{RAY_CONTAINER}
 def guard_cmd(c: Cluster) -> str:
     """The memory guard beside a node's Ray container, as serve starts it beside its own: in the background
     in its own session (it outlives the ssh command), ending with the container; prints its pid and log.
-    The checkout's .venv-host python, else python3 in the checkout (onespark.memory is standard library only)."""
+    The checkout's .venv-host python, else python3 in the checkout (onespark.serving.memory is standard library only)."""
     util = memory.vllm_flag(list(c.vllm_args), "--gpu-memory-utilization") or f"{memory.DEFAULT_GPU_UTIL:g}"
     argv = memory.guard_command(RAY_CONTAINER, floor_gib=c.guard_floor_gib, report=None, util=util)[1:]
     py = f'"$(command -v {shlex.quote(str(ROOT / ".venv-host" / "bin" / "python"))} || echo python3)"'

@@ -10,7 +10,7 @@ While it starts, one progress line names the stage read from the server log (loa
 capturing CUDA graphs, ...): the 122B model's cold start takes minutes and should never look hung.
 If the container dies, the log tail and the likely cause are printed. Once /health answers, one chat
 request is sent and its answer and rate (completion tokens from the server's `usage` / wall time) shown.
-Before `docker run`, a memory plan (onespark.memory) shows weights, vLLM's share, KV pool and host
+Before `docker run`, a memory plan (onespark.serving.memory) shows weights, vLLM's share, KV pool and host
 reserve, and refuses a configuration that leaves the host too little; beside the container a memory
 guard runs (its own process, gone with the container) that stops it before the host swaps itself to a
 standstill (--no-memory-guard turns it off).
@@ -31,9 +31,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from onespark import __version__, launch, memory, options
+from onespark import __version__, options
 from onespark.errors import UserError, read_secret
-from onespark.vllm_log import likely_cause
+from onespark.serving import launch, memory
+from onespark.serving.vllm_log import likely_cause
 
 V2_IMAGE = f"onespark/v2:{__version__}"
 V2_TQ_IMAGE = f"onespark/v2-tq:{__version__}"

@@ -16,7 +16,7 @@ The plan (`onespark serve` before `docker run`, `onespark doctor`):
 and it names other large consumers (another vLLM, a desktop session, memory that will not drop) with
 the command that frees them. It never runs sudo.
 
-The guard (`python -m onespark.memory guard`, started by `onespark serve` beside the container, ends
+The guard (`python -m onespark.serving.memory guard`, started by `onespark serve` beside the container, ends
 when the container does): reads MemAvailable from /proc/meminfo and pswpin/pswpout from /proc/vmstat
 every GUARD_INTERVAL_S; when MemAvailable stays below its floor, or the host keeps swapping, it stops
 the container (`docker stop`) and writes what it saw and what to change to its report. A sample it
@@ -44,7 +44,7 @@ from pathlib import Path
 from onespark import options, shape
 from onespark.checkpoint.writer import INDEX, INDEX_FILE
 from onespark.errors import UserError
-from onespark.vllm_log import detect_stage
+from onespark.serving.vllm_log import detect_stage
 
 GIB = 1024**3
 MIB = 1024**2
@@ -711,7 +711,7 @@ def _missing_target(a: argparse.Namespace) -> str | None:
 
 
 def guard_main(argv: list[str]) -> int:
-    prog = "python -m onespark.memory guard"
+    prog = "python -m onespark.serving.memory guard"
     p = options.Parser(prog=prog, allow_abbrev=False,
                        description="stop a container (or process) before the host runs out of memory")
     who = p.add_mutually_exclusive_group(required=True)
@@ -750,7 +750,7 @@ def guard_main(argv: list[str]) -> int:
 def guard_command(name: str, *, floor_gib: float, report: Path | None, util: str | None,
                   meminfo: str = "/proc/meminfo", vmstat: str = "/proc/vmstat") -> list[str]:
     """The guard's argv; report None leaves --report to the caller (cluster names it in the node's shell)."""
-    cmd = [sys.executable, "-m", "onespark.memory", "guard", "--container", name, "--floor-gib", f"{floor_gib:g}",
+    cmd = [sys.executable, "-m", "onespark.serving.memory", "guard", "--container", name, "--floor-gib", f"{floor_gib:g}",
            *(["--report", str(report)] if report is not None else [])]
     if util:
         cmd += ["--util", util]
@@ -772,5 +772,5 @@ def start_guard(cmd: list[str], log: Path) -> subprocess.Popen:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["guard"]:
         sys.exit(guard_main(sys.argv[2:]))
-    print("usage: python -m onespark.memory guard --container NAME | --pid PID [options]", file=sys.stderr)
+    print("usage: python -m onespark.serving.memory guard --container NAME | --pid PID [options]", file=sys.stderr)
     sys.exit(2)

@@ -19,8 +19,6 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from onespark import options
 
 GIB = 1024**3
@@ -212,10 +210,10 @@ def check_memory(meminfo: str, *, demo: bool, need_gib: int = MIN_MEMORY_GIB, wh
     return [Check("memory", "ok", detail)]
 
 
-# ---- the memory plan (onespark.memory): the same plan `onespark serve` prints and enforces before launch
+# ---- the memory plan (onespark.serving.memory): the same plan `onespark serve` prints and enforces before launch
 
 def add_memory_plan_arguments(p: argparse.ArgumentParser) -> None:
-    from onespark import memory
+    from onespark.serving import memory
     p.add_argument("--model", help="checkpoint the memory plan is made for (default: WORK/hybrid, once it exists)")
     p.add_argument("--gpu-memory-utilization", type=options.number(float, 0, 1, lo_open=True),
                    help=f"the value you will pass to vLLM (default: the image's, {memory.DEFAULT_GPU_UTIL:g})")
@@ -223,7 +221,7 @@ def add_memory_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def check_memory_plan(args: argparse.Namespace) -> list[Check]:
-    from onespark import memory
+    from onespark.serving import memory
     spec = _spec(args)
     model = getattr(args, "model", None) or str(Path(args.work) / (spec.served_dir if spec else "hybrid"))
     if not (Path(model) / "config.json").is_file():
@@ -260,6 +258,8 @@ def check_hf(repo: str = HF_REPO) -> list[Check]:
     token = os.environ.get("HF_TOKEN")
     if token:
         headers["Authorization"] = f"Bearer {token}"
+    import httpx  # here, not at the top: the serving wing is standard library at module level (tests/test_wings.py)
+
     try:
         # follow_redirects: the Hub answers a renamed repo with a redirect to its new name
         r = httpx.get(url, headers=headers, timeout=10, follow_redirects=True)

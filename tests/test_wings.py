@@ -1,0 +1,253 @@
+"""The wings' rules (issue 26), read from the code with ast: every import of every module of the distribution,
+function-level ones too (a function-level import is still a dependency: it only moves a failure to run time).
+
+- onespark/model/: the standard library only (and onespark's small shared modules, themselves standard library).
+- onespark/checkpoint/: never torch or vllm (nor kernels/ or patches/, which bring them): surgery moves bytes.
+- onespark/serving/: the standard library at module level, also through the onespark modules it imports there
+  (`install.sh --dry-run` runs serve before any virtualenv exists); never patches/ or kernels/.
+- bench/ (the shipped benchmark; bench/lab/ measures kernels on purpose): never kernels/ or patches/.
+- No import circle among the distribution's modules; no module imports another module's `_`-prefixed name, and
+  a `_`-prefixed module is imported only from inside its own package.
+
+A tiny tree with a forbidden import of each kind, written to tmp_path, shows the checker reports each one.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# The distribution: package -> its directory (pyproject's package-dir mapping).
+PACKAGES = {"onespark": ROOT / "onespark", "onespark.kernels": ROOT / "kernels", "onespark.patches": ROOT / "patches",
+            "onespark.bench": ROOT / "bench"}
+# The top-level modules every wing may use: small, standard library only (checked below like a wing).
+SHARED = ("onespark", "onespark.errors", "onespark.options", "onespark.shape", "onespark.tracks")
+STDLIB = sys.stdlib_module_names | {"__future__"}
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str  # the module whose code holds the import
+    target: str  # the module imported (for `from M import n`: M.n when that is a module, else M)
+    name: str  # for `from M import n`: n; else ""
+    top: bool  # at module level (not inside a function)
+    where: str  # path:line, for the message
+
+    @property
+    def root(self) -> str:
+        return self.target.partition(".")[0]
+
+
+def modules(packages: dict[str, Path]) -> dict[str, Path]:
+    """Every module of the distribution -> its file (an __init__.py stands for its package)."""
+    found = {}
+    for pkg, top in packages.items():
+        for path in sorted(top.rglob("*.py")):
+            parts = path.relative_to(top).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join((pkg, *parts))] = path
+    return found
+
+
+def walk(node: ast.AST, top: bool = True):
+    """Each node below `node` with whether it runs at module level (not inside a function)."""
+    for child in ast.iter_child_nodes(node):
+        yield child, top
+        yield from walk(child, top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+
+def imports(mods: dict[str, Path], root: Path) -> list[Import]:
+    out: list[Import] = []
+    for me, path in mods.items():
+        where = path.relative_to(root)
+        for node, top in walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                out += [Import(me, a.name, "", top, f"{where}:{node.lineno}") for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the importer's package, one level up per dot past the first
+                    pkg = (me if path.name == "__init__.py" else me.rpartition(".")[0]).split(".")
+                    base = ".".join([*pkg[:len(pkg) - node.level + 1], *([base] if base else [])])
+                for a in node.names:
+                    sub = f"{base}.{a.name}"
+                    out.append(Import(me, sub if sub in mods else base, a.name, top, f"{where}:{node.lineno}"))
+    return out
+
+
+def in_package(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def wing_problems(found: list[Import], mods: dict[str, Path]) -> list[str]:
+    problems = []
+
+    def bad(i: Import, rule: str) -> None:
+        problems.append(f"{i.where}: {i.importer} imports {i.target}: {rule}")
+
+    for i in found:
+        stdlib = i.root in STDLIB
+        if in_package(i.importer, "onespark.model") or i.importer in SHARED:
+            if not (stdlib or in_package(i.target, "onespark.model") or i.target in SHARED):
+                bad(i, "model/ and the shared modules use the standard library only")
+        if in_package(i.importer, "onespark.checkpoint"):
+            if i.root in ("torch", "vllm", "triton") or in_package(i.target, "onespark.kernels") \
+                    or in_package(i.target, "onespark.patches"):
+                bad(i, "checkpoint/ never imports torch or vllm")
+        shipped_bench = in_package(i.importer, "onespark.bench") and not in_package(i.importer, "onespark.bench.lab")
+        if in_package(i.importer, "onespark.serving") or shipped_bench:
+            if in_package(i.target, "onespark.patches") or in_package(i.target, "onespark.kernels"):
+                bad(i, "serving/ and bench/ never import patches/ or kernels/")
+    # serving/ at module level: the standard library, also through what it imports from onespark there
+    top = {}
+    for i in found:
+        if i.top:
+            top.setdefault(i.importer, []).append(i)
+    reported = set()
+    for start in sorted(m for m in mods if in_package(m, "onespark.serving")):
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            for i in top.get(m, ()):
+                if i.target in mods:
+                    todo.append(i.target)
+                elif i.root not in STDLIB and i not in reported:
+                    reported.add(i)
+                    bad(i, f"serving/ is standard library at module level (reached from {start})")
+    # private names and modules, of the distribution's own code
+    for i in found:
+        if not in_package(i.target, "onespark"):
+            continue
+        private_name = i.name.startswith("_") and not i.name.endswith("__")  # __version__ is public
+        if private_name and i.target != f"{i.importer}" and not i.target.endswith("." + i.name):  # a module: below
+            bad(i, f"imports the private name {i.name}")
+        parts = i.target.split(".")
+        for k, part in enumerate(parts):
+            if part.startswith("_") and not part.endswith("__"):  # __future__, __main__ are public
+                owner = ".".join(parts[:k])
+                if not in_package(i.importer, owner):
+                    bad(i, f"{part} is private to {owner}")
+                break
+    return sorted(set(problems))
+
+
+def graph_of(found: list[Import], mods: dict[str, Path]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for i in found:
+        if i.target in mods and i.target != i.importer:
+            graph[i.importer].add(i.target)
+    return graph
+
+
+def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle [a, b, ..., a], or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return path[path.index(d):] + [d] if d in path else [m, d, m]
+            if d not in state:
+                found = visit(d, path + [d])
+                if found:
+                    return found
+        state[m] = 2
+        return None
+
+    for m in sorted(graph):
+        if m not in state:
+            found = visit(m, [m])
+            if found:
+                return found
+    return None
+
+
+def test_the_wings_keep_their_rules():
+    mods = modules(PACKAGES)
+    found = imports(mods, ROOT)
+    # the tree is read at all: each wing, and the imports the rules are about
+    assert {"onespark.model.specs", "onespark.checkpoint.writer", "onespark.serving.serve", "onespark.bench.cli",
+            "onespark.patches._compat", "onespark.kernels"} <= set(mods)
+    assert any(i.importer == "onespark.serving.serve" and i.target == "onespark.serving.launch" for i in found)
+    assert wing_problems(found, mods) == []
+
+
+def test_onespark_modules_have_no_import_circle():
+    mods = modules(PACKAGES)
+    graph = graph_of(imports(mods, ROOT), mods)
+    assert "onespark.serving.launch" in graph["onespark.serving.serve"]  # the graph is read at all
+    assert find_circle(graph) is None, find_circle(graph)
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return {"onespark": tmp_path / "onespark", "onespark.patches": tmp_path / "patches",
+            "onespark.bench": tmp_path / "bench"}
+
+
+def test_the_checker_reports_each_forbidden_import(tmp_path):
+    packages = _tree(tmp_path, {
+        "onespark/__init__.py": "",
+        "onespark/errors.py": "",
+        "onespark/model/__init__.py": "",
+        "onespark/model/specs.py": "import json\nfrom onespark.errors import x\n\ndef f():\n    import numpy\n",
+        "onespark/checkpoint/__init__.py": "",
+        "onespark/checkpoint/hybrid.py": "import numpy\n\ndef f():\n    import torch\n",
+        "onespark/checkpoint/writer.py": "import httpx\n",  # third party at module level: allowed here...
+        "onespark/serving/__init__.py": "",
+        "onespark/serving/serve.py": "from onespark.checkpoint import writer\n\ndef f():\n"
+                                     "    import httpx\n    from onespark.patches import _compat\n",
+        "onespark/serving/launch.py": "from onespark.serving.serve import _http\n",
+        "patches/__init__.py": "",
+        "patches/_compat.py": "",
+        "bench/__init__.py": "",
+        "bench/cli.py": "def f():\n    import onespark.patches\n",
+    })
+    mods = modules(packages)
+    found = imports(mods, tmp_path)
+    assert wing_problems(found, mods) == [
+        "bench/cli.py:2: onespark.bench.cli imports onespark.patches: serving/ and bench/ never import patches/ or "
+        "kernels/",
+        "onespark/checkpoint/hybrid.py:4: onespark.checkpoint.hybrid imports torch: checkpoint/ never imports torch "
+        "or vllm",
+        # ...but not for serving/, which reaches it at module level
+        "onespark/checkpoint/writer.py:1: onespark.checkpoint.writer imports httpx: serving/ is standard library at "
+        "module level (reached from onespark.serving.launch)",
+        "onespark/model/specs.py:5: onespark.model.specs imports numpy: model/ and the shared modules use the "
+        "standard library only",
+        "onespark/serving/launch.py:1: onespark.serving.launch imports onespark.serving.serve: imports the private "
+        "name _http",
+        "onespark/serving/serve.py:5: onespark.serving.serve imports onespark.patches._compat: _compat is private to "
+        "onespark.patches",
+        "onespark/serving/serve.py:5: onespark.serving.serve imports onespark.patches._compat: serving/ and bench/ "
+        "never import patches/ or kernels/",
+    ]
+
+
+def test_the_circle_check_finds_a_circle(tmp_path):
+    packages = _tree(tmp_path, {
+        "onespark/__init__.py": "",
+        "onespark/a.py": "from onespark import b\n",
+        "onespark/b.py": "def f():\n    from onespark.c import g\n    return g\n",  # function-level, still a dep
+        "onespark/c.py": "import onespark.a\n\ndef g():\n    from onespark.b import _h\n",
+    })
+    packages = {"onespark": packages["onespark"]}
+    mods = modules(packages)
+    found = imports(mods, tmp_path)
+    graph = graph_of(found, mods)
+    assert graph == {"onespark": set(), "onespark.a": {"onespark.b"}, "onespark.b": {"onespark.c"},
+                     "onespark.c": {"onespark.a", "onespark.b"}}
+    assert find_circle(graph) == ["onespark.a", "onespark.b", "onespark.c", "onespark.a"]
+    assert wing_problems(found, mods) == [
+        "onespark/c.py:4: onespark.c imports onespark.b: imports the private name _h"]
+    (tmp_path / "onespark/c.py").write_text("def g():\n    pass\n")
+    assert find_circle(graph_of(imports(mods, tmp_path), mods)) is None
