@@ -75,6 +75,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity-context", type=options.COUNT, default=4096, help="context of each load stream")
     g.add_argument("--capacity-max-tokens", type=options.COUNT, default=Settings().capacity_max_tokens,
                    help="new tokens per load stream (default: %(default)s)")
+    g.add_argument("--compression-lengths", type=options.sizes(1), default=Settings().compression_lengths,
+                   help="compression: prompt lengths in tokens, estimated (default: 8k,16k,32k,64k); --base-url is "
+                        "`onespark compress serve`'s")
+    g.add_argument("--compression-rate", type=options.number(float, 0, 1, lo_open=True), default=0.5,
+                   help="compression: the fraction of tokens kept that B asks for (default: %(default)s)")
+    g.add_argument("--compression-max-tokens", type=options.COUNT, default=Settings().compression_max_tokens,
+                   help="compression: new tokens per answer (default: %(default)s)")
     g.add_argument("--server-log", help="server start-up log, for the KV cache size (docker logs NAME > FILE)")
     g.add_argument("--b-base-url", help="quality: the second endpoint (B)")
     g.add_argument("--b-model", help="quality: B's model name (default: its first)")
@@ -180,7 +187,9 @@ def settings_from(args) -> Settings:
                  depths=args.depths, depth_max_tokens=args.depth_max_tokens, concurrency=args.concurrency,
                  concurrency_max_tokens=args.concurrency_max_tokens, capacity_contexts=args.capacity_contexts,
                  capacity_streams=args.capacity_streams, capacity_context=args.capacity_context,
-                 capacity_max_tokens=args.capacity_max_tokens, server_log=args.server_log)
+                 capacity_max_tokens=args.capacity_max_tokens, server_log=args.server_log,
+                 compression_lengths=args.compression_lengths, compression_rate=args.compression_rate,
+                 compression_max_tokens=args.compression_max_tokens)
     s.check()
     return s
 

@@ -201,9 +201,15 @@ def _quality_table(result: dict) -> Table:
             "recording in `onespark bench compare`", ["prompt", "tokens"], rows)
 
 
+def _compression_table(s: dict, result: dict) -> Table:
+    from onespark.bench.compression import table
+
+    return table(s, result)
+
+
 # suite -> its table, in the order they are printed
 _SUITE_TABLES = {"published": _published_table, "depth": _depth_table, "concurrency": _concurrency_table,
-                 "capacity": _capacity_table}
+                 "capacity": _capacity_table, "compression": _compression_table}
 
 
 def tables(result: dict) -> list[Table]:

@@ -22,7 +22,7 @@ from onespark.bench.client import Endpoint, count_prompt_tokens, get_text, plain
 from onespark.bench.stats import request_metrics, summarize, summarize_rows
 from onespark.errors import UserError
 
-SUITES = ("published", "depth", "concurrency", "capacity")
+SUITES = ("published", "depth", "concurrency", "capacity", "compression")
 
 DEPTH_TASK = "\n\nThe text above is filler. Ignore it and write a long story about a lighthouse keeper."
 
@@ -42,6 +42,11 @@ class Settings:
     capacity_context: int = 4096  # context of each of those streams
     capacity_max_tokens: int = 64
     server_log: str | None = None  # a file with the server's start-up log (e.g. `docker logs NAME > f`)
+    # compression (onespark.bench.compression): prompt lengths, the rate asked of the proxy, new tokens
+    compression_lengths: list[int] = field(default_factory=lambda: [8192, 16384, 32768, 65536])
+    compression_rate: float = 0.5
+    compression_min_tokens: int = 1024
+    compression_max_tokens: int = 32
     seed: int = 0
 
     def check(self) -> None:
@@ -60,6 +65,8 @@ class Settings:
             raise UserError("--depths must be 0 or more")
         if not self.concurrency or any(c < 1 for c in self.concurrency):
             raise UserError("--concurrency needs levels of at least 1, e.g. 1,2,4,8")
+        if not self.compression_lengths or not 0 < self.compression_rate <= 1:
+            raise UserError("--compression-lengths needs lengths and --compression-rate a fraction in (0, 1]")
         if any(c < 1 for c in self.capacity_contexts) or self.capacity_context < 1:
             raise UserError("capacity context lengths must be positive")
         if self.classes:
@@ -177,6 +184,12 @@ class Runner:
                 "prefix_cache_hits": prom.counter_delta(before, after, prom.PREFIX_HITS),
             }
         return result
+
+    # ---------------------------------------------------------------- compression
+    async def compression(self) -> dict:
+        from onespark.bench import compression
+
+        return await self._with_server_check("compression", lambda: compression.run(self))
 
     # ---------------------------------------------------------------- published
     async def published(self) -> dict:

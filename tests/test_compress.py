@@ -352,3 +352,29 @@ def test_download_fetches_the_pinned_compressor_and_checks_it(tmp_path):
     assert wrong.returncode == 1 and "not the xlm-roberta token classifier" in wrong.stderr
     assert [ln for ln in wrong.stderr.splitlines() if "error" in ln][0].startswith("onespark download: error: ")
     assert compress.Compressor(got, "cpu").family == "bert-base-multilingual-cased"
+
+
+# ---- the bench's A/B suite -----------------------------------------------------------------------------------
+
+
+def test_bench_compression_suite_plumbing(proxy, tmp_path, capsys):
+    from onespark.bench import compression
+    from onespark.cli import main
+
+    prompt, code = compression.needle(2000, 5)
+    assert code in prompt and prompt.endswith("Answer with the code only.") and "\n\n" in prompt
+    docs, year = compression.rag(2000, 5)
+    assert year in docs and docs.count("Document ") == 4
+    rc = main(["bench", "--suite", "compression", "--base-url", proxy.base_url, "--compression-lengths", "1k,5k",
+               "--runs", "1", "--warmup", "0", "--out", str(tmp_path), "--name", "ab", "--no-png", "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    result = json.loads((tmp_path / "ab.json").read_text())
+    s = result["suites"]["compression"]
+    assert [g["group"] for g in s["groups"]] == ["needle-1024", "rag-1024"]
+    assert [k["length"] for k in s["skipped"]] == [5120, 5120]  # past the stand-in's max_model_len 4096
+    for g in s["groups"]:
+        assert g["compressed"] == 1 and g["tokens_removed"]["mean"] > 0 and g["compressor_ms"]["mean"] > 0
+        assert g["agreement"] == 1.0 and g["ttft_s_on"] and g["latency_s_off"]
+    assert {r["arm"]: r["status"] for r in s["rows"][:2]} == {"off": None, "on": "compressed"}
+    assert "compression: A/B through onespark compress serve" in out and "needle-1024" in out
