@@ -15,12 +15,13 @@ disagreement is the compression's doing.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 
 import httpx
 
-from onespark.bench.client import Endpoint, Malformed, _chunk_has_text, _count, _object, _usage
+from onespark.bench.client import Endpoint
 from onespark.bench.stats import summarize
 
 FIELD, STATUS, REMOVED, MS = "onespark_compress", "x-onespark-compression", "x-onespark-tokens-removed", \
@@ -76,6 +77,37 @@ def rag(tokens: int, seed: int) -> tuple[str, str]:
     return ("\n\n".join(docs) + f"\n\nIn which year did the {topic} open? Answer with the year only.", year)
 
 
+class Malformed(ValueError):
+    """A stream chunk of the wrong shape: the request fails with this reason, the run goes on."""
+
+
+def _chunk(data: str) -> tuple[str, bool, dict | None]:
+    """(the answer text a chunk carries, whether it carries any generated text, thinking included: TTFT; its
+    usage counts or None); a chunk of the wrong shape is Malformed."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        raise Malformed(f"a stream chunk is not JSON: {data[:80]!r}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("choices", []), list):
+        raise Malformed(f"a stream chunk is not an object with a list of choices: {data[:80]!r}")
+    text, any_text = "", False
+    for c in doc.get("choices") or []:
+        delta = c.get("delta") if isinstance(c, dict) else None
+        delta = delta if isinstance(delta, dict) else {}
+        content = delta.get("content")
+        text += content if isinstance(content, str) else ""
+        # vLLM streams thinking as `reasoning` (0.19) or `reasoning_content`: generated tokens all the same
+        any_text = any_text or any(isinstance(delta.get(k), str) and delta[k]
+                                   for k in ("content", "reasoning", "reasoning_content"))
+    usage = doc.get("usage")
+    if usage is None:
+        return text, any_text, None
+    counts = {k: usage.get(k) for k in ("prompt_tokens", "completion_tokens")} if isinstance(usage, dict) else {}
+    if not counts or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
+        raise Malformed(f"usage is {json.dumps(usage)[:80]}, not token counts")
+    return text, any_text, counts
+
+
 def _norm(text: str) -> str:
     return " ".join(text.lower().split()).strip(" .")
 
@@ -103,17 +135,13 @@ async def _request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, max_tok
                 async for line in r.aiter_lines():
                     if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                         continue
-                    chunk = _object(line[5:].strip(), "a stream chunk")
-                    if _chunk_has_text(chunk) and row["ttft_s"] is None:
+                    text, generated, usage = _chunk(line[5:].strip())
+                    if generated and row["ttft_s"] is None:
                         row["ttft_s"] = time.perf_counter() - t0
-                    for choice in chunk.get("choices") or []:
-                        content = (choice.get("delta") or {}).get("content")
-                        row["text"] += content if isinstance(content, str) else ""
-                    usage = _usage(chunk)
+                    row["text"] += text
                     if usage:
-                        row["prompt_tokens"] = _count(usage, "prompt_tokens")
-                        row["completion_tokens"] = _count(usage, "completion_tokens")
-    except (Malformed, ValueError) as e:
+                        row.update(usage)
+    except Malformed as e:
         row["error"] = f"malformed answer: {e}"
     except httpx.HTTPError as e:
         row["error"] = f"{type(e).__name__}: {e}"
