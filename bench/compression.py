@@ -43,7 +43,8 @@ def _sentence(rng: random.Random) -> str:
             f"{rng.choice(SUBJECTS)} still speak of it.")
 
 
-def _prose(rng: random.Random, tokens: int) -> str:
+def filler(rng: random.Random, tokens: int) -> str:
+    """About `tokens` tokens of plain prose (sentences from the lists above)."""
     words, out = int(tokens * WORDS_PER_TOKEN), []
     while words > 0:
         s = _sentence(rng)
@@ -56,8 +57,8 @@ def needle(tokens: int, seed: int) -> tuple[str, str]:
     """(prompt, expected answer): a fact at a seeded depth of prose, then the question after a blank line."""
     rng = random.Random(seed)
     vault, code = rng.randrange(100, 1000), str(rng.randrange(10000, 100000))
-    before = _prose(rng, int(tokens * rng.uniform(0.1, 0.9)))
-    after = _prose(rng, tokens - int(len(before.split()) / WORDS_PER_TOKEN))
+    before = filler(rng, int(tokens * rng.uniform(0.1, 0.9)))
+    after = filler(rng, tokens - int(len(before.split()) / WORDS_PER_TOKEN))
     fact = f"The access code for vault {vault} is {code}."
     return (f"{before} {fact} {after}\n\nWhat is the access code for vault {vault}? Answer with the code only.",
             code)
@@ -70,7 +71,7 @@ def rag(tokens: int, seed: int) -> tuple[str, str]:
     topic, year, at = rng.choice(TOPICS), str(rng.randrange(1850, 2000)), rng.randrange(n)
     docs = []
     for i in range(n):
-        body = _prose(rng, 480)
+        body = filler(rng, 480)
         if i == at:
             body += f" The {topic} opened in {year}."
         docs.append(f"Document {i + 1}:\n{body}")

@@ -21,7 +21,7 @@ SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name not in MODULES)
 
 
 def test_the_lab_holds_the_benchmarks():
-    assert SCRIPTS == ["checkpoint.py", "draft_head.py", "lm_head.py", "lm_head_glue.py", "turboquant.py",
+    assert SCRIPTS == ["checkpoint.py", "compressor.py", "draft_head.py", "lm_head.py", "lm_head_glue.py", "turboquant.py",
                        "turboquant_quality.py", "vllm_step.py"]
 
 

@@ -378,3 +378,48 @@ def test_bench_compression_suite_plumbing(proxy, tmp_path, capsys):
         assert g["agreement"] == 1.0 and g["ttft_s_on"] and g["latency_s_off"]
     assert {r["arm"]: r["status"] for r in s["rows"][:2]} == {"off": None, "on": "compressed"}
     assert "compression: A/B through onespark compress serve" in out and "needle-1024" in out
+
+
+# ---- doctor and the memory plan ------------------------------------------------------------------------------
+
+
+def test_doctor_reports_the_compressor_and_the_plan_counts_it(tmp_path):
+    import argparse
+    import os
+
+    from onespark.model import specs
+    from onespark.serving import doctor, memory
+
+    gib = 1024**3
+    work = tmp_path / "work"
+    (work / "hybrid").mkdir(parents=True)
+    (work / "hybrid" / "config.json").write_text("{}")
+    (work / "hybrid" / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 71 * 10**9}, "weight_map": {}}))
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {int(119.7 * gib) // 1024} kB\nMemAvailable: {115 * gib // 1024} kB\n")
+    args = argparse.Namespace(work=str(work), model=None, spec=None, gpu_memory_utilization=None, meminfo=str(meminfo),
+                              host_reserve_gib=memory.HOST_RESERVE_FLOOR_GIB, guard_floor_gib=None, compressor_dir=None)
+    assert doctor.check_compressor(args)[0].status == "ok" and "not downloaded" in doctor.check_compressor(args)[0].detail
+    without = doctor.check_memory_plan(args)[0]
+    c = specs.COMPRESSORS["xlm-roberta-large"]
+    d = work / specs.COMPRESSOR_DIR / c.name
+    d.mkdir(parents=True)
+    with open(d / "model.safetensors", "wb") as f:  # sparse: the plan reads sizes, not bytes
+        f.truncate(int(c.source.size_gb * 1e9))
+    assert doctor.check_compressor(args)[0].status == "warn"  # no record: not finished
+    (d / "onespark-download.json").write_text(json.dumps({"repo": c.source.repo, "revision": c.source.revision,
+                                                          "complete": True, "bytes": os.path.getsize(d / "model.safetensors")}))
+    got = doctor.check_compressor(args)[0]
+    assert got.status == "ok" and c.source.revision[:12] in got.detail and "--model-dir" in got.detail
+    with_c = doctor.check_memory_plan(args)[0]
+    assert "after the compressor's 4.1 GiB" in with_c.detail and "compressor" not in without.detail
+    plan = memory.make_plan(work / "hybrid", [], meminfo=str(meminfo), compressor_dir=d)
+    base = memory.make_plan(work / "hybrid", [], meminfo=str(meminfo))
+    assert base.host_reserve - plan.host_reserve == plan.compressor == int(c.source.size_gb * 1e9) + 2 * gib
+    assert plan.lines()[0].startswith("compressor") and "outside vLLM's share" in plan.lines()[0]
+    # at 0.84 the host keeps 19.2 GiB without the compressor: refused either way, and the fix counts it
+    tight = memory.make_plan(work / "hybrid", ["--gpu-memory-utilization", "0.84"], meminfo=str(meminfo),
+                             compressor_dir=d)
+    assert any("the compressor's 4.1 GiB leave the host" in p and "--gpu-memory-utilization 0.79" in p
+               for p in tight.problems()), tight.problems()

@@ -235,16 +235,69 @@ def check_memory_plan(args: argparse.Namespace) -> list[Check]:
         plan = memory.make_plan(model, [] if util is None else ["--gpu-memory-utilization", str(util)],
                                 meminfo=args.meminfo,
                                 floor_gib=getattr(args, "host_reserve_gib", memory.HOST_RESERVE_FLOOR_GIB),
-                                guard_floor_gib=memory.GUARD_FLOOR_GIB if guard_floor is None else guard_floor)
+                                guard_floor_gib=memory.GUARD_FLOOR_GIB if guard_floor is None else guard_floor,
+                                compressor_dir=_compressor_dir(args))
     except memory.PlanError as e:
         return [Check("memory plan", "FAIL", str(e))]
     detail = (f"{memory.gib(plan.weights)} weights + {memory.gib(plan.overhead)} overhead in vLLM's "
               f"{memory.gib(plan.share)} ({plan.util:g} x {memory.gib(plan.mem_total)}): KV pool "
-              f"{memory.gib(plan.kv_pool)}, host keeps {memory.gib(plan.host_reserve)}")
+              f"{memory.gib(plan.kv_pool)}, host keeps {memory.gib(plan.host_reserve)}"
+              + (f" after the compressor's {memory.gib(plan.compressor)}" if plan.compressor else ""))
     problems = plan.problems()
     checks = [Check("memory plan", "FAIL" if problems else "ok", detail, " | ".join(problems))]
     for c in memory.consumers(memory.read_meminfo(args.meminfo)):
         checks.append(Check(f"memory: {c.what}", "warn", c.detail, c.fix))
+    return checks
+
+
+def _compressors(work: Path) -> list[Path]:
+    """The LLMLingua-2 checkpoints `onespark download --compressor` wrote under WORK (issue 27)."""
+    from onespark.model import specs
+    return [work / specs.COMPRESSOR_DIR / n for n in sorted(specs.COMPRESSORS)
+            if (work / specs.COMPRESSOR_DIR / n).is_dir()]
+
+
+def _compressor_dir(args: argparse.Namespace) -> Path | None:
+    """The compressor the memory plan counts: --compressor-dir, else the one step 0 finished under WORK."""
+    if getattr(args, "compressor_dir", None):
+        return args.compressor_dir
+    done = [d for d in _compressors(Path(args.work)) if _compressor_record(d).get("complete")]
+    return done[0] if done else None
+
+
+def _compressor_record(d: Path) -> dict:
+    try:
+        rec = json.loads((d / "onespark-download.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def check_compressor(args: argparse.Namespace) -> list[Check]:
+    """The optional LLMLingua-2 prompt compressor (`onespark compress serve`): downloaded at its pin, or not."""
+    from onespark.model import specs
+    work = Path(args.work)
+    fetch = f"onespark download --dest {work} --compressor {specs.DEFAULT_COMPRESSOR} --skip-int4 --skip-fp8"
+    found = _compressors(work)
+    if not found:
+        return [Check("compressor", "ok", "LLMLingua-2 not downloaded (optional: onespark compress serve); "
+                      f"to use it: {fetch}")]
+    checks = []
+    for d in found:
+        c, rec = specs.COMPRESSORS[d.name], _compressor_record(d)
+        if not rec.get("complete"):
+            checks.append(Check(f"compressor {d.name}", "warn", f"{d}: download not finished",
+                                f"onespark download --dest {work} --compressor {d.name} --skip-int4 --skip-fp8"))
+        elif (rec.get("repo"), rec.get("revision")) != (c.source.repo, c.source.revision):
+            checks.append(Check(f"compressor {d.name}", "warn", f"{d}: {rec.get('repo')}@{str(rec.get('revision'))[:12]}, "
+                                f"not the pinned {c.source.repo}@{c.source.revision[:12]}",
+                                f"delete {d} and run: onespark download --dest {work} --compressor {d.name} "
+                                "--skip-int4 --skip-fp8"))
+        else:
+            size = rec.get("bytes")
+            checks.append(Check(f"compressor {d.name}", "ok", f"{c.source.repo}@{c.source.revision[:12]} at {d}"
+                                + (f", {size / 1e9:.2f} GB" if isinstance(size, (int, float)) else "")
+                                + f"; onespark compress serve --model-dir {d}"))
     return checks
 
 
@@ -313,6 +366,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     checks += check_memory(args.meminfo, demo=False, need_gib=spec.min_memory_gib if spec else MIN_MEMORY_GIB,
                            what=spec.name if spec else "the 122B model")
     checks += check_memory_plan(args)
+    checks += check_compressor(args)
     if not args.skip_hf:
         checks += check_hf(spec.int4.repo if spec else HF_REPO)
     return checks

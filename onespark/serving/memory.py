@@ -69,6 +69,13 @@ HOST_RESERVE_FLOOR_GIB = 20.0
 # than expected"), so the plan's KV pool is an upper bound.
 OVERHEAD_GIB = 4.0
 
+# `onespark compress serve` beside vLLM (issue 27) lives in the same pool, outside vLLM's share: its weights
+# (the LLMLingua-2 checkpoint's, FP32 as published: 2.2 GB for xlm-roberta-large) plus what a batch of
+# llmlingua 0.2.2 takes (50 chunks of 512 tokens: attention probabilities 50 x 16 heads x 512^2 x 4 B = 0.8 GiB
+# and the FFN's 50 x 512 x 4096 x 4 B = 0.4 GiB at xlm-roberta-large's width) and a CUDA context (~0.5 GiB).
+# An estimate from the shapes, not a measurement.
+COMPRESSOR_OVERHEAD_GIB = 2.0
+
 # The guard's MemAvailable floor. A Spark at 3.2 GiB MemAvailable had already swapped 2.2 GiB
 # (NVIDIA/NemoClaw#7127); healthy 0.80 starts went down to 6.8 GiB (huggingface.co/nvidia/
 # GLM-5.3-Flash-FP4-Local discussion 7, where an 8 GiB watchdog floor stopped them). 5 GiB sits between.
@@ -205,6 +212,8 @@ class Plan:
     floor: int  # host reserve floor
     guard_floor: int
     kv_bytes: int | None = None  # --kv-cache-memory-bytes: vLLM then sizes the KV cache from it, not util
+    compressor: int = 0  # `onespark compress serve` beside vLLM (--compressor-dir): outside vLLM's share
+    compressor_source: str = ""
 
     @property
     def share(self) -> int:
@@ -218,31 +227,35 @@ class Plan:
 
     @property
     def host_reserve(self) -> int:
-        return self.mem_total - self.share
+        return self.mem_total - self.share - self.compressor
 
     @property
     def headroom_now(self) -> int:
-        return self.mem_available - self.share
+        return self.mem_available - self.share - self.compressor
 
     def lines(self) -> list[str]:
         share_how = ("weights + overhead + --kv-cache-memory-bytes" if self.kv_bytes is not None
                      else f"{self.util:g} x MemTotal {gib(self.mem_total)} ({self.util_source})")
-        return [
+        compressor = [f"compressor     {gib(self.compressor):>10}  {self.compressor_source} + "
+                      f"{COMPRESSOR_OVERHEAD_GIB:g} GiB batch and CUDA context (estimate), outside vLLM's share"
+                      ] if self.compressor else []
+        minus = " - compressor" if self.compressor else ""
+        return compressor + [
             f"weights        {gib(self.weights):>10}  {self.weights_source}",
             f"vLLM's share   {gib(self.share):>10}  {share_how}",
             f"overhead       {gib(self.overhead):>10}  activations, CUDA graphs, CUDA context (estimate)",
             f"KV pool        {gib(self.kv_pool):>10}  share - weights - overhead (at most: vLLM's log says "
             f"'Available KV cache memory')",
-            f"host reserve   {gib(self.host_reserve):>10}  MemTotal - share; floor {gib(self.floor)} "
+            f"host reserve   {gib(self.host_reserve):>10}  MemTotal - share{minus}; floor {gib(self.floor)} "
             f"(--host-reserve-gib)",
-            f"headroom now   {gib(self.headroom_now):>10}  MemAvailable {gib(self.mem_available)} - share; "
+            f"headroom now   {gib(self.headroom_now):>10}  MemAvailable {gib(self.mem_available)} - share{minus}; "
             f"the guard's floor {gib(self.guard_floor)} (--guard-floor-gib)",
         ]
 
     def problems(self) -> list[str]:
         """Why this configuration must not start, each with its numbers and the flag to change."""
         out = []
-        util_fix = max_util(self.mem_total, self.floor)
+        util_fix = max_util(self.mem_total, self.floor + self.compressor)
         if self.kv_pool <= 0:
             # the smallest util (two decimals) whose share holds weights + overhead + 1 GiB of KV cache
             need = math.ceil((self.weights + self.overhead + GIB) / self.mem_total * 100) / 100
@@ -254,17 +267,19 @@ class Plan:
                 f"the weights ({gib(self.weights)}) and vLLM's overhead ({gib(self.overhead)}) do not fit in its "
                 f"share ({gib(self.share)}): the KV pool would be {gib(self.kv_pool)}: {fix}")
         if self.host_reserve < self.floor:
-            fix = (f"-- --kv-cache-memory-bytes {max(0, self.mem_total - self.floor - self.weights - self.overhead) // MIB}M"
+            kv_fit = self.mem_total - self.floor - self.weights - self.overhead - self.compressor
+            fix = (f"-- --kv-cache-memory-bytes {max(0, kv_fit) // MIB}M"
                    if self.kv_bytes is not None else f"-- --gpu-memory-utilization {util_fix:.2f}")
             fix = "onespark serve ... " + fix
+            also = f" and the compressor's {gib(self.compressor)}" if self.compressor else ""
             out.append(
-                f"vLLM's share ({gib(self.share)}) leaves the host {gib(self.host_reserve)} of MemTotal "
+                f"vLLM's share ({gib(self.share)}){also} {'leave' if also else 'leaves'} the host {gib(self.host_reserve)} of MemTotal "
                 f"{gib(self.mem_total)}, below the {gib(self.floor)} floor (public Spark reports: 0.82 stable, "
                 f"0.88 and above swap and can freeze the host): {fix} or lower; to run it anyway, "
                 f"--host-reserve-gib {max(0, math.floor(self.host_reserve / GIB))}")
         if self.headroom_now < self.guard_floor:
             used = self.mem_total - self.mem_available
-            u = max_util(self.mem_total, self.guard_floor + used)
+            u = max_util(self.mem_total, self.guard_floor + used + self.compressor)
             vllm_refuses = (" (vLLM itself would refuse: its share is more than MemAvailable)"
                             if self.headroom_now < 0 else "")
             out.append(
@@ -276,7 +291,8 @@ class Plan:
 
 
 def make_plan(model: str | os.PathLike, vllm_args: list[str], *, meminfo: str = "/proc/meminfo",
-              floor_gib: float = HOST_RESERVE_FLOOR_GIB, guard_floor_gib: float = GUARD_FLOOR_GIB) -> Plan:
+              floor_gib: float = HOST_RESERVE_FLOOR_GIB, guard_floor_gib: float = GUARD_FLOOR_GIB,
+              compressor_dir: str | os.PathLike | None = None) -> Plan:
     try:
         mem = read_meminfo(meminfo)
     except OSError as e:
@@ -300,9 +316,14 @@ def make_plan(model: str | os.PathLike, vllm_args: list[str], *, meminfo: str = 
             kv_bytes = parse_bytes(kv)
         except ValueError:
             raise PlanError(f"-- --kv-cache-memory-bytes {kv!r}: expected bytes, e.g. 36864M") from None
+    compressor, compressor_source = 0, ""
+    if compressor_dir is not None:
+        weights_c, how = weights_bytes(compressor_dir)
+        compressor, compressor_source = weights_c + int(COMPRESSOR_OVERHEAD_GIB * GIB), f"{Path(compressor_dir).name}: {how}"
     return Plan(mem_total=mem["MemTotal"], mem_available=mem["MemAvailable"], util=util, util_source=util_source,
                 weights=weights, weights_source=source, overhead=int(OVERHEAD_GIB * GIB),
-                floor=int(floor_gib * GIB), guard_floor=int(guard_floor_gib * GIB), kv_bytes=kv_bytes)
+                floor=int(floor_gib * GIB), guard_floor=int(guard_floor_gib * GIB), kv_bytes=kv_bytes,
+                compressor=compressor, compressor_source=compressor_source)
 
 
 @dataclasses.dataclass
@@ -689,6 +710,9 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-reserve-gib", type=options.number(float, 0), default=HOST_RESERVE_FLOOR_GIB,
                    help=f"refuse a plan that leaves the host less than this (default: {HOST_RESERVE_FLOOR_GIB:g}; "
                         "public Spark reports: 0.82 stable = 21.5 GiB, 0.88 swaps = 14.4 GiB)")
+    p.add_argument("--compressor-dir", type=Path, metavar="DIR",
+                   help="count `onespark compress serve` beside vLLM in the plan: its LLMLingua-2 checkpoint "
+                        "(DEST/llmlingua2/NAME; its weights + 2 GiB)")
     p.add_argument("--guard-floor-gib", type=GIB_ABOVE_0,
                    help=f"MemAvailable floor of the plan's headroom and of the memory guard (default: "
                         f"{GUARD_FLOOR_GIB:g}; --demo: {DEMO_GUARD_FLOOR_GIB:g})")
