@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Step 0: download Intel/Qwen3.5-122B-A10B-int4-AutoRound (pinned commit, resumable) to WORK/int4, and
 # fetch only the 144 FP8 shared-expert weights + scales of Qwen/Qwen3.5-122B-A10B-FP8 by byte range to
-# WORK/fp8. Skipped when both are complete. Safe to interrupt and re-run.
+# WORK/fp8. Skipped when both are complete. Safe to interrupt and re-run. --compressor NAME also fetches a
+# pinned LLMLingua-2 checkpoint to WORK/llmlingua2/NAME (onespark compress serve).
 set -euo pipefail
 
 # shellcheck source-path=SCRIPTDIR source=lib.sh
@@ -10,12 +11,14 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 WORK=
 MODEL=$MODEL_DEFAULT
 DRAFTER=mtp
+COMPRESSOR=
 EXTRA=()
 
 option() {
   case $1 in
     --int4-revision | --fp8-revision | --drafter-revision) need_value "$@"; EXTRA+=("$1" "$2") ;;
     --drafter) need_value "$@"; DRAFTER=$2 ;;
+    --compressor) need_value "$@"; COMPRESSOR=$2 ;;
     *) checkpoint_option "$@" ;;
   esac
 }
@@ -23,7 +26,7 @@ option() {
 usage() {
   cat <<USAGE
 usage: steps/0-download.sh [--model NAME] [--work DIR] [--int4-revision SHA] [--fp8-revision SHA]
-                           [--drafter mtp|dflash] [--drafter-revision SHA] [--dry-run]
+                           [--drafter mtp|dflash] [--drafter-revision SHA] [--compressor NAME] [--dry-run]
 
   --model NAME          model spec (onespark specs; default: $MODEL_DEFAULT)
   --work DIR            checkpoints go to DIR/int4 and DIR/fp8 (default: $ONESPARK_ROOT/.work, and
@@ -33,6 +36,8 @@ usage: steps/0-download.sh [--model NAME] [--work DIR] [--int4-revision SHA] [--
   --drafter dflash      also fetch the spec's DFlash drafter to DIR/dflash (vLLM 0.32.0 track; default mtp:
                         nothing to fetch)
   --drafter-revision SHA  commit of the drafter repo (required with --drafter dflash: no public pin)
+  --compressor NAME     also fetch a pinned LLMLingua-2 prompt compressor to DIR/llmlingua2/NAME
+                        (xlm-roberta-large ~2.2 GB, bert-base ~0.7 GB; for onespark compress serve)
   --dry-run             print the command, run nothing
   -h, --help            this text
 
@@ -44,7 +49,8 @@ USAGE
 done_already() {
   grep -q '"complete": true' "$WORK/int4/onespark-download.json" 2>/dev/null &&
     { [[ $SPLICE != True ]] || grep -q '"complete": true' "$WORK/fp8/onespark-download.json" 2>/dev/null; } &&
-    { [[ $DRAFTER != dflash ]] || grep -q '"complete": true' "$WORK/dflash/onespark-download.json" 2>/dev/null; }
+    { [[ $DRAFTER != dflash ]] || grep -q '"complete": true' "$WORK/dflash/onespark-download.json" 2>/dev/null; } &&
+    { [[ -z $COMPRESSOR ]] || grep -q '"complete": true' "$WORK/llmlingua2/$COMPRESSOR/onespark-download.json" 2>/dev/null; }
 }
 
 main() {
@@ -57,7 +63,9 @@ main() {
   fi
   local -a drafter=()
   [[ $DRAFTER == mtp ]] || drafter=(--drafter "$DRAFTER")
-  onespark_step download --dest "$WORK" --model "$MODEL" "${drafter[@]}" "${EXTRA[@]}"
+  local -a compressor=()
+  [[ -z $COMPRESSOR ]] || compressor=(--compressor "$COMPRESSOR")
+  onespark_step download --dest "$WORK" --model "$MODEL" "${drafter[@]}" "${compressor[@]}" "${EXTRA[@]}"
 }
 
 main "$@" || exit 1
