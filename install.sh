@@ -213,7 +213,7 @@ step_host_tools() {
 }
 
 step_doctor() {
-  local -a args=(doctor --work "$MODEL_WORK" --spec "$MODEL")
+  local -a args=(doctor --work "$MODEL_WORK" --model "$MODEL")
   ((DEMO)) && args+=(--demo)
   # The checkpoint is on disk already: Hugging Face is not needed any more.
   local done_file=$MODEL_WORK/hybrid/onespark-manifest.json
@@ -309,7 +309,7 @@ serve_args() {
   # The default track's images are serve's defaults; another track's carry the vLLM version in the tag.
   [[ $TRACK == "$VLLM_DEFAULT" ]] || args+=(--image "$(v2_image)")
   if ((DEMO)); then
-    args+=(--demo --model "$(demo_model)" --max-tokens 32 --prompt "What is the capital of France?")
+    args+=(--demo --checkpoint "$(demo_model)" --max-tokens 32 --prompt "What is the capital of France?")
     if [[ $TRACK == 0.32.0 ]]; then
       # vLLM 0.32.0 on CPU with the real architecture, as measured for issue 13: --language-model-only (else it
       # looks for an image processor), no prefix caching (with MTP on, a Triton mamba-cache kernel with no CPU
@@ -318,7 +318,7 @@ serve_args() {
              --speculative-config '{"method":"mtp","num_speculative_tokens":2}')
     fi
   else
-    args+=(--model "$MODEL_WORK/$SERVED_DIR" --spec "$MODEL")
+    args+=(--checkpoint "$MODEL_WORK/$SERVED_DIR" --model "$MODEL")
     ((TQ)) && args+=(--tq)
     [[ $DRAFTER == dflash ]] && args+=(--drafter dflash --drafter-dir "$MODEL_WORK/dflash")
   fi
@@ -397,15 +397,16 @@ step_cluster() {
 }
 
 # What serve names the things it starts, one a line: the container (its --name default), the memory guard's log
-# (onespark.serving.memory) and the demo's served model (serve's DEMO_ARGS). Read from that code, not copied here.
+# (onespark.serving.memory) and the demo's served model (serve_launch's DEMO_ARGS). Read from that code, not copied here.
 serve_names() {
   PYTHONPATH=$ONESPARK_ROOT python3 -c '
 import argparse
 from onespark.serving import memory, serve
+from onespark.serving.serve_launch import DEMO_ARGS
 p = argparse.ArgumentParser()
 serve.add_arguments(p)
 name = p.get_default("name")
-print(name, memory.guard_files(name)[0], serve.DEMO_ARGS[serve.DEMO_ARGS.index("--served-model-name") + 1], sep="\n")'
+print(name, memory.guard_files(name)[0], DEMO_ARGS[DEMO_ARGS.index("--served-model-name") + 1], sep="\n")'
 }
 
 # The last lines of a run that started the server: the request to try and where the logs are.

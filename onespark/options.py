@@ -77,6 +77,15 @@ def reject_secret_flags(vllm_args: list[str], command: str) -> None:
                             f"plan): give it to onespark {command} as --api-key-file FILE or $ONESPARK_API_KEY")
 
 
+def spec_name(text: str) -> str:
+    """argparse `type=` of serve's and doctor's --model: a model spec's name, as in every command. A path there is
+    the old spelling (--model was their checkpoint directory): refused in one line that names --checkpoint."""
+    if "/" in text or text.startswith((".", "~")):
+        raise argparse.ArgumentTypeError(f"{text} is a directory: give the checkpoint as --checkpoint {text} "
+                                         "(--model names a model spec, as in every command: onespark specs)")
+    return text
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with errors of one line, without the value of any key-looking option (`--api-ke=KEY`,
     `--api_key KEY`, a short key taken for a positional's "invalid choice"), and without the values of

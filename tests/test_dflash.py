@@ -100,7 +100,7 @@ def test_install_dry_run_without_drafter_revision_says_it_is_needed(tmp_path):
 
 # ---- onespark serve --------------------------------------------------------------------------------
 
-SERVE = ("serve", "--dry-run", "--model", "/tmp/onespark-no-model", "--spec", specs.DEFAULT,
+SERVE = ("serve", "--dry-run", "--checkpoint", "/tmp/onespark-no-model", "--model", specs.DEFAULT,
          "--image", "onespark/v2:x-vllm0.32.0", "--drafter", "dflash", "--drafter-dir", "/tmp/onespark-drafter")
 
 
@@ -141,7 +141,7 @@ def test_serve_dflash_bad_input_is_one_line(flag, value, needle):
 
 
 def test_serve_without_drafter_keeps_mtp():
-    r = onespark("serve", "--dry-run", "--model", "/tmp/m", "--spec", specs.DEFAULT)
+    r = onespark("serve", "--dry-run", "--checkpoint", "/tmp/m", "--model", specs.DEFAULT)
     argv = docker_argv(r.stdout)
     assert spec_config(argv) == [specs.MTP2] and not any(a.endswith(":/drafter:ro") for a in argv)
 

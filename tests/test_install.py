@@ -179,8 +179,8 @@ def test_launch_is_the_default_and_no_launch_stops_after_the_images(fakebin, tmp
     assert "docker run" not in built.stdout and "curl" not in built.stdout
     assert built.stdout.splitlines()[-3:] == [
         "onespark: the server is not started (--no-launch). Start it with:",
-        f"  {venv}/bin/onespark serve --host 127.0.0.1 --port 8000 --replace --model {work}/hybrid "
-        "--spec qwen3.5-122b-a10b",
+        f"  {venv}/bin/onespark serve --host 127.0.0.1 --port 8000 --replace --checkpoint {work}/hybrid "
+        "--model qwen3.5-122b-a10b",
         "onespark: (or ./install.sh again without --no-launch: the finished steps are skipped)",
     ]
     for argv, message in ((["--bench"], "--bench measures the server: drop --no-launch"),
@@ -534,7 +534,7 @@ def _serve_args(tmp_path, *extra) -> argparse.Namespace:
     serve.add_arguments(p)
     model = tmp_path / "model"
     model.mkdir(exist_ok=True)
-    return p.parse_args(["--model", str(model), *extra])
+    return p.parse_args(["--checkpoint", str(model), *extra])
 
 
 def test_serve_command_spark(tmp_path):
@@ -701,11 +701,11 @@ def test_install_stops_at_preflight_without_a_spark(fakebin, tmp_path):
 def test_serve_env_passthrough_for_ab_runs():
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
-    args = p.parse_args(["--model", "/tmp/m", "--env", "ONESPARK_INT8_LM_HEAD=0", "--env", "A_B=x=y"])
+    args = p.parse_args(["--checkpoint", "/tmp/m", "--env", "ONESPARK_INT8_LM_HEAD=0", "--env", "A_B=x=y"])
     cmd, env = serve.docker_run_command(args, "img")
     assert "ONESPARK_INT8_LM_HEAD=0" in cmd and "A_B=x=y" in cmd and env["A_B"] == "x=y"
     for bad in (["--env", "NOVALUE"], ["--env", "1BAD=x"], ["--env", "VLLM_API_KEY=secret"]):
-        args = p.parse_args(["--model", "/tmp/m", *bad])
+        args = p.parse_args(["--checkpoint", "/tmp/m", *bad])
         with pytest.raises(serve.UserError):
             serve.docker_run_command(args, "img")
 

@@ -317,7 +317,7 @@ def test_serve_reports_a_dying_container(tmp_path):
     name = "onespark-test-dies"
     try:
         # The tiny model allows 2048 positions; ask for 4096 (later flags win over the demo's 1024).
-        r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--model", str(model),
+        r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(model),
                             "--name", name, "--replace", "--port", str(_free_port()), "--timeout", "600",
                             "--", "--max-model-len", "4096"],
                            capture_output=True, text=True, timeout=900)
@@ -345,7 +345,7 @@ def test_the_image_streams_tool_calls_in_multi_token_steps(tmp_path):
     name, port = "onespark-test-tools", _free_port()
     try:
         # flags after `--` add back what the demo drops (the parsers) and set 3 tokens per chunk
-        r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--model", str(model), "--name", name,
+        r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(model), "--name", name,
                             "--replace", "--port", str(port), "--timeout", "600", "--no-smoke",
                             "--", *PARSERS, "--stream-interval", "3"],
                            capture_output=True, text=True, timeout=900)

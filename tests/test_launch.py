@@ -77,7 +77,7 @@ def test_cluster_bad_key_file_is_one_line(tmp_path):
 
 def test_serve_and_cluster_share_the_container_flags(tmp_path):
     """One function composes both containers: serve's docker run starts with it, cluster's Ray container too."""
-    p = subprocess.run([sys.executable, "-m", "onespark", "serve", "--model", str(tmp_path), "--dry-run"],
+    p = subprocess.run([sys.executable, "-m", "onespark", "serve", "--checkpoint", str(tmp_path), "--dry-run"],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert p.returncode == 0, p.stderr
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("onespark serve: + docker run "))
@@ -173,7 +173,7 @@ def test_the_planned_guard_command_starts_the_real_guard(tmp_path):
 def test_serve_launch_holds_no_key_in_its_repr(tmp_path):
     p = serve.argparse.ArgumentParser()
     serve.add_arguments(p)
-    la = serve.Launch.from_args(p.parse_args(["--model", str(tmp_path), "--api-key", KEY]))
+    la = serve.Launch.from_args(p.parse_args(["--checkpoint", str(tmp_path), "--api-key", KEY]))
     assert la.api_key == KEY and KEY not in repr(la)
     c = cluster.Cluster.from_args(cluster_args("--api-key", KEY))
     assert c.api_key == KEY and KEY not in repr(c)

@@ -27,7 +27,7 @@ from onespark.checkpoint import synth
 from onespark.checkpoint.safetensors_io import read_header
 from onespark.errors import UserError
 from onespark.model import qwen35
-from onespark.serving import launch, memory, serve
+from onespark.serving import container, launch, memory, serve
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
@@ -216,7 +216,7 @@ def test_other_consumers_are_named_with_the_command_that_frees_them(tmp_path):
 def _serve_args(model: Path, *extra) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
-    return p.parse_args(["--model", str(model), *extra])
+    return p.parse_args(["--checkpoint", str(model), *extra])
 
 
 def test_serve_refuses_before_anything_is_started(tmp_path, monkeypatch, capsys):
@@ -650,11 +650,11 @@ def test_doctor_makes_the_same_plan(tmp_path):
     mi = _meminfo(tmp_path / "mi")
     ns = dict(work=str(tmp_path / "work"), meminfo=mi, host_reserve_gib=20.0, guard_floor_gib=None)
     # [0]: the plan; what follows names this machine's own large processes, if any
-    ok = doctor.check_memory_plan(argparse.Namespace(**ns, model=None, gpu_memory_utilization=None))[0]
+    ok = doctor.check_memory_plan(argparse.Namespace(**ns, checkpoint=None, gpu_memory_utilization=None))[0]
     assert ok.status == "ok" and "KV pool 26.7 GiB, host keeps 21.5 GiB" in ok.detail
-    bad = doctor.check_memory_plan(argparse.Namespace(**ns, model=str(model), gpu_memory_utilization=0.88))[0]
+    bad = doctor.check_memory_plan(argparse.Namespace(**ns, checkpoint=str(model), gpu_memory_utilization=0.88))[0]
     assert bad.status == "FAIL" and "--gpu-memory-utilization 0.83" in bad.fix
-    [later] = doctor.check_memory_plan(argparse.Namespace(**{**ns, "work": str(tmp_path / "none")}, model=None,
+    [later] = doctor.check_memory_plan(argparse.Namespace(**{**ns, "work": str(tmp_path / "none")}, checkpoint=None,
                                                           gpu_memory_utilization=None))
     assert later.status == "ok" and "made once the checkpoint exists" in later.detail
 
@@ -665,14 +665,14 @@ def test_serve_shows_the_guards_report_when_it_stopped_the_container(tmp_path, m
     threading.Timer(1.0, report.write_text,
                     ["onespark memory guard stopped container onespark at ...: MemAvailable 4.1 GiB stayed below\n"]).start()
     monkeypatch.setattr(launch, "http", lambda *a, **k: (0, b""))
-    monkeypatch.setattr(serve, "_container_state", lambda name: (False, 143, False))
-    monkeypatch.setattr(serve, "_logs", lambda name: "INFO Memory profiling takes 3 s\n")
+    monkeypatch.setattr(container, "state", lambda name: (False, 143, False))
+    monkeypatch.setattr(container, "logs", lambda name: "INFO Memory profiling takes 3 s\n")
     with pytest.raises(UserError, match=r"stopped by the memory guard after \d+ s:\nonespark memory guard stopped"):
-        serve.wait_healthy("onespark", "http://127.0.0.1:1", 60, tty=False, guard_report=report)
+        container.wait_healthy("onespark", "http://127.0.0.1:1", 60, tty=False, guard_report=report)
     report.unlink()  # no report (and not docker stop's exit code): the usual exit message and cause
-    monkeypatch.setattr(serve, "_container_state", lambda name: (False, 1, False))
+    monkeypatch.setattr(container, "state", lambda name: (False, 1, False))
     with pytest.raises(UserError, match="exited \\(code 1\\)"):
-        serve.wait_healthy("onespark", "http://127.0.0.1:1", 60, tty=False, guard_report=report)
+        container.wait_healthy("onespark", "http://127.0.0.1:1", 60, tty=False, guard_report=report)
 
 
 def test_replace_plans_after_the_old_server_gave_its_memory_back(tmp_path, monkeypatch, capsys):

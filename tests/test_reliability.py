@@ -624,10 +624,10 @@ def test_fp8_fetch_errors_are_one_line(pair, tmp_path, mode, why):
 def test_serve_takes_its_key_from_a_file_and_never_shows_it(tmp_path):
     (tmp_path / "key").write_text("sk-serve-7d1e\n")
     (tmp_path / "model").mkdir()
-    r = cli("serve", "--dry-run", "--demo", "--model", str(tmp_path / "model"), "--api-key-file", str(tmp_path / "key"))
+    r = cli("serve", "--dry-run", "--demo", "--checkpoint", str(tmp_path / "model"), "--api-key-file", str(tmp_path / "key"))
     assert r.returncode == 0, r.stderr
     assert "-e VLLM_API_KEY " in r.stdout + r.stderr  # the name only: docker reads the value from serve's env
     assert "sk-serve-7d1e" not in r.stdout + r.stderr
-    r = cli("serve", "--dry-run", "--demo", "--model", str(tmp_path / "model"), "--api-key-file", str(tmp_path / "no"))
+    r = cli("serve", "--dry-run", "--demo", "--checkpoint", str(tmp_path / "model"), "--api-key-file", str(tmp_path / "no"))
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         f"onespark serve: error: cannot read --api-key-file {tmp_path / 'no'}: No such file or directory"]

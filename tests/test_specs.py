@@ -204,7 +204,7 @@ def test_specs_are_consistent_data():
 
 
 def test_serve_spec_puts_its_serving_defaults_before_the_users_flags(tmp_path):
-    r = cli("serve", "--model", str(tmp_path), "--spec", "qwen3.5-35b-a3b", "--dry-run", "--no-memory-guard",
+    r = cli("serve", "--checkpoint", str(tmp_path), "--model", "qwen3.5-35b-a3b", "--dry-run", "--no-memory-guard",
             "--", "--max-model-len", "65536")
     assert r.returncode == 0, r.stderr
     line = next(x for x in r.stdout.splitlines() if x.startswith("onespark serve: + docker run"))
@@ -214,8 +214,38 @@ def test_serve_spec_puts_its_serving_defaults_before_the_users_flags(tmp_path):
     assert argv[argv.index("--gpu-memory-utilization") + 1] == str(spec.serving["gpu_memory_utilization"])
     assert argv.count("--max-model-len") == 1 and argv[argv.index("--max-model-len") + 1] == "65536"  # the user's
     assert "--speculative-config" in argv
-    r = cli("serve", "--model", str(tmp_path), "--spec", "nope", "--dry-run")
-    assert r.returncode == 1 and "--spec nope: unknown; the specs are:" in r.stderr
+    r = cli("serve", "--checkpoint", str(tmp_path), "--model", "nope", "--dry-run")
+    assert r.returncode == 1 and "--model nope: unknown; the specs are:" in r.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "doctor"])
+def test_a_directory_given_to_model_is_refused_with_the_new_flag(tmp_path, command):
+    """--model names a spec in every command; serve's and doctor's checkpoint directory is --checkpoint. The old
+    spelling is one line naming the new flag, exit 2 (argparse's), no traceback."""
+    r = cli(command, "--model", str(tmp_path), "--dry-run" if command == "serve" else "--skip-hf")
+    assert r.returncode == 2 and r.stderr.splitlines() == [
+        f"onespark {command}: error: argument --model: {tmp_path} is a directory: give the checkpoint as "
+        f"--checkpoint {tmp_path} (--model names a model spec, as in every command: onespark specs) "
+        f"(see onespark {command} --help)"], r.stderr
+
+
+def test_steps_after_step_1_and_serve_read_the_spec_the_manifest_records(tmp_path):
+    """Step 1 records its spec; mtp, verify and serve given no --model take it (a 35B checkpoint would be refused
+    as not the default 122B otherwise)."""
+    name = "qwen3.5-35b-a3b"
+    spec = specs.get(name)
+    synth_spec(tmp_path / "int4", "int4", spec, seed=4)
+    synth_spec(tmp_path / "fp8", "fp8", spec, seed=4)
+    served = tmp_path / "hybrid"
+    assert hybrid(tmp_path / "int4", str(tmp_path / "fp8"), served, spec=spec, **QUIET)["spec"] == name
+    r = cli("mtp", str(served), "--source", str(tmp_path / "int4"))
+    assert r.returncode == 0, r.stderr
+    r = cli("verify", str(served), "--fast")
+    assert r.returncode == 0 and f"{served} ({name}):" in r.stdout, r.stdout + r.stderr
+    r = cli("serve", "--checkpoint", str(served), "--dry-run", "--no-memory-guard")
+    assert r.returncode == 0, r.stderr
+    argv = next(x for x in r.stdout.splitlines() if x.startswith("onespark serve: + docker run")).split()
+    assert argv[argv.index("--served-model-name") + 1] == name
 
 
 @pytest.mark.parametrize("name", NAMED)
@@ -223,7 +253,7 @@ def test_doctor_checks_disk_and_memory_for_the_chosen_spec(tmp_path, name):
     spec = specs.get(name)
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       67108864 kB\nMemAvailable:   60000000 kB\n")  # 64 GiB
-    r = cli("doctor", "--spec", name, "--work", str(tmp_path / "w"), "--skip-hf", "--meminfo", str(meminfo))
+    r = cli("doctor", "--model", name, "--work", str(tmp_path / "w"), "--skip-hf", "--meminfo", str(meminfo))
     out = r.stdout
     assert f"steps 0-2 need {math.ceil(spec.disk_gb)} GB more" in out, out
     assert f"needs {spec.min_memory_gib} GiB" in out and f"{name} needs a 128 GB DGX Spark" in out, out
@@ -244,13 +274,13 @@ def test_install_dry_run_prints_the_full_spark_plan_for_the_35b(tmp_path):
     in_order(r.stdout, [
         "model qwen3.5-35b-a3b; work directory " + w,
         "a real run needs --revision SHA",  # no public pin for the 35B's INT4 repo
-        f"onespark doctor --work {w} --spec qwen3.5-35b-a3b",
+        f"onespark doctor --work {w} --model qwen3.5-35b-a3b",
         f"+ onespark download --dest {w} --model qwen3.5-35b-a3b",
         f"+ onespark hybrid --int4 {w}/int4 --fp8 {w}/fp8 --out {w}/hybrid --model qwen3.5-35b-a3b",
         f"+ onespark mtp {w}/hybrid --source {w}/int4 --model qwen3.5-35b-a3b",
         f"+ onespark verify {w}/hybrid --fast --model qwen3.5-35b-a3b",
         "-f Dockerfile.base", "-f Dockerfile.v2",
-        f"serve --host 127.0.0.1 --port 8000 --replace --model {w}/hybrid --spec qwen3.5-35b-a3b",
+        f"serve --host 127.0.0.1 --port 8000 --replace --checkpoint {w}/hybrid --model qwen3.5-35b-a3b",
         "the server answers on http://127.0.0.1:8000/v1 (model qwen3.5-35b-a3b)",  # its served name
     ])
     assert not work.exists() and not (tmp_path / "venv").exists()  # nothing ran
@@ -274,7 +304,7 @@ def test_install_without_a_pin_stops_before_anything_and_qwen36_skips_the_splice
     in_order(r.stdout, ["step 1 skipped for qwen3.6-35b-a3b: its shared experts are already 8-bit",
                          f"+ onespark mtp {w}/int4 --model qwen3.6-35b-a3b",
                          f"+ onespark verify {w}/int4 --fast --model qwen3.6-35b-a3b",
-                         "onespark serve", f"--model {w}/int4 --spec qwen3.6-35b-a3b",
+                         "onespark serve", f"--checkpoint {w}/int4 --model qwen3.6-35b-a3b",
                          f"-v {w}/int4:/model:ro", "--served-model-name qwen3.6-35b-a3b"])
     assert "onespark hybrid" not in r.stdout
     r = _install("--dry-run", "--model", "qwen9", tmp_path=tmp_path)

@@ -45,7 +45,7 @@ def commands(tmp: Path) -> dict[str, list[str]]:
         "hybrid": ["hybrid", "--int4", str(tmp / "i"), "--fp8", str(tmp / "f"), "--out", str(tmp / "h")],
         "mtp": ["mtp", str(tmp / "m")], "verify": ["verify", str(tmp / "m")],
         "draft-vocab": ["draft-vocab", str(tmp / "m")], "tiny-model": ["tiny-model", "--out", str(tmp / "t")],
-        "serve": ["serve", "--model", str(tmp / "m"), "--dry-run", "--demo"],
+        "serve": ["serve", "--checkpoint", str(tmp / "m"), "--dry-run", "--demo"],
         "cluster": ["cluster", "--nodes", "spark1,spark2", "--work", str(tmp / "w"), "--dry-run"],
         "bench": ["bench", "--out", str(tmp / "b"), "--no-png"],
         "bench compare": ["bench", "compare", str(tmp / "a.json"), str(tmp / "b.json")],
@@ -87,13 +87,13 @@ def test_no_spelling_of_a_key_option_shows_the_key(tmp_path, monkeypatch, capsys
     assert err.strip() == ("onespark bench: error: argument [compare]: invalid choice: '***' (choose from 'compare') "
                            "(see onespark bench --help)"), err
     with pytest.raises(SystemExit):
-        cli.main(["serve", "--model", "m", f"--api_key={SHORT_KEY}"])
+        cli.main(["serve", "--checkpoint", "m", f"--api_key={SHORT_KEY}"])
     assert capsys.readouterr().err.strip() == ("onespark serve: error: unrecognized arguments: --api_key=*** (see "
                                                "onespark serve --help)")
 
 
 def test_a_key_after_the_double_dash_never_reaches_vllms_command_line(tmp_path, capsys):
-    for name, argv in (("serve", ["serve", "--model", str(tmp_path), "--dry-run", "--demo"]),
+    for name, argv in (("serve", ["serve", "--checkpoint", str(tmp_path), "--dry-run", "--demo"]),
                        ("cluster", ["cluster", "--nodes", "spark1,spark2", "--dry-run"])):
         for spell in (["--api-key", SHORT_KEY], [f"--api-key={LONG_KEY}"], ["--hf-token", SHORT_KEY]):
             assert cli.main([*argv, "--", "--max-model-len", "4096", *spell]) == 1
@@ -132,7 +132,7 @@ def test_serve_env_secret_goes_to_docker_by_name(tmp_path):
           run) printf '%s' "$HF_TOKEN" > {tmp_path}/docker-saw; echo "no GPU here" >&2; exit 1 ;;
         esac
         """)
-    r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--model", str(model), "--no-memory-guard",
+    r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(model), "--no-memory-guard",
                         "--port", str(_free_port()), "--env", f"HF_TOKEN={LONG_KEY}", "--env", "MY_PASSWORD=pw-9",
                         "--env", "ONESPARK_INT8_LM_HEAD=0"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
@@ -143,7 +143,7 @@ def test_serve_env_secret_goes_to_docker_by_name(tmp_path):
     assert (tmp_path / "docker-saw").read_text() == LONG_KEY  # the value reached docker, by its environment
     for text in (r.stdout, r.stderr, run):
         assert LONG_KEY not in text and "pw-9" not in text
-    dry = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--model", str(model), "--dry-run",
+    dry = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(model), "--dry-run",
                           "--env", f"HF_TOKEN={LONG_KEY}"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=120)
     assert dry.returncode == 0 and " -e HF_TOKEN " in dry.stdout and LONG_KEY not in dry.stdout + dry.stderr
@@ -246,7 +246,7 @@ def test_serve_stops_the_container_whose_smoke_answer_is_wrong(kind, tmp_path):
         esac
         """)
     try:
-        r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--model", str(model), "--name", "t1",
+        r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(model), "--name", "t1",
                             "--no-memory-guard", "--port", str(port), "--timeout", "60"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=120)
     finally:
@@ -279,12 +279,12 @@ def test_a_well_formed_answer_still_passes():
 # ---- numeric options: one validator (onespark.options), the range in the message ------------------------------
 
 NUMBERS = [  # (argv before the flag, flag, bad value, the range the message names)
-    (["serve", "--model", "m", "--dry-run"], "--port", "0", "a whole number from 1 to 65535"),
-    (["serve", "--model", "m", "--dry-run"], "--timeout", "nan", "a number above 0"),
-    (["serve", "--model", "m", "--dry-run"], "--max-tokens", "-1", "a whole number of at least 1"),
-    (["serve", "--model", "m", "--dry-run"], "--num-draft-tokens", "0", "a whole number of at least 1"),
-    (["serve", "--model", "m", "--dry-run"], "--guard-floor-gib", "0", "a number above 0"),
-    (["serve", "--model", "m", "--dry-run"], "--host-reserve-gib", "inf", "a number of at least 0"),
+    (["serve", "--checkpoint", "m", "--dry-run"], "--port", "0", "a whole number from 1 to 65535"),
+    (["serve", "--checkpoint", "m", "--dry-run"], "--timeout", "nan", "a number above 0"),
+    (["serve", "--checkpoint", "m", "--dry-run"], "--max-tokens", "-1", "a whole number of at least 1"),
+    (["serve", "--checkpoint", "m", "--dry-run"], "--num-draft-tokens", "0", "a whole number of at least 1"),
+    (["serve", "--checkpoint", "m", "--dry-run"], "--guard-floor-gib", "0", "a number above 0"),
+    (["serve", "--checkpoint", "m", "--dry-run"], "--host-reserve-gib", "inf", "a number of at least 0"),
     (["cluster", "--nodes", "a,b", "--dry-run"], "--timeout", "-inf", "a number above 0"),
     (["cluster", "--nodes", "a,b", "--dry-run"], "--port", "70000", "a whole number from 1 to 65535"),
     (["doctor"], "--gpu-memory-utilization", "1.5", "a number above 0 and at most 1"),

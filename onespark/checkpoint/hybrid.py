@@ -330,7 +330,7 @@ def _hybrid(int4_dir: Path, fp8_arg: str, out: Path, *, fp8_revision: str | None
             old_steps.pop("mtp", None)
             log(f"the index was rewritten from --int4: run step 2 again (`onespark mtp {out} --source "
                 f"{int4.path}`) to list the mtp.* tensors")
-        manifest = _manifest(plan, old_steps, w.files())
+        manifest = _manifest(plan, spec, old_steps, w.files())
         w.finish(manifest)
     if fp8_local is None and fp8_dir.name.endswith(".fp8-fetch"):
         shutil.rmtree(fp8_dir, ignore_errors=True)
@@ -396,12 +396,13 @@ def _write_json_files(w: Writer, plan: Plan) -> list[str]:
     return written
 
 
-def _manifest(plan: Plan, old_steps: dict, files: dict) -> dict:
+def _manifest(plan: Plan, spec: specs.Spec, old_steps: dict, files: dict) -> dict:
     int4 = plan.int4
     return {
         "schema_version": 1,
         "tool": "onespark", "tool_version": __version__,
         "created_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "spec": spec.name,  # what mtp, verify and serve take when given no --model (writer.recorded_spec)
         "inputs": plan.inputs,
         "steps": {**old_steps, "hybrid": {
             "int4_fingerprint": _int4_fingerprint(int4),

@@ -28,6 +28,7 @@ from onespark.checkpoint.writer import (
     is_inside,
     load_json,
     open_checkpoint,
+    recorded_spec,
     rewrite_index,
     sha256_file,
 )
@@ -145,12 +146,13 @@ def _record_in_manifest(path: Path, changed: list[str], result: dict) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=Path, help="checkpoint directory (the output of step 1)")
-    specs.add_model_argument(p)
+    specs.add_model_argument(p, recorded=True)
     p.add_argument("--source", type=Path,
                    help="the original INT4 download, to copy model_extra_tensors.safetensors from if it is missing")
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = specs.custom("(local files)", None) if args.model == specs.CUSTOM else specs.get(args.model)
+    name = args.model or recorded_spec(args.dir)
+    spec = specs.custom("(local files)", None) if name == specs.CUSTOM else specs.get(name)
     mtp(args.dir, source=args.source, spec=spec, log=lambda m: print(m, flush=True))
     return 0

@@ -35,6 +35,7 @@ from onespark.checkpoint.writer import (
     Checkpoint,
     load_json,
     open_checkpoint,
+    recorded_spec,
     sha256_file,
 )
 from onespark.errors import UserError
@@ -284,14 +285,15 @@ def drafter_problems(path: Path, spec: specs.Spec) -> tuple[list[str], dict]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir", type=Path, nargs="?", help="checkpoint directory (may be left out with --drafter)")
-    specs.add_model_argument(p)
+    specs.add_model_argument(p, recorded=True)
     p.add_argument("--fast", action="store_true", help="skip sha256 (check sizes only)")
     p.add_argument("--drafter", type=Path, metavar="DIR",
                    help="also check the DFlash drafter directory (after --drafter dflash: WORK/dflash)")
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = specs.custom("(local files)", None) if args.model == specs.CUSTOM else specs.get(args.model)
+    name = args.model or (recorded_spec(args.dir) if args.dir else None)
+    spec = specs.custom("(local files)", None) if name == specs.CUSTOM else specs.get(name)
     if args.dir is None and not args.drafter:
         raise UserError("onespark verify: give the checkpoint directory (and/or --drafter DIR)")
     if args.drafter:

@@ -70,7 +70,8 @@ INDEX = Obj({"weight_map": MapOf(Str("a file name (string)"), "an object of tens
 RECORD = Obj(optional={"repo": Nullable(str), "revision": Nullable(str)}, what="an object (step 0's record)")
 MANIFEST = Obj({"files": MapOf(Obj({"size": Int(0, what="a byte count")}, {"sha256": Nullable(str)}),
                                "an object of file name -> {size, sha256}")},
-               {"steps": MapOf(dict, "an object of step -> record"), "inputs": dict}, what="an object (the manifest)")
+               {"steps": MapOf(dict, "an object of step -> record"), "inputs": dict, "spec": Str("a spec name")},
+               what="an object (the manifest)")
 
 
 def load_json(path: Path, what: str, fix: str = "download it again", like=dict) -> dict:
@@ -83,6 +84,14 @@ def load_json(path: Path, what: str, fix: str = "download it again", like=dict) 
         raise UserError(f"{path}: missing ({what}): is this the right directory?") from None
     doc = shape.parse(raw, str(path), f"the file is corrupt; {fix}")
     return shape.check(doc, like, f"{path} ({what})", f"the file is corrupt or not {what}; {fix}")
+
+
+def recorded_spec(path: str | Path) -> str | None:
+    """The model spec step 1 recorded in DIR's manifest, so that later steps and serve need no --model; None
+    where there is none (no manifest: a download served as it is, or a manifest of an earlier onespark)."""
+    if not (Path(path) / MANIFEST_FILE).is_file():
+        return None
+    return load_json(Path(path) / MANIFEST_FILE, "manifest", "delete it and re-run step 1", MANIFEST).get("spec")
 
 
 @dataclasses.dataclass

@@ -319,9 +319,12 @@ def from_args(args: argparse.Namespace) -> Spec:
     return get(name)
 
 
-def add_model_argument(p: argparse.ArgumentParser, flag: str = "--model") -> None:
-    p.add_argument(flag, dest="model", default=DEFAULT, metavar="NAME",
-                   help=f"model spec: {', '.join(names())} (default: {DEFAULT}; `onespark specs` lists them)")
+def add_model_argument(p: argparse.ArgumentParser, flag: str = "--model", recorded: bool = False) -> None:
+    """--model NAME. recorded: a step after step 1, whose default is the spec the checkpoint's manifest records
+    (None here; the step reads it: onespark.checkpoint.writer.recorded_spec)."""
+    default = f"the spec the checkpoint's manifest records, else {DEFAULT}" if recorded else DEFAULT
+    p.add_argument(flag, dest="model", default=None if recorded else DEFAULT, metavar="NAME",
+                   help=f"model spec: {', '.join(names())} (default: {default}; `onespark specs` lists them)")
 
 
 # ---- facts of a config ---------------------------------------------------------------------------

@@ -54,9 +54,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="check for ./install.sh --demo (no GPU needed)")
     p.add_argument("--work", default=".work", help="directory the checkpoints go to (default: .work)")
     p.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face check (checkpoint already downloaded)")
-    # --model is the checkpoint directory of the memory plan here, so the spec has its own flag.
-    p.add_argument("--spec", metavar="NAME", help="model spec (onespark specs) whose disk, memory, repo and serving "
-                                                  "defaults to check for (default: the 122B figures)")
+    p.add_argument("--model", type=options.spec_name, metavar="NAME",
+                   help="model spec (onespark specs) whose disk, memory, repo and serving defaults to check for "
+                        "(default: the 122B figures)")
+    p.add_argument("--spec", type=options.spec_name, dest="model", help=argparse.SUPPRESS)  # --model's old name
     p.add_argument("--meminfo", default="/proc/meminfo", help=argparse.SUPPRESS)  # tests point it at a file
     add_memory_plan_arguments(p)
 
@@ -214,7 +215,8 @@ def check_memory(meminfo: str, *, demo: bool, need_gib: int = MIN_MEMORY_GIB, wh
 
 def add_memory_plan_arguments(p: argparse.ArgumentParser) -> None:
     from onespark.serving import memory
-    p.add_argument("--model", help="checkpoint the memory plan is made for (default: WORK/hybrid, once it exists)")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="checkpoint the memory plan is made for (default: WORK/hybrid, once it exists)")
     p.add_argument("--gpu-memory-utilization", type=options.number(float, 0, 1, lo_open=True),
                    help=f"the value you will pass to vLLM (default: the image's, {memory.DEFAULT_GPU_UTIL:g})")
     memory.add_plan_arguments(p)
@@ -223,7 +225,7 @@ def add_memory_plan_arguments(p: argparse.ArgumentParser) -> None:
 def check_memory_plan(args: argparse.Namespace) -> list[Check]:
     from onespark.serving import memory
     spec = _spec(args)
-    model = getattr(args, "model", None) or str(Path(args.work) / (spec.served_dir if spec else "hybrid"))
+    model = getattr(args, "checkpoint", None) or str(Path(args.work) / (spec.served_dir if spec else "hybrid"))
     if not (Path(model) / "config.json").is_file():
         return [Check("memory plan", "ok", f"made once the checkpoint exists ({model}); onespark serve makes it "
                       "again before every launch")]
@@ -343,10 +345,10 @@ def check_debootstrap() -> list[Check]:
 
 
 def _spec(args: argparse.Namespace):
-    if not getattr(args, "spec", None):
+    if not getattr(args, "model", None):
         return None
     from onespark.model import specs
-    return specs.get(args.spec, flag="--spec")
+    return specs.get(args.model)
 
 
 def run_checks(args: argparse.Namespace) -> list[Check]:

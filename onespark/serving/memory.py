@@ -165,7 +165,7 @@ def weights_bytes(model: str | os.PathLike) -> tuple[int, str]:
     shards = sorted(d.glob("*.safetensors"))
     if not shards:
         raise PlanError(f"{d}: no model.safetensors.index.json and no *.safetensors: "
-                        "--model must be the checkpoint directory")
+                        "--checkpoint must be the checkpoint directory")
     return sum(p.stat().st_size for p in shards), f"the {len(shards)} *.safetensors files"
 
 
