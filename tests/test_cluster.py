@@ -32,7 +32,7 @@ import pytest
 
 from onespark import __version__
 from onespark.errors import UserError
-from onespark.serving import cluster
+from onespark.serving import cluster, cluster_link
 
 ROOT = Path(__file__).resolve().parent.parent
 ID_A = "sha256:" + "a" * 64
@@ -175,7 +175,7 @@ def test_every_planned_command_is_valid_bash(nodes):
 def test_link_probe_reads_gid_index_from_sysfs(tmp_path):
     # The index comes from the RoCE v2 entry whose GID is the link address, wherever it sits in the table.
     a = roce_node(tmp_path / "a", "192.168.100.1", gid_index=5)
-    facts = cluster.parse_link_probe(subprocess.run(
+    facts = cluster_link.parse_link_probe(subprocess.run(
         ["bash", "-c", cluster.LINK_PROBE], capture_output=True, text=True,
         env={**os.environ, "ONESPARK_SYSROOT": str(a), "PATH": f"{a / 'bin'}:{os.environ['PATH']}"}).stdout)
     assert facts.hcas == {"rocep1s0f1": ("4:ACTIVE", ["enp1s0f1np1"])}
