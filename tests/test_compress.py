@@ -384,7 +384,6 @@ def test_bench_compression_suite_plumbing(proxy, tmp_path, capsys):
 
 
 def test_doctor_reports_the_compressor_and_the_plan_counts_it(tmp_path):
-    import argparse
     import os
 
     from onespark.model import specs
@@ -398,8 +397,8 @@ def test_doctor_reports_the_compressor_and_the_plan_counts_it(tmp_path):
         {"metadata": {"total_size": 71 * 10**9}, "weight_map": {}}))
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal: {int(119.7 * gib) // 1024} kB\nMemAvailable: {115 * gib // 1024} kB\n")
-    args = argparse.Namespace(work=str(work), model=None, spec=None, gpu_memory_utilization=None, meminfo=str(meminfo),
-                              host_reserve_gib=memory.HOST_RESERVE_FLOOR_GIB, guard_floor_gib=None, compressor_dir=None)
+    args = doctor.Preflight(work=str(work), model=None, gpu_memory_utilization=None, meminfo=str(meminfo),
+                            host_reserve_gib=memory.HOST_RESERVE_FLOOR_GIB, guard_floor_gib=None, compressor_dir=None)
     assert doctor.check_compressor(args)[0].status == "ok" and "not downloaded" in doctor.check_compressor(args)[0].detail
     without = doctor.check_memory_plan(args)[0]
     c = specs.COMPRESSORS["xlm-roberta-large"]

@@ -468,9 +468,11 @@ def _meminfo(tmp_path, total_gib, avail_gib) -> str:
 
 def _doctor(fb, tmp_path, monkeypatch, *, demo=False, total=119, avail=115):
     monkeypatch.setenv("PATH", fb["path"])
-    args = argparse.Namespace(demo=demo, work=str(tmp_path / "work"), skip_hf=True,
-                              meminfo=_meminfo(tmp_path, total, avail))
-    return {c.name: c for c in doctor.run_checks(args)}, args
+    p = argparse.ArgumentParser(prog="onespark doctor")
+    doctor.add_arguments(p)
+    args = p.parse_args(["--work", str(tmp_path / "work"), "--skip-hf", "--meminfo", _meminfo(tmp_path, total, avail),
+                         *(["--demo"] if demo else [])])
+    return {c.name: c for c in doctor.run_checks(doctor.Preflight.from_args(args))}, args
 
 
 def test_doctor_on_a_spark(fakebin, tmp_path, monkeypatch, capsys):

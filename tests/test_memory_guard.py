@@ -650,11 +650,11 @@ def test_doctor_makes_the_same_plan(tmp_path):
     mi = _meminfo(tmp_path / "mi")
     ns = dict(work=str(tmp_path / "work"), meminfo=mi, host_reserve_gib=20.0, guard_floor_gib=None)
     # [0]: the plan; what follows names this machine's own large processes, if any
-    ok = doctor.check_memory_plan(argparse.Namespace(**ns, checkpoint=None, gpu_memory_utilization=None))[0]
+    ok = doctor.check_memory_plan(doctor.Preflight(**ns, checkpoint=None, gpu_memory_utilization=None))[0]
     assert ok.status == "ok" and "KV pool 26.7 GiB, host keeps 21.5 GiB" in ok.detail
-    bad = doctor.check_memory_plan(argparse.Namespace(**ns, checkpoint=str(model), gpu_memory_utilization=0.88))[0]
+    bad = doctor.check_memory_plan(doctor.Preflight(**ns, checkpoint=str(model), gpu_memory_utilization=0.88))[0]
     assert bad.status == "FAIL" and "--gpu-memory-utilization 0.83" in bad.fix
-    [later] = doctor.check_memory_plan(argparse.Namespace(**{**ns, "work": str(tmp_path / "none")}, checkpoint=None,
+    [later] = doctor.check_memory_plan(doctor.Preflight(**{**ns, "work": str(tmp_path / "none")}, checkpoint=None,
                                                           gpu_memory_utilization=None))
     assert later.status == "ok" and "made once the checkpoint exists" in later.detail
 

@@ -444,7 +444,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     log = lambda m: print(m, flush=True)  # noqa: E731
-    spec = specs.from_args(args)  # an unknown --model or a missing --revision fails before anything is created
+    # an unknown --model or a missing --revision fails before anything is created
+    spec = specs.named_or_custom(args.model, args.int4_repo, args.fp8_repo, args.int4_revision, args.fp8_revision)
     int4 = None if args.skip_int4 else _pinned(spec.int4, args.int4_repo, args.int4_revision, "--revision", spec)
     fp8 = None
     if not args.skip_fp8 and (spec.fp8 is not None or args.fp8_repo):

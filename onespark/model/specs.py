@@ -310,12 +310,11 @@ def custom(int4_repo: str, fp8_repo: str | None, revision: str | None = None,
         serving=dict(SPECS[DEFAULT].serving))
 
 
-def from_args(args: argparse.Namespace) -> Spec:
+def named_or_custom(name: str | None, int4_repo: str | None, fp8_repo: str | None,
+                    int4_revision: str | None = None, fp8_revision: str | None = None) -> Spec:
     """--model NAME, or --model custom with --int4-repo/--fp8-repo."""
-    name = getattr(args, "model", None) or DEFAULT
     if name == CUSTOM:
-        return custom(getattr(args, "int4_repo", None), getattr(args, "fp8_repo", None),
-                      getattr(args, "int4_revision", None), getattr(args, "fp8_revision", None))
+        return custom(int4_repo, fp8_repo, int4_revision, fp8_revision)
     return get(name)
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from onespark import options
+from onespark.serving import memory
 
 GIB = 1024**3
 
@@ -40,6 +41,29 @@ DEMO_MIN_MEMORY_GIB = 8
 HF_REPO = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
 BASE_IMAGE = "onespark/vllm-base:0.19.1-cu130-sm121"
 DEMO_BASE_IMAGE = "onespark-demo/vllm-cpu:0.19.1"
+
+
+@dataclass(frozen=True)
+class Preflight:
+    """What one `onespark doctor` checks, read once from its arguments (run() builds it; nothing below reads the
+    Namespace). The defaults are the flags' own."""
+    work: str = ".work"
+    demo: bool = False
+    skip_hf: bool = False
+    model: str | None = None  # the spec's name; resolved by the checks that need it (_spec)
+    meminfo: str = "/proc/meminfo"
+    checkpoint: str | None = None  # the memory plan's checkpoint (default: WORK/hybrid, or the spec's)
+    gpu_memory_utilization: float | None = None
+    host_reserve_gib: float = memory.HOST_RESERVE_FLOOR_GIB
+    guard_floor_gib: float | None = None
+    compressor_dir: Path | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Preflight:
+        return cls(work=args.work, demo=args.demo, skip_hf=args.skip_hf, model=args.model, meminfo=args.meminfo,
+                   checkpoint=args.checkpoint, gpu_memory_utilization=args.gpu_memory_utilization,
+                   host_reserve_gib=args.host_reserve_gib, guard_floor_gib=args.guard_floor_gib,
+                   compressor_dir=args.compressor_dir)
 
 
 @dataclass
@@ -214,7 +238,6 @@ def check_memory(meminfo: str, *, demo: bool, need_gib: int = MIN_MEMORY_GIB, wh
 # ---- the memory plan (onespark.serving.memory): the same plan `onespark serve` prints and enforces before launch
 
 def add_memory_plan_arguments(p: argparse.ArgumentParser) -> None:
-    from onespark.serving import memory
     p.add_argument("--checkpoint", metavar="DIR",
                    help="checkpoint the memory plan is made for (default: WORK/hybrid, once it exists)")
     p.add_argument("--gpu-memory-utilization", type=options.number(float, 0, 1, lo_open=True),
@@ -222,23 +245,21 @@ def add_memory_plan_arguments(p: argparse.ArgumentParser) -> None:
     memory.add_plan_arguments(p)
 
 
-def check_memory_plan(args: argparse.Namespace) -> list[Check]:
-    from onespark.serving import memory
-    spec = _spec(args)
-    model = getattr(args, "checkpoint", None) or str(Path(args.work) / (spec.served_dir if spec else "hybrid"))
+def check_memory_plan(p: Preflight) -> list[Check]:
+    spec = _spec(p.model)
+    model = p.checkpoint or str(Path(p.work) / (spec.served_dir if spec else "hybrid"))
     if not (Path(model) / "config.json").is_file():
         return [Check("memory plan", "ok", f"made once the checkpoint exists ({model}); onespark serve makes it "
                       "again before every launch")]
-    util = getattr(args, "gpu_memory_utilization", None)
+    util = p.gpu_memory_utilization
     if util is None and spec:
         util = spec.serving["gpu_memory_utilization"]
-    guard_floor = getattr(args, "guard_floor_gib", None)
+    guard_floor = p.guard_floor_gib
     try:
         plan = memory.make_plan(model, [] if util is None else ["--gpu-memory-utilization", str(util)],
-                                meminfo=args.meminfo,
-                                floor_gib=getattr(args, "host_reserve_gib", memory.HOST_RESERVE_FLOOR_GIB),
+                                meminfo=p.meminfo, floor_gib=p.host_reserve_gib,
                                 guard_floor_gib=memory.GUARD_FLOOR_GIB if guard_floor is None else guard_floor,
-                                compressor_dir=_compressor_dir(args))
+                                compressor_dir=_compressor_dir(p))
     except memory.PlanError as e:
         return [Check("memory plan", "FAIL", str(e))]
     detail = (f"{memory.gib(plan.weights)} weights + {memory.gib(plan.overhead)} overhead in vLLM's "
@@ -247,7 +268,7 @@ def check_memory_plan(args: argparse.Namespace) -> list[Check]:
               + (f" after the compressor's {memory.gib(plan.compressor)}" if plan.compressor else ""))
     problems = plan.problems()
     checks = [Check("memory plan", "FAIL" if problems else "ok", detail, " | ".join(problems))]
-    for c in memory.consumers(memory.read_meminfo(args.meminfo)):
+    for c in memory.consumers(memory.read_meminfo(p.meminfo)):
         checks.append(Check(f"memory: {c.what}", "warn", c.detail, c.fix))
     return checks
 
@@ -259,11 +280,11 @@ def _compressors(work: Path) -> list[Path]:
             if (work / specs.COMPRESSOR_DIR / n).is_dir()]
 
 
-def _compressor_dir(args: argparse.Namespace) -> Path | None:
+def _compressor_dir(p: Preflight) -> Path | None:
     """The compressor the memory plan counts: --compressor-dir, else the one step 0 finished under WORK."""
-    if getattr(args, "compressor_dir", None):
-        return args.compressor_dir
-    done = [d for d in _compressors(Path(args.work)) if _compressor_record(d).get("complete")]
+    if p.compressor_dir:
+        return p.compressor_dir
+    done = [d for d in _compressors(Path(p.work)) if _compressor_record(d).get("complete")]
     return done[0] if done else None
 
 
@@ -275,10 +296,10 @@ def _compressor_record(d: Path) -> dict:
     return rec if isinstance(rec, dict) else {}
 
 
-def check_compressor(args: argparse.Namespace) -> list[Check]:
+def check_compressor(p: Preflight) -> list[Check]:
     """The optional LLMLingua-2 prompt compressor (`onespark compress serve`): downloaded at its pin, or not."""
     from onespark.model import specs
-    work = Path(args.work)
+    work = Path(p.work)
     fetch = f"onespark download --dest {work} --compressor {specs.DEFAULT_COMPRESSOR} --skip-int4 --skip-fp8"
     found = _compressors(work)
     if not found:
@@ -344,45 +365,46 @@ def check_debootstrap() -> list[Check]:
     return [Check("debootstrap", "ok", shutil.which("debootstrap") or "")]
 
 
-def _spec(args: argparse.Namespace):
-    if not getattr(args, "model", None):
+def _spec(name: str | None):
+    if not name:
         return None
     from onespark.model import specs
-    return specs.get(args.model)
+    return specs.get(name)
 
 
-def run_checks(args: argparse.Namespace) -> list[Check]:
-    work = Path(args.work)
-    if args.demo:
+def run_checks(p: Preflight) -> list[Check]:
+    work = Path(p.work)
+    if p.demo:
         checks = check_docker(nvidia=False)
         docker_ok = checks[0].status == "ok"
         if docker_ok:
             checks += check_debootstrap()
         checks += check_disk(work, demo=True) if docker_ok else []
-        checks += check_memory(args.meminfo, demo=True)
+        checks += check_memory(p.meminfo, demo=True)
         return checks
-    spec = _spec(args)
+    spec = _spec(p.model)
     checks = check_gpu()
     checks += check_docker(nvidia=True)
     checks += check_disk(work, demo=False, need_gb=math.ceil(spec.disk_gb) if spec else CHECKPOINT_DISK_GB)
-    checks += check_memory(args.meminfo, demo=False, need_gib=spec.min_memory_gib if spec else MIN_MEMORY_GIB,
+    checks += check_memory(p.meminfo, demo=False, need_gib=spec.min_memory_gib if spec else MIN_MEMORY_GIB,
                            what=spec.name if spec else "the 122B model")
-    checks += check_memory_plan(args)
-    checks += check_compressor(args)
-    if not args.skip_hf:
+    checks += check_memory_plan(p)
+    checks += check_compressor(p)
+    if not p.skip_hf:
         checks += check_hf(spec.int4.repo if spec else HF_REPO)
     return checks
 
 
 def run(args: argparse.Namespace) -> int:
-    checks = run_checks(args)
+    p = Preflight.from_args(args)
+    checks = run_checks(p)
     width = max(len(c.name) for c in checks)
     for c in checks:
         print(f"  {c.status:<4}  {c.name:<{width}}  {c.detail}")
         if c.fix and c.status != "ok":
             print(f"  {'':<4}  {'':<{width}}  fix: {c.fix}")
     failed = [c for c in checks if c.status == "FAIL"]
-    what = "demo" if args.demo else "DGX Spark"
+    what = "demo" if p.demo else "DGX Spark"
     if failed:
         print(f"onespark doctor: {len(failed)} of {len(checks)} checks failed ({what}); fix them and re-run")
         return 1
