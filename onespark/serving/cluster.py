@@ -413,10 +413,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-sockets", action="store_true", help="run over TCP sockets when the link has no RoCE")
     p.add_argument("--host", default="127.0.0.1", help="address vLLM binds on the head (default: %(default)s)")
     p.add_argument("--port", type=options.PORT, default=8000, help="vLLM's port on the head (default: %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get("ONESPARK_API_KEY"),
-                   help="require this key on /v1 (default: $ONESPARK_API_KEY; none); visible in `ps`: prefer "
-                        "--api-key-file or the variable")
-    p.add_argument("--api-key-file", help="read the key from this file (first line)")
+    launch.add_key_arguments(p)
     p.add_argument("--timeout", type=options.SECONDS, default=2400, help="seconds to wait for /health (default: %(default)s)")
     p.add_argument("--prompt", default="In one sentence: what is a DGX Spark?", help="the smoke-test question")
     p.add_argument("--max-tokens", type=options.COUNT, default=64, help="smoke-test answer length (default: %(default)s)")

@@ -7,7 +7,9 @@ before the venv exists; httpx is imported by the one function that sends a reque
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import socket
 import sys
 import time
@@ -25,6 +27,14 @@ NOT_VLLM = "not what vLLM answers: is another server on that port? The server's 
 def probe_host(host: str) -> str:
     """Where this machine reaches a server that binds `host`: a wildcard bind answers on loopback."""
     return "127.0.0.1" if host in ("0.0.0.0", "::") else host
+
+
+def add_key_arguments(p: argparse.ArgumentParser) -> None:
+    """The API key's two flags, as serve and cluster take them (read_secret reads the file)."""
+    p.add_argument("--api-key", default=os.environ.get("ONESPARK_API_KEY"),
+                   help="require this key on /v1 (default: $ONESPARK_API_KEY; none); visible in `ps`: prefer "
+                        "--api-key-file or the variable")
+    p.add_argument("--api-key-file", help="read the key from this file (first line)")
 
 
 def warn_if_exposed(prog: str, host: str, api_key: str | None) -> None:

@@ -57,10 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default="onespark", help="container name (default: onespark)")
     p.add_argument("--host", default="127.0.0.1", help="address vLLM binds (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=options.PORT, default=8000, help="port (default: 8000)")
-    p.add_argument("--api-key", default=os.environ.get("ONESPARK_API_KEY"),
-                   help="require this key on /v1 (default: $ONESPARK_API_KEY; none); visible in `ps`: prefer "
-                        "--api-key-file or the variable")
-    p.add_argument("--api-key-file", help="read the key from this file (first line)")
+    launch.add_key_arguments(p)
     p.add_argument("--timeout", type=options.SECONDS, help="seconds to wait for /health (default: 1800; --demo: 600)")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra container environment, repeatable (e.g. ONESPARK_INT8_LM_HEAD=0 for an A/B run); a name "
