@@ -8,6 +8,7 @@ function-level ones too (a function-level import is still a dependency: it only 
 - bench/ (the shipped benchmark; bench/lab/ measures kernels on purpose): never kernels/ or patches/.
 - No import circle among the distribution's modules; no module imports another module's `_`-prefixed name, and
   a `_`-prefixed module is imported only from inside its own package.
+- Namespaces stop at the edge: no `getattr(args, ...)` outside a command's run() (or the from_args it calls).
 
 A tiny tree with a forbidden import of each kind, written to tmp_path, shows the checker reports each one.
 """
@@ -251,3 +252,27 @@ def test_the_circle_check_finds_a_circle(tmp_path):
         "onespark/c.py:4: onespark.c imports onespark.b: imports the private name _h"]
     (tmp_path / "onespark/c.py").write_text("def g():\n    pass\n")
     assert find_circle(graph_of(imports(mods, tmp_path), mods)) is None
+
+
+def args_getattrs(mods: dict[str, Path], root: Path) -> list[str]:
+    """`getattr(args, ...)` outside a command's edge (its run(), or a from_args that builds the typed values):
+    below the edge, code takes typed values, not a Namespace that may lack the field (issue 26, item 5)."""
+    found = []
+    for path in mods.values():
+        tree = ast.parse(path.read_text(), str(path))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or fn.name in ("run", "from_args"):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr" \
+                        and node.args and isinstance(node.args[0], ast.Name) and node.args[0].id == "args":
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {fn.name}")
+    return sorted(set(found))
+
+
+def test_namespaces_stop_at_the_edge(tmp_path):
+    assert args_getattrs(modules(PACKAGES), ROOT) == []
+    packages = _tree(tmp_path, {"onespark/__init__.py": "",
+                                "onespark/x.py": "def run(args):\n    return getattr(args, 'a', 1) + f(args)\n\n"
+                                                 "def f(args):\n    return getattr(args, 'b', None)\n"})
+    assert args_getattrs(modules(packages), tmp_path) == ["onespark/x.py:5: f"]
