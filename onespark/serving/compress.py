@@ -494,7 +494,8 @@ def _handler(proxy: Proxy):
                 conn.close()
 
         def _answer(self, resp: http.client.HTTPResponse, extra: dict, acct: dict | None) -> None:
-            kept = [(k, v) for k, v in resp.getheaders() if k.lower() not in HOP]
+            # Date and Server: send_response writes the proxy's own; vLLM's would be a second copy of each
+            kept = [(k, v) for k, v in resp.getheaders() if k.lower() not in HOP | {"date", "server"}]
             ctype = resp.getheader("Content-Type", "")
             if acct is not None and acct["status"] != "off" and resp.status == 200 and "json" in ctype:
                 data = resp.read(MAX_BODY)
