@@ -2,6 +2,10 @@
 
   python3 .ci/stage_table.py STAGES_TSV
 
+A row whose fourth field is "within" ran beside other rows, inside a later row's time (tests/run.sh runs the two
+tracks' pytest side by side and then writes their shared wall time as one row): it is listed, indented, and left
+out of the total, which is the run's wall time.
+
 The budget file gives the cold and warm limits of the whole run in seconds; the run is cold when a row says so
 (.ci/run writes "this run is cold" when it found no uv cache or no demo images), warm otherwise. Exit status 3
 when a warm run is past its budget by more than the margin (a regression: .ci/run fails on it), else 0; a cold run
@@ -29,14 +33,21 @@ def read_budget(path: Path = BUDGET) -> dict[str, int]:
 def main(argv: list[str]) -> int:
     rows = []
     for line in Path(argv[0]).read_text().splitlines():
-        name, seconds, rc = line.split("\t")
-        rows.append((name, int(seconds), int(rc)))
-    total = sum(s for _, s, _ in rows)
-    cold = any(name == "this run is cold" for name, _, _ in rows)
-    width = max(len(n) for n, _, _ in rows + [("total", 0, 0)])
+        name, seconds, rc, *within = line.split("\t")
+        rows.append((("  " + name) if within == ["within"] else name, int(seconds), int(rc), within == ["within"]))
+    total = sum(s for _, s, _, inside in rows if not inside)
+    uncovered = 0  # side-by-side rows at the end, no row after them (a run stopped early): the longest counts
+    for _, seconds, _, inside in reversed(rows):
+        if not inside:
+            break
+        uncovered = max(uncovered, seconds)
+    total += uncovered
+    cold = any(name == "this run is cold" for name, _, _, _ in rows)
+    width = max(len(n) for n, _, _, _ in rows + [("total", 0, 0, False)])
     print("\n== lane stages (wall time) ==")
-    for name, seconds, rc in rows:
-        print(f"{name:<{width}}  {seconds:>6d} s  {seconds / 60:5.1f} min" + ("" if rc == 0 else f"  rc {rc}"))
+    for name, seconds, rc, inside in rows:
+        print(f"{name:<{width}}  {seconds:>6d} s  {seconds / 60:5.1f} min" + ("" if rc == 0 else f"  rc {rc}")
+              + ("  (side by side: the total counts their shared wall time)" if inside else ""))
     print(f"{'total':<{width}}  {total:>6d} s  {total / 60:5.1f} min")
     budget = read_budget()
     kind = "cold" if cold else "warm"

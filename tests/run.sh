@@ -6,8 +6,11 @@
 #
 #   tests/run.sh [pytest args...]
 #   ONESPARK_TEST_TRACKS=0.32.0 tests/run.sh tests/test_v032_server.py -x   (one track: 0.19.1 or 0.32.0)
-# Exit status: the first failing track's; a track that collects nothing (pytest's 5: e.g. a 0.19.1-only
-# file on the 0.32.0 track) counts as passed when another track ran tests.
+# Both tracks run at once (two pytest processes: most of each track waits on vLLM servers and image builds, so
+# the 2-core lane's wall time is about the longer track's, not the sum); the first track's output streams, the
+# second's is printed after it (its log file is named at the start). ONESPARK_TEST_SERIAL=1 runs them one after
+# the other. Exit status: the first failing track's (in track order); a track that collects nothing (pytest's 5:
+# e.g. a 0.19.1-only file on the 0.32.0 track) counts as passed when another track ran tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .ci/stages.sh  # stage: wall time per venv build and per track, for .ci/run's table
@@ -15,11 +18,16 @@ source .ci/stages.sh  # stage: wall time per venv build and per track, for .ci/r
 # The requirement files pin what we name; what those pull in (vLLM's ~180 dependencies) resolves as PyPI stood
 # at this instant, so a release tomorrow cannot change the lane. Moving it rebuilds both venvs.
 RESOLVE_AT=2026-11-28T00:00:00Z
+# What .installed holds once a venv is complete. "bytecode": the install compiles every module (uv's
+# --compile-bytecode, ~30 s a venv): uv writes no .pyc by default, and where PYTHONDONTWRITEBYTECODE is set (this
+# project's VMs) each of the lane's hundreds of Python processes would compile vLLM, torch and transformers from
+# source again (~7 s of a core per vLLM import, twice per server start: the lane's time doubled).
+STAMP="$RESOLVE_AT bytecode"
 
 build_venv() {  # VENV REQUIREMENTS OVERRIDES
   local venv=$1 req=$2 ovr=$3
   if [[ ! -x $venv/bin/python || $req -nt $venv/.installed || $ovr -nt $venv/.installed
-        || $(cat "$venv/.installed" 2>/dev/null) != "$RESOLVE_AT" ]]; then
+        || $(cat "$venv/.installed" 2>/dev/null) != "$STAMP" ]]; then
     stage "venv $venv (built)" install_venv "$venv" "$req" "$ovr" || return
   fi
 }
@@ -29,30 +37,78 @@ install_venv() {  # VENV REQUIREMENTS OVERRIDES (&&-chained: stage runs it where
   python3 -m venv "$venv" &&
     "$venv/bin/python" -m pip install -q uv==0.9.5 &&
     "$venv/bin/python" -m uv pip install --python "$venv/bin/python" --exclude-newer "$RESOLVE_AT" \
-      -r "$req" --override "$ovr" -e ".[bench]" &&
-    echo "$RESOLVE_AT" > "$venv/.installed"
+      -r "$req" --override "$ovr" -e ".[bench]" --compile-bytecode &&
+    echo "$STAMP" > "$venv/.installed"
+}
+
+run_track() {  # TRACK VENV PYTEST-ARGS...: the track's pytest, its wall time a stage row
+  local track=$1 venv=$2
+  shift 2
+  echo "== tests/run.sh: vLLM $track track ($venv) =="
+  stage "pytest, vLLM $track track" "$venv/bin/python" -m pytest "$@"
+}
+
+BACKGROUND=()  # the pids of the tracks running behind the first (stopped with this script)
+stop_background() {
+  local pid
+  for pid in "${BACKGROUND[@]}"; do
+    pkill -TERM -P "$pid" 2>/dev/null || true  # the track's pytest (its servers stop in pytest's teardown)
+    kill -TERM "$pid" 2>/dev/null || true
+  done
 }
 
 main() {
-  local track venv rc first_fail=0 ran=0
-  for track in ${ONESPARK_TEST_TRACKS:-0.19.1 0.32.0}; do
+  local track venv rc first_fail=0 ran=0 i wall=""
+  local -a tracks venvs rcs logs
+  # shellcheck disable=SC2206  # word splitting wanted: one track per word
+  tracks=(${ONESPARK_TEST_TRACKS:-0.19.1 0.32.0})
+  for track in "${tracks[@]}"; do  # every venv first: the tracks then run side by side
     case $track in
-      0.19.1) venv=.venv; build_venv "$venv" tests/requirements.txt tests/overrides.txt ;;
-      0.32.0) venv=.venv-032; build_venv "$venv" tests/requirements-032.txt tests/overrides-032.txt ;;
+      0.19.1) venv=.venv; build_venv "$venv" tests/requirements.txt tests/overrides.txt || return ;;
+      0.32.0) venv=.venv-032; build_venv "$venv" tests/requirements-032.txt tests/overrides-032.txt || return ;;
       *) echo "tests/run.sh: ONESPARK_TEST_TRACKS has '$track': use 0.19.1 and/or 0.32.0" >&2; return 2 ;;
     esac
-    echo "== tests/run.sh: vLLM $track track ($venv) =="
-    rc=0
-    stage "pytest, vLLM $track track" "$venv/bin/python" -m pytest "$@" || rc=$?
+    venvs+=("$venv")
+  done
+  if [[ ${#tracks[@]} -gt 1 && ${ONESPARK_TEST_SERIAL:-0} != 1 ]]; then
+    # Side by side: each track's row is part of the wall-time row written when both are done (.ci/stage_table.py
+    # sums that one, not the tracks').
+    trap stop_background INT TERM
+    local t0=$SECONDS
+    for ((i = 1; i < ${#tracks[@]}; i++)); do
+      logs[i]=$(mktemp "${TMPDIR:-/tmp}/onespark-track-${tracks[i]}.XXXXXX.log")
+      echo "== tests/run.sh: vLLM ${tracks[i]} track runs alongside; its output follows (log: ${logs[i]}) =="
+      STAGE_WITHIN=1 run_track "${tracks[i]}" "${venvs[i]}" "$@" >"${logs[i]}" 2>&1 &
+      BACKGROUND+=($!)
+    done
+    rcs[0]=0
+    STAGE_WITHIN=1 run_track "${tracks[0]}" "${venvs[0]}" "$@" || rcs[0]=$?
+    for ((i = 1; i < ${#tracks[@]}; i++)); do
+      rcs[i]=0
+      wait "${BACKGROUND[i - 1]}" || rcs[i]=$?
+      cat "${logs[i]}" && rm -f "${logs[i]}"
+    done
+    trap - INT TERM
+    wall=$((SECONDS - t0))
+  else
+    for i in "${!tracks[@]}"; do
+      rcs[i]=0
+      run_track "${tracks[i]}" "${venvs[i]}" "$@" || rcs[i]=$?
+    done
+  fi
+  for rc in "${rcs[@]}"; do
     if [[ $rc -eq 0 ]]; then
       ran=1
     elif [[ $rc -ne 5 && $first_fail -eq 0 ]]; then
       first_fail=$rc
     fi
   done
-  if [[ $first_fail -ne 0 ]]; then return "$first_fail"; fi
-  if [[ $ran -eq 0 ]]; then return 5; fi  # no track collected anything
-  return 0
+  rc=0
+  if [[ $first_fail -ne 0 ]]; then rc=$first_fail; elif [[ $ran -eq 0 ]]; then rc=5; fi  # 5: no track collected anything
+  if [[ -n $wall && -n ${ONESPARK_STAGES:-} ]]; then
+    printf '%s\t%d\t%d\n' "pytest, ${#tracks[@]} tracks side by side" "$wall" "$rc" >>"$ONESPARK_STAGES"
+  fi
+  return "$rc"
 }
 
 main "$@" || exit $?
