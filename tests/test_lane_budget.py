@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # file -> VLLMServer(...) constructions in it (each a server start; a fixture's counts once however many use it).
@@ -74,3 +76,40 @@ def test_stage_table_judges_cold_and_warm_runs_by_their_own_budget(tmp_path):
     # a cold run past its budget is reported, not failed
     late = _table(tmp_path, [("this run is cold", 0), ("pytest, vLLM 0.19.1 track", cold * (100 + margin) // 100 + 1)])
     assert late.returncode == 0 and "OVER" in late.stdout, late.stdout
+
+
+def _rows(tmp_path: Path, rows: list[tuple]) -> subprocess.CompletedProcess:
+    tsv = tmp_path / "stages.tsv"
+    tsv.write_text("".join("\t".join(map(str, (*row[:2], 0, *row[2:]))) + "\n" for row in rows))
+    return subprocess.run([sys.executable, str(ROOT / ".ci/stage_table.py"), str(tsv)], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_tracks_side_by_side_count_once_in_the_total(tmp_path):
+    """tests/run.sh runs the tracks at once: their rows say "within" and the wall-time row after them is what the
+    total (and so the budget) counts; a run stopped before that row still counts its longest track."""
+    warm = int(dict(x.split("#")[0].replace(" ", "").split("=") for x in (ROOT / ".ci/budget.txt").read_text()
+                    .splitlines() if x.split("#")[0].strip())["warm_s"])
+    side = [("venv .venv (built)", 10), ("pytest, vLLM 0.32.0 track", 700, "within"),
+            ("pytest, vLLM 0.19.1 track", 900, "within")]
+    done = _rows(tmp_path, [*side, ("pytest, 2 tracks side by side", 905)])
+    assert done.returncode == 0 and re.search(r"^total +915 s", done.stdout, re.M), done.stdout
+    assert "  pytest, vLLM 0.19.1 track" in done.stdout and "     900 s" in done.stdout
+    stopped = _rows(tmp_path, side)
+    assert re.search(r"^total +910 s", stopped.stdout, re.M), stopped.stdout
+    # the shared row is what the budget judges: past the warm budget fails the run, however the tracks split it
+    over = _rows(tmp_path, [*side, ("pytest, 2 tracks side by side", warm * 2)])
+    assert over.returncode == 3 and "OVER" in over.stdout, over.stdout
+
+
+def test_the_venv_holds_its_bytecode():
+    """tests/run.sh compiles each venv's bytecode at install (uv --compile-bytecode): with PYTHONDONTWRITEBYTECODE
+    set, a venv without .pyc has every vLLM import compile vLLM and torch from source (~2x each server start)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("no vLLM in this venv")
+    source = Path(spec.origin).parent / "entrypoints" / "openai" / "api_server.py"  # a server's, not this process's
+    assert Path(importlib.util.cache_from_source(str(source))).exists(), \
+        f"{source} has no .pyc: rebuild the venv with tests/run.sh (uv pip install --compile-bytecode)"
