@@ -276,3 +276,12 @@ def test_namespaces_stop_at_the_edge(tmp_path):
                                 "onespark/x.py": "def run(args):\n    return getattr(args, 'a', 1) + f(args)\n\n"
                                                  "def f(args):\n    return getattr(args, 'b', None)\n"})
     assert args_getattrs(modules(packages), tmp_path) == ["onespark/x.py:5: f"]
+
+
+def test_every_wing_is_a_package_of_the_distribution():
+    """The images pip-install onespark (not editable): a wing pyproject does not list would be missing there."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    wings = {f"onespark.{d.name}" for d in (ROOT / "onespark").iterdir() if (d / "__init__.py").is_file()}
+    assert {"onespark.model", "onespark.checkpoint", "onespark.serving"} <= wings <= listed, wings - listed
