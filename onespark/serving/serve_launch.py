@@ -33,7 +33,6 @@ DEMO_ENV = {"TORCHDYNAMO_DISABLE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_O
 DEMO_ARGS = ["--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "1024", "--served-model-name", "onespark-tiny"]
 
 
-
 @dataclass(frozen=True)
 class Launch:
     """What one `onespark serve` starts, read once from its arguments (run() and docker_run_command build it;
