@@ -163,6 +163,7 @@ def one(model: str, config_name: str, ctxs: list[int], batches: list[int], out: 
             for batch in batches:
                 if batch > 1 and ctx * batch > MAX_BATCHED_TOKENS:
                     result.setdefault("skipped", []).append(f"ctx {ctx} x batch {batch}: prefill would overlap decode")
+                    out.write_text(json.dumps(result))
                     continue
                 steps, ttft, spec = run(ctx, batch)
                 ms = 1e3 * sorted(steps)[len(steps) // 2]
