@@ -12,20 +12,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-STORE=${STORE:-/root/gpu-vllm}
-py=${PYTHON:-python3}
-out=${OUT:-bench/results}
-sha=${ONESPARK_GIT_SHA:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-mkdir -p "$out"
-[[ -f $STORE/env.sh ]] || { echo "lane.sh: no vLLM at $STORE: run tests/gpu_vllm/install.sh install first" >&2; exit 2; }
-[[ -f ${ONESPARK_WHEEL:-} ]] || { echo "lane.sh: ONESPARK_WHEEL names no wheel (build one at this commit)" >&2; exit 2; }
-# shellcheck disable=SC1091
-source "$STORE/env.sh"
-site=$STORE/onespark
-rm -rf "$site"
-WHEEL_PATH=$ONESPARK_WHEEL
-"$py" -m pip install -q --no-deps --no-compile --target "$site" "$WHEEL_PATH"
-export PYTHONPATH=$site:$PYTHONPATH PYTHONUNBUFFERED=1 ONESPARK_VLLM_GPU=1
+me=lane.sh
+# shellcheck source=tests/gpu_vllm/onespark-env.sh
+source tests/gpu_vllm/onespark-env.sh
+export ONESPARK_VLLM_GPU=1
 logs=$(mktemp -d)
 export ONESPARK_SERVER_LOG_DIR=$logs
 
