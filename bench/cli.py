@@ -20,6 +20,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from onespark import __version__, options
@@ -127,21 +128,46 @@ def _read_key(path: str, flag: str) -> str:
     return read_secret(path, flag)
 
 
-def resolve_keys(args) -> None:
-    """args.api_key / args.b_api_key from the file, the flag or the environment, in that order of preference."""
+def resolve_keys(args) -> tuple[str | None, str | None]:
+    """(A's key, B's key) from the file, the flag or the environment, in that order of preference."""
     if args.api_key and args.api_key_file:
         raise UserError("give --api-key or --api-key-file, not both")
     if args.b_api_key and args.b_api_key_file:
         raise UserError("give --b-api-key or --b-api-key-file, not both")
     env = next((os.environ[k] for k in KEY_ENV if os.environ.get(k)), None)
-    args.api_key = _read_key(args.api_key_file, "--api-key-file") if args.api_key_file else args.api_key or env
-    args.b_api_key = (_read_key(args.b_api_key_file, "--b-api-key-file") if args.b_api_key_file
-                      else args.b_api_key or args.api_key)
+    key = _read_key(args.api_key_file, "--api-key-file") if args.api_key_file else args.api_key or env
+    b_key = _read_key(args.b_api_key_file, "--b-api-key-file") if args.b_api_key_file else args.b_api_key or key
+    return key, b_key
 
 
-def secrets(args) -> list[str]:
+@dataclass(frozen=True)
+class Run:
+    """One `onespark bench` run as read once from the arguments (keys resolved, the served model named, every
+    setting checked): nothing below run() reads the Namespace."""
+
+    suites: list[str]
+    settings: Settings
+    base_url: str
+    api_key: str | None
+    model: str | None
+    b_base_url: str | None
+    b_api_key: str | None
+    b_model: str | None
+    api: str
+    timeout: float
+    no_think: bool
+    stream: bool
+    progress: bool
+    top_k: int
+    out: str
+    png: bool
+    name: str | None
+    record: dict  # what the result file names as given: hardware, gpu, image, note, spec
+
+
+def secrets(run: Run) -> list[str]:
     """Every key this run knows of, to be removed by value from whatever it records."""
-    values = [args.api_key, args.b_api_key] + [os.environ.get(k) for k in KEY_ENV + ("HF_TOKEN",)]
+    values = [run.api_key, run.b_api_key] + [os.environ.get(k) for k in KEY_ENV + ("HF_TOKEN",)]
     # Shorter than 4 characters, a value would be replaced inside ordinary words and numbers; the flags'
     # own redaction (_redacted) still hides it on the command line.
     return sorted({v for v in values if v and len(v) >= 4}, key=len, reverse=True)
@@ -194,11 +220,12 @@ def settings_from(args) -> Settings:
     return s
 
 
-async def _bench(args, names: list[str], settings: Settings) -> dict:
-    extra = {"chat_template_kwargs": {"enable_thinking": False}} if args.no_think else {}
-    ep = Endpoint(args.base_url, args.api_key, args.model, args.api, args.timeout, extra, stream=not args.no_stream)
+async def _bench(run: Run) -> dict:
+    settings = run.settings
+    extra = {"chat_template_kwargs": {"enable_thinking": False}} if run.no_think else {}
+    ep = Endpoint(run.base_url, run.api_key, run.model, run.api, run.timeout, extra, stream=run.stream)
     concurrency = max(settings.concurrency + [settings.capacity_streams, 1])
-    progress = Progress(not args.no_progress)
+    progress = Progress(run.progress)
     result: dict = {"suites": {}}
     async with make_client(ep, concurrency) as client:
         card = await detect_model(client, ep)
@@ -206,34 +233,35 @@ async def _bench(args, names: list[str], settings: Settings) -> dict:
         result.update(model=ep.model, max_model_len=card.get("max_model_len"),
                       server_version=await server_version(client))
         runner = Runner(client, ep, settings, card.get("max_model_len"), progress)
-        for name in names:
+        for name in run.suites:
             if name == "quality":
-                result["quality"] = await _quality(args, ep, client, settings, progress)
+                result["quality"] = await _quality(run, ep, client, progress)
             else:
                 result["suites"][name] = await getattr(runner, name)()
     return result
 
 
-async def _quality(args, ep_a: Endpoint, client_a, settings: Settings, progress: Progress) -> dict:
+async def _quality(run: Run, ep_a: Endpoint, client_a, progress: Progress) -> dict:
     from onespark.bench.quality import record, run_ab
 
+    settings = run.settings
     classes = published_classes()["classes"]
     if settings.classes:
         classes = [c for c in classes if c["name"] in settings.classes]
     prompts = [(c["name"], c["prompt"]) for c in classes]
     max_tokens = settings.max_tokens_cap or 256
-    if not args.b_base_url:  # record A only; `onespark bench compare` pairs it with B's recording later
+    if not run.b_base_url:  # record A only; `onespark bench compare` pairs it with B's recording later
         progress.start("quality (record)", len(prompts))
         try:
-            return {"record": await record(ep_a, client_a, prompts, max_tokens, args.top_k, progress)}
+            return {"record": await record(ep_a, client_a, prompts, max_tokens, run.top_k, progress)}
         finally:
             progress.close()
-    ep_b = Endpoint(args.b_base_url, args.b_api_key, args.b_model, args.api, args.timeout, dict(ep_a.extra_body))
+    ep_b = Endpoint(run.b_base_url, run.b_api_key, run.b_model, run.api, run.timeout, dict(ep_a.extra_body))
     async with make_client(ep_b) as client_b:
         ep_b.model = (await detect_model(client_b, ep_b))["id"]
         progress.start("quality", 2 * len(prompts))
         try:
-            q = await run_ab(ep_a, ep_b, client_a, client_b, prompts, max_tokens, args.top_k, progress)
+            q = await run_ab(ep_a, ep_b, client_a, client_b, prompts, max_tokens, run.top_k, progress)
         finally:
             progress.close()
     q["model_b"] = ep_b.model
@@ -264,12 +292,14 @@ def _compare(args) -> int:
     return 0
 
 
-def _checked_settings(args) -> Settings:
-    """The run's settings, every flag checked (and the output directory writable) before anything is sent."""
+def read_run(args) -> Run:
+    """The run, every flag checked (and the output directory writable) before anything is sent."""
+    names = _suites(args.suite)
+    model = args.model
     if args.spec:
         from onespark.model import specs
-        args.model = args.model or specs.get(args.spec, flag="--spec").name  # = the --served-model-name serve --spec sets
-    resolve_keys(args)
+        model = model or specs.get(args.spec, flag="--spec").name  # = the --served-model-name serve --spec sets
+    key, b_key = resolve_keys(args)
     if "--api-key" in sys.argv or any(a.startswith("--api-key=") for a in sys.argv):
         print("onespark bench: warning: --api-key shows the key to every user in `ps`; use --api-key-file or "
               "$OPENAI_API_KEY", file=sys.stderr)
@@ -279,15 +309,19 @@ def _checked_settings(args) -> Settings:
     report.check_writable(args.out)  # before the run: what it measures must have somewhere to go
     if not args.no_png:
         report.require_png()
-    return settings
+    return Run(suites=names, settings=settings, base_url=args.base_url, api_key=key, model=model,
+               b_base_url=args.b_base_url, b_api_key=b_key, b_model=args.b_model, api=args.api, timeout=args.timeout,
+               no_think=args.no_think, stream=not args.no_stream, progress=not args.no_progress, top_k=args.top_k,
+               out=args.out, png=not args.no_png, name=args.name,
+               record=dict(hardware=args.hardware, gpu=args.gpu, image=args.image, note=args.note, spec=args.spec))
 
 
-def _result(args, names: list[str], settings: Settings, created: dt.datetime, body: dict) -> dict:
+def _result(run: Run, created: dt.datetime, body: dict) -> dict:
     """The result file's content: what ran where, with which settings, and the measurements."""
     rows = [r for s in body["suites"].values() for r in s["rows"]]
-    settings_record = {k: v for k, v in vars(settings).items()}
-    settings_record.update(api=args.api, no_think=args.no_think, stream=not args.no_stream, timeout_s=args.timeout,
-                           suites=names)
+    settings_record = {k: v for k, v in vars(run.settings).items()}
+    settings_record.update(api=run.api, no_think=run.no_think, stream=run.stream, timeout_s=run.timeout,
+                           suites=run.suites)
     result = {
         "kind": "onespark-bench",
         "schema_version": report.SCHEMA_VERSION,
@@ -295,19 +329,19 @@ def _result(args, names: list[str], settings: Settings, created: dt.datetime, bo
         "onespark_version": __version__,
         "git_sha": _git_sha(),
         "command": _command(),
-        "hardware": args.hardware,
-        "gpu": args.gpu,
-        "image": args.image,
-        "note": args.note,
-        "spec": args.spec,
-        "endpoint": Endpoint(args.base_url).base_url,
-        "endpoint_b": args.b_base_url,
+        "hardware": run.record["hardware"],
+        "gpu": run.record["gpu"],
+        "image": run.record["image"],
+        "note": run.record["note"],
+        "spec": run.record["spec"],
+        "endpoint": Endpoint(run.base_url).base_url,
+        "endpoint_b": run.b_base_url,
         **body,
         "settings": settings_record,
         "requests": len(rows),
         "failed_requests": sum(not r["ok"] for r in rows),
     }
-    return redact(result, secrets(args))  # a key passed anywhere (--note, a URL) is never recorded
+    return redact(result, secrets(run))  # a key passed anywhere (--note, a URL) is never recorded
 
 
 def _result_text(result: dict) -> str:
@@ -317,15 +351,15 @@ def _result_text(result: dict) -> str:
     return text + "\n"
 
 
-def _write(args, result: dict, stem: str, wrote: list[Path]) -> None:
+def _write(run: Run, result: dict, stem: str, wrote: list[Path]) -> None:
     """NAME.json, .md and .png under --out; `wrote` gets each file once it is in place (JSON first: it is the
     record every other output, and `bench compare`, is made from)."""
-    out = Path(args.out)
+    out = Path(run.out)
     report.write_atomic(out / f"{stem}.json", _result_text(result))
     wrote.append(out / f"{stem}.json")
     report.write_atomic(out / f"{stem}.md", report.markdown(result) + "\n")
     wrote.append(out / f"{stem}.md")
-    if not args.no_png and report.plot(result, out / f"{stem}.png"):
+    if run.png and report.plot(result, out / f"{stem}.png"):
         wrote.append(out / f"{stem}.png")
 
 
@@ -358,15 +392,14 @@ def _keep(result: dict, stem: str, error: OSError) -> str:
 def run(args) -> int:
     if args.action == "compare":
         return _compare(args)
-    names = _suites(args.suite)
-    settings = _checked_settings(args)
+    bench_run = read_run(args)
     created = dt.datetime.now(dt.timezone.utc)
-    body = asyncio.run(_bench(args, names, settings))
-    result = _result(args, names, settings, created, body)
-    stem = args.name or f"{'-'.join(names)}-{created.strftime('%Y%m%dT%H%M%SZ')}"
+    body = asyncio.run(_bench(bench_run))
+    result = _result(bench_run, created, body)
+    stem = bench_run.name or f"{'-'.join(bench_run.suites)}-{created.strftime('%Y%m%dT%H%M%SZ')}"
     wrote: list[Path] = []
     try:
-        _write(args, result, stem, wrote)
+        _write(bench_run, result, stem, wrote)
         kept = None
     except OSError as e:  # the JSON first: when it is in place, only the tables or the plot are missing
         kept = (f"could not write all the results ({_what(e)}); the measurements are in {wrote[0]}, "
@@ -386,7 +419,7 @@ def run(args) -> int:
         return 1
     if failed:
         print(f"onespark bench: error: {len(failed)} of {len(rows)} requests failed (first: "
-              f"{redact(failed[0]['error'], secrets(args))}); "
+              f"{redact(failed[0]['error'], secrets(bench_run))}); "
               "their figures are left out of every summary", file=sys.stderr)
         return 1
     return 0
