@@ -209,13 +209,16 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [sys.executable, __file__, "--one", f"{model}:{config}", "--out", f.name, "--ctx", a.ctx,
                    "--batch", a.batch]
             print(f"== {model} {config} ({left:.0f} s left)", flush=True)
+            # the engine's whole log beside the result: where its start-up time goes (compile, graphs, weights)
+            log = a.out.with_name(f"{a.out.stem}_{model}_{config}.log")
             error = None
             try:
-                r = subprocess.run(cmd, timeout=left, capture_output=True, text=True)
+                with open(log, "w") as lf:
+                    r = subprocess.run(cmd, timeout=left, stdout=lf, stderr=subprocess.STDOUT, text=True)
                 if r.returncode != 0:
-                    error = (r.stderr or r.stdout)[-1500:]
+                    error = log.read_text()[-1500:]
             except subprocess.TimeoutExpired:
-                error = "stopped at the deadline"
+                error = f"stopped at the deadline (log: {log.name})"
             text = Path(f.name).read_text()
             run = json.loads(text) if text else dict(model=MODELS[model], config=config, points=[])
             if error:
