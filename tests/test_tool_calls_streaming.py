@@ -41,7 +41,7 @@ from tests._tool_calls import (
     responses_events,
     streamed_chat,
 )
-from tests.test_turboquant_patch import make_patched_tree
+from tests.test_turboquant_patch import installed_vllm_root, make_patched_tree
 from tests.vllm_server import VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -51,6 +51,7 @@ BOUNDARY_DIFF = DIFF.with_name("reasoning-boundary.diff")
 BOUNDARY_TARGETS = ["vllm/entrypoints/openai/chat_completion/serving.py"]
 DIFFS = ((DIFF, TARGETS), (BOUNDARY_DIFF, BOUNDARY_TARGETS))  # as Dockerfile.v2 applies them, in order
 BOUNDARY_CHUNK = 4  # tokens per chunk at which the script's `</think>` shares a chunk with reasoning text
+MERGED_CHUNK = 6  # two MTP-2 steps merged (a client that reads late): one call's end shares a chunk with the next's start
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +65,8 @@ def patched_vllm(tmp_path_factory) -> Path:
     return make_patched_tree(tmp_path_factory.mktemp("vllm-responses"), diffs=DIFFS)
 
 
-@pytest.fixture(scope="module", params=[1, 3, BOUNDARY_CHUNK],
-                ids=["1-token-chunks", "3-token-chunks", f"{BOUNDARY_CHUNK}-token-chunks"])
+@pytest.fixture(scope="module", params=[1, 3, BOUNDARY_CHUNK, MERGED_CHUNK],
+                ids=["1-token-chunks", "3-token-chunks", f"{BOUNDARY_CHUNK}-token-chunks", f"{MERGED_CHUNK}-token-chunks"])
 def server(request, scripted_model, patched_vllm):
     model, tokens = scripted_model
     with VLLMServer(model, args=[*PARSERS, "--stream-interval", str(request.param)],
@@ -125,3 +126,97 @@ def test_responses_plain_text_stream_is_unchanged_by_the_diff(tiny_model_dir, pa
     assert text and len(messages) == 1 and messages[0]["content"][0]["text"] == text
     completed = next(e for e in events if e["type"] == "response.completed")["response"]["output"]
     assert [o["content"][0]["text"] for o in completed if o["type"] == "message"] == [text]
+
+
+# ---------------------------------------------------------------------------------------------
+# The qwen3_xml parser alone, fed the reply's text in every chunking a server could send: no server, so every
+# chunk size and alignment is affordable (a served run covers only the three stream intervals above).
+
+def _load_parser(path: Path, name: str):
+    """The qwen3_xml parser module at `path`, under its own name (the installed module is left alone)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _chunkings(pieces: list[str]):
+    """(label, chunks) of the text after `</think>` (what the reasoning parser hands the tool parser): n
+    tokens a chunk for n = 1..12 at every alignment, then 200 random chunkings of 1-12 tokens a chunk."""
+    import random
+
+    start = len(REASONING) + len("</think>")
+    ends, pos = [], 0
+    for p in pieces:
+        pos += len(p)
+        if pos > start:
+            ends.append(pos - start)
+    text = REPLY[start:]
+
+    def cut(at: list[int]) -> list[str]:
+        bounds = [0, *at, len(text)]
+        return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+
+    for n in range(1, 13):
+        for offset in range(n):
+            yield f"{n} tokens a chunk, offset {offset}", cut(ends[offset::n])
+    rng = random.Random(0)
+    for k in range(200):
+        at, i = [], rng.randrange(12)
+        while i < len(ends):
+            at.append(ends[i])
+            i += rng.randint(1, 12)
+        yield f"random chunking {k}", cut(at)
+
+
+def _streamed_calls(module, chunks: list[str]) -> tuple[list, str]:
+    """The calls (name, parsed arguments) and the content the parser streams for these chunks."""
+    import json
+
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    from tests._tool_calls import TOOLS
+
+    parser = module.StreamingXMLToolCallParser()
+    parser.set_tools(ChatCompletionRequest(model="m", messages=[], tools=TOOLS).tools)
+    calls: dict[int, list[str]] = {}
+    content = ""
+    for chunk in chunks:
+        delta = parser.parse_single_streaming_chunks(chunk)
+        content += delta.content or ""
+        for tc in delta.tool_calls or []:
+            name_args = calls.setdefault(tc.index, ["", ""])
+            if tc.function:
+                name_args[0] += tc.function.name or ""
+                name_args[1] += tc.function.arguments or ""
+    try:
+        return [(name, json.loads(args)) for _, (name, args) in sorted(calls.items())], content
+    except ValueError:  # arguments that are not JSON: returned as they streamed, so the comparison fails
+        return [tuple(c) for _, c in sorted(calls.items())], content
+
+
+def test_qwen3_xml_keeps_every_call_whole_at_any_chunking(scripted_model, patched_vllm):
+    """With the diff, every chunking streams exactly the script's two calls and no content. Stock vLLM 0.19.1
+    does not: a chunk holding one call's `</tool_call>` and the next `<tool_call>` (8 tokens a chunk here; seen
+    by hand at --stream-interval 6) closes the new call at once, which streams an empty third call and shifts
+    the second call's index, or its arguments end in `}}`. When stock passes every chunking, the hunk can go."""
+    from tests._scripted_model import pieces_of
+    from tests._tool_calls import WANT_CALLS
+
+    want = [(name, args) for name, args in WANT_CALLS]
+    rel = "vllm/tool_parsers/qwen3xml_tool_parser.py"
+    patched = _load_parser(patched_vllm / rel, "onespark_test_qwen3xml_patched")
+    stock = _load_parser(installed_vllm_root() / rel, "onespark_test_qwen3xml_stock")
+    chunkings = list(_chunkings(pieces_of(REPLY)))
+    wrong = []
+    for label, chunks in chunkings:
+        calls, content = _streamed_calls(patched, chunks)
+        if calls != want or content.strip():
+            wrong.append((label, calls, content))
+    assert not wrong, f"{len(wrong)} of {len(chunkings)} chunkings stream the calls wrong, first: {wrong[0]}"
+    stock_wrong = [label for label, chunks in chunkings if _streamed_calls(stock, chunks)[0] != want]
+    assert "8 tokens a chunk, offset 0" in stock_wrong, stock_wrong[:5]
