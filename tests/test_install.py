@@ -8,8 +8,10 @@ log every call, so the tests can assert what was run and, as important, what was
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import platform
 import re
 import shlex
 import shutil
@@ -824,6 +826,28 @@ def test_base_check_passes_and_fails_on_the_truth(tmp_path):
     assert any("2 distributions install the torch package" in x and "torch_cpu_copy==1.0" in x for x in lines)
     assert any(f"{fake} (Triton's choice for sm_121 (get_ptxas(121))) does not know sm_121a" in x for x in lines)
     assert len(lines) == 4, bad.stderr
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(shutil.which("qemu-x86_64") is None or platform.machine() != "x86_64",
+                    reason="needs qemu-user on x86-64 (.ci/apt-packages.txt installs it)")
+def test_base_check_on_a_real_cpu_model_without_avx512(tmp_path, monkeypatch):
+    """The SIGILL case for real, on any x86-64 host: base-check's own import_compiled, its children run by QEMU's
+    user-mode emulator as an AMD EPYC-Rome (AVX2, no AVX-512: the CPU of the machine where the lane first
+    failed). numpy's compiled core, which picks its kernels at run time, imports there (so the emulated CPU runs
+    this venv's compiled code); the 0.19.1 CPU wheel's vllm._C is an illegal instruction, reported as "NOT
+    checked on this CPU". ~45 s: the emulator is ~20x slower than the host."""
+    spec = importlib.util.spec_from_file_location("onespark_base_check", ROOT / "docker/base-check.py")
+    base_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(base_check)
+    python = tmp_path / "python-on-epyc-rome"
+    _script(python, f'exec qemu-x86_64 -cpu EPYC-Rome {shlex.quote(sys.executable)} "$@"\n')
+    monkeypatch.setattr(base_check.sys, "executable", str(python))
+    core = "numpy._core._multiarray_umath"
+    assert base_check.import_compiled(core) == f"{core} imports"
+    assert base_check.import_compiled("vllm._C").startswith("vllm._C NOT checked on this CPU: importing it is an "
+                                                            "illegal instruction (SIGILL")
 
 
 def test_base_check_tells_a_cpu_without_the_wheels_isa_from_a_broken_import(tmp_path):
