@@ -4,7 +4,8 @@ Registered by the plugin as vLLM's `AttentionBackendEnum.CUSTOM` (`register_back
 out-of-tree backends); a server selects it with `--attention-backend CUSTOM --kv-cache-dtype turboquant_k4v4`
 (or `_k4v3`, `_k8v4`). The dtype names and the page size come from patches/turboquant.diff: without that diff
 vLLM refuses the dtype names before it gets here. On 0.32.0, patches/turboquant-0.32.0.diff adds the names
-(k4v4, k4v3; its k8v4 is vLLM's own) and `customize_spec` below sizes the pages.
+(k4v4, k4v3; its k8v4 is vLLM's own) and `customize_spec` below sizes the pages. On the GPU lane's 0.26.0,
+patches/turboquant-0.26.0.diff adds the same two names and pages them with vLLM's own TQFullAttentionSpec.
 
 What runs where (one layer, one step):
   cache write     `do_kv_cache_update`: the step's new K/V are encoded into the paged cache, before attention
@@ -43,13 +44,14 @@ from vllm.v1.attention.backend import (
 )
 
 from onespark.kernels import turboquant as tq
-from onespark.patches._compat import supported_release, tq_cache_rows
+from onespark.patches._compat import GPU_LANE_VLLM, tq_cache_rows
+from onespark.tracks import SUPPORTED_VLLM, release_of
 
 logger = logging.getLogger("vllm.onespark")
 BACKEND_PATH = "onespark.patches.turboquant_backend.TurboQuantBackend"
 # Preset names a vLLM release uses for its own TurboQuant (0.32.0: turboquant_k8v4 = FP8 keys + 4-bit values);
 # patches/turboquant-0.32.0.diff adds only our other two, so on 0.32.0 this backend serves k4v4 and k4v3.
-UPSTREAM_NAMES = {"0.32.0": ("turboquant_k8v4",)}
+UPSTREAM_NAMES = {"0.32.0": ("turboquant_k8v4",), "0.26.0": ("turboquant_k8v4",)}
 HEAD_DIM = 256  # the Triton kernels' only head size (Qwen3.5's full-attention layers)
 # Longest uniform query length served by the decode kernel: MTP verify steps are 1 + num_speculative_tokens
 # (3 for the image's MTP-2); longer uniform batches (rare: equal-length prefill chunks) take the prefill path.
@@ -83,7 +85,8 @@ def _prefill_choice() -> str:
 def _vllm_release() -> str | None:
     import vllm
 
-    return supported_release(getattr(vllm, "__version__", ""))  # None under the GPU lane's vLLM stand-in
+    # a shipped track or the GPU lane's 0.26.0; None under the kernel lane's vLLM stand-in
+    return release_of(getattr(vllm, "__version__", ""), (*SUPPORTED_VLLM, GPU_LANE_VLLM))
 
 
 def layer_index(layer_name: str) -> int:

@@ -80,7 +80,7 @@ def make_patched_tree(root: Path, diffs: tuple[tuple[Path, list[str]], ...] = ((
             (root / rel).unlink()
             shutil.copyfile(src / rel, root / rel)
         dry = apply(diff, root, dry_run=True)
-        assert dry.returncode == 0, f"{diff.name} does not apply to vLLM 0.19.1:\n{dry.stdout}{dry.stderr}"
+        assert dry.returncode == 0, f"{diff.name} does not apply to the installed vLLM ({src}):\n{dry.stdout}{dry.stderr}"
         real = apply(diff, root, dry_run=False)
         assert real.returncode == 0, real.stdout + real.stderr
     return root
@@ -228,3 +228,80 @@ def test_turboquant_blocks_are_managed_and_cpu_honours_a_custom_backend(patched_
     assert patched_facts["manager"] is True
     assert patched_facts["cpu_custom"] == "some.module.Backend"
     assert patched_facts["cpu_default"] == "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+
+
+# -- patches/turboquant-0.26.0.diff: the GPU lane's vLLM (tests/gpu_vllm/); its sources are not in a test venv, so
+# these read the diff itself. tests/gpu_vllm/lane.sh applies it and serves from it (tests/test_v032_server.py).
+
+DIFF_026 = DIFF.with_name("turboquant-0.26.0.diff")
+TARGETS_026 = [
+    "vllm/config/cache.py",
+    "vllm/engine/arg_utils.py",
+    "vllm/model_executor/layers/attention/attention.py",
+    "vllm/platforms/cpu.py",
+    "vllm/platforms/interface.py",
+    "vllm/utils/torch_utils.py",
+    "vllm/v1/attention/backends/turboquant_attn.py",
+    "vllm/v1/kv_cache_interface.py",
+    "vllm/v1/spec_decode/llm_base_proposer.py",
+    "vllm/v1/worker/gpu_model_runner.py",
+]
+
+
+def _added_lines(diff: Path, target: str) -> list[str]:
+    """The '+' lines of one file's hunks in a unified diff."""
+    lines, inside = [], False
+    for line in diff.read_text().splitlines():
+        if line.startswith("+++ b/"):
+            inside = line[6:] == target
+        elif inside and line.startswith("+"):
+            lines.append(line[1:])
+    return lines
+
+
+def test_the_026_diff_touches_exactly_its_ledger_files():
+    assert sorted(re.findall(r"^\+\+\+ b/(\S+)", DIFF_026.read_text(), flags=re.M)) == TARGETS_026
+
+
+def test_the_026_diff_pages_our_presets_at_the_kernels_layout():
+    """The diff's own bit table and slot size (run as the diff writes them) equal the kernels' layout: 264 / 232
+    bytes per token and KV head at head_dim 256, the page CacheLayout addresses; and upstream's presets stay
+    upstream's (is_upstream_turboquant), ours and every non-TurboQuant dtype do not."""
+    ns: dict = {}
+    exec("\n".join(_added_lines(DIFF_026, "vllm/v1/kv_cache_interface.py")), ns)
+    assert set(ns["ONESPARK_TURBOQUANT_BITS"]) == {"turboquant_k4v4", "turboquant_k4v3"}
+    for name, bits in ns["ONESPARK_TURBOQUANT_BITS"].items():
+        preset = tq.PRESETS[name]
+        assert bits == (preset.k_bits, preset.v_bits), name
+        slot = ns["onespark_turboquant_slot_bytes"](name, 256)
+        assert slot == preset.bytes_per_token_head(256) == {"turboquant_k4v4": 264, "turboquant_k4v3": 232}[name]
+        assert 16 * 2 * slot == tq.CacheLayout(preset, 2, 16).block_bytes
+        assert not ns["is_upstream_turboquant"](name)
+    for upstream in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"):
+        assert ns["is_upstream_turboquant"](upstream), upstream
+    assert not any(ns["is_upstream_turboquant"](d) for d in ("auto", "fp8", "bfloat16", None))
+
+
+def test_the_026_diff_names_both_presets_wherever_it_routes_them():
+    """Each file that routes by dtype name lists both of our presets (a preset added to the bit table but not to a
+    routing branch would be paged as upstream's or as BF16)."""
+    for target in ("vllm/config/cache.py", "vllm/utils/torch_utils.py", "vllm/platforms/interface.py",
+                   "vllm/model_executor/layers/attention/attention.py", "vllm/v1/worker/gpu_model_runner.py",
+                   "vllm/v1/spec_decode/llm_base_proposer.py"):
+        added = "\n".join(_added_lines(DIFF_026, target))
+        assert '"turboquant_k4v4"' in added and '"turboquant_k4v3"' in added, target
+
+
+def test_the_backend_refuses_upstreams_k8v4_by_name_on_the_gpu_lanes_vllm(monkeypatch):
+    """On 0.26.0 `turboquant_k8v4` is upstream's layout (the diff adds only k4v4 and k4v3): our backend must refuse
+    it by name rather than read upstream's bytes as ours."""
+    import vllm
+
+    from onespark.patches.turboquant_backend import TurboQuantImpl
+
+    monkeypatch.setattr(vllm, "__version__", "0.26.0")
+    with pytest.raises(ValueError, match=r"turboquant_k8v4 is vLLM 0\.26\.0's own TurboQuant layout, not onespark's"):
+        TurboQuantImpl(2, 256, 0.0625, 1, kv_cache_dtype="turboquant_k8v4")
+    assert TurboQuantImpl(2, 256, 0.0625, 1, kv_cache_dtype="turboquant_k4v3").preset.v_bits == 3
+    monkeypatch.setattr(vllm, "__version__", "0.19.1")  # the 0.19.1 track: k8v4 is ours
+    assert TurboQuantImpl(2, 256, 0.0625, 1, kv_cache_dtype="turboquant_k8v4").preset.k_bits == 8

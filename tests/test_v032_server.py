@@ -22,6 +22,7 @@ mamba-cache kernel that has no CPU backend).
 from __future__ import annotations
 
 import json
+import os
 import re
 import urllib.request
 from pathlib import Path
@@ -234,8 +235,18 @@ def test_upstream_turboquant_on_the_hybrid_model(scripted_qwen35, plain_server, 
 
 # -- TurboQuant KV cache on the hybrid model (patches/turboquant-0.32.0.diff + the backend) -------------------
 
-TQ_DIFF = Path(__file__).resolve().parent.parent / "patches" / "turboquant-0.32.0.diff"
-TQ_PRESETS_032 = ["turboquant_k4v4", "turboquant_k4v3"]  # turboquant_k8v4 is 0.32.0's own layout: refused below
+# The GPU lane's vLLM 0.26.0 (tests/gpu_vllm/lane.sh) takes its own diff: no customize_spec seam there, the pages
+# are vLLM's TQFullAttentionSpec sized for our presets
+LANE_VLLM = served_vllm() == "0.26.0"
+TQ_DIFF = Path(__file__).resolve().parent.parent / "patches" / (
+    "turboquant-0.26.0.diff" if LANE_VLLM else "turboquant-0.32.0.diff")
+TQ_PRESETS_032 = ["turboquant_k4v4", "turboquant_k4v3"]  # turboquant_k8v4 is vLLM's own layout: refused below
+
+
+def _tq_env(tq_vllm: Path) -> dict:
+    """The patched tree first, ahead of whatever PYTHONPATH already holds (on the GPU lane: vLLM's scratch
+    install and onespark's, which the tree's symlinks point into)."""
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(tq_vllm), os.environ.get("PYTHONPATH", "")) if p)}
 
 
 @pytest.fixture(scope="module")
@@ -249,7 +260,7 @@ def tq_vllm(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=TQ_PRESETS_032)
 def tq_server(request, scripted_qwen35, tq_vllm):
     args = ["--kv-cache-dtype", request.param, "--attention-backend", "CUSTOM"]
-    with _serve(scripted_qwen35[0], args, env={"PYTHONPATH": str(tq_vllm)}) as srv:
+    with _serve(scripted_qwen35[0], args, env=_tq_env(tq_vllm)) as srv:
         yield srv, request.param
 
 
@@ -270,12 +281,13 @@ def test_turboquant_serves_the_hybrid_model_close_to_the_bf16_cache(tq_server, p
 
     srv, preset = tq_server
     log = srv.log_text()
-    assert re.search(r"TurboQuant attention backend serves 1 layers \(plain-torch reference kernels", log), \
+    kernels = "Triton kernels" if GPU else "plain-torch reference kernels"
+    assert re.search(rf"TurboQuant attention backend serves 1 layers \({kernels}", log), \
         "the attention layer is not served by onespark's TurboQuant backend"
     tq, ref = score(srv), score(plain_server)
     n, agree, dlp = agreement(tq, ref)
     same = sum(p == q for p, q in zip(tq["gen_tokens"], ref["gen_tokens"]))
-    summary = (f"{preset} vs BF16 cache (vLLM 0.32.0, Qwen3.5-MoE): top-1 {agree:.2%} of {n} teacher-forced "
+    summary = (f"{preset} vs BF16 cache (vLLM {served_vllm()}, Qwen3.5-MoE): top-1 {agree:.2%} of {n} teacher-forced "
                f"positions, |logprob diff| mean {sum(dlp) / len(dlp):.4f} max {max(dlp):.4f}; greedy "
                f"{GEN_TOKENS}-token continuations identical {same}/{len(PROMPTS)}")
     record_property(f"tq_{preset}", summary)
@@ -287,7 +299,7 @@ def test_turboquant_serves_the_hybrid_model_close_to_the_bf16_cache(tq_server, p
 def test_turboquant_refuses_032s_own_k8v4_by_name():
     from onespark.patches.turboquant_backend import TurboQuantImpl
 
-    with pytest.raises(ValueError, match=r"turboquant_k8v4 is vLLM 0\.32\.0's own TurboQuant layout, not onespark's"):
+    with pytest.raises(ValueError, match=rf"turboquant_k8v4 is vLLM {re.escape(served_vllm())}'s own TurboQuant layout, not onespark's"):
         TurboQuantImpl(2, 256, 0.0625, 1, kv_cache_dtype="turboquant_k8v4")
     assert TurboQuantImpl(2, 256, 0.0625, 1, kv_cache_dtype="turboquant_k4v3").preset.v_bits == 3
 
@@ -300,7 +312,7 @@ def test_turboquant_with_mtp2_drafts_and_matches_the_bf16_cache(scripted_qwen35,
     prompts on one server: without the diff's drafter hunk (the MTP layer's attention autoselected, not ours), the
     twelfth came back as garbage with NaN logprobs."""
     args = ["--kv-cache-dtype", "turboquant_k4v4", "--attention-backend", "CUSTOM", *MTP]
-    with _serve(scripted_qwen35[0], args, env={"PYTHONPATH": str(tq_vllm)}) as srv:
+    with _serve(scripted_qwen35[0], args, env=_tq_env(tq_vllm)) as srv:
         before = spec_counters(srv)
         ids, _ = greedy(srv)
         after = spec_counters(srv)
@@ -329,25 +341,43 @@ for name in ("turboquant_k4v4", "turboquant_k4v3"):
                  tq.CacheLayout(tq.PRESETS[name], 2, 16).block_bytes, get_kv_quant_mode(name).is_turboquant]
 print(json.dumps(out))
 """
+# The same facts on the GPU lane's 0.26.0: the diff pages our presets with vLLM's TQFullAttentionSpec at the slot
+# size it computes, and its bit table is the kernels' presets
+PAGE_CHECK_026 = """
+import json, torch
+from vllm.v1.kv_cache_interface import (ONESPARK_TURBOQUANT_BITS, TQFullAttentionSpec, is_upstream_turboquant,
+                                        onespark_turboquant_slot_bytes)
+from onespark.kernels import turboquant as tq
+out = {}
+for name in ("turboquant_k4v4", "turboquant_k4v3"):
+    spec = TQFullAttentionSpec(block_size=16, num_kv_heads=2, head_size=256, head_size_v=256, dtype=torch.uint8,
+                               tq_slot_size=onespark_turboquant_slot_bytes(name, 256))
+    bits = [tq.PRESETS[name].k_bits, tq.PRESETS[name].v_bits] == list(ONESPARK_TURBOQUANT_BITS[name])
+    out[name] = [spec.page_size_bytes, tq.CacheLayout(tq.PRESETS[name], 2, 16).block_bytes,
+                 is_upstream_turboquant(name) or not bits]
+print(json.dumps(out))
+"""
 
 
 def test_turboquant_pages_on_032_equal_the_kernels_layout(tq_vllm):
     """What vLLM 0.32.0 sizes a page to (the backend's customize_spec over the diff's KVQuantMode) is the byte
     layout the kernels address (onespark.kernels.turboquant.CacheLayout), and upstream's own TurboQuant branches
-    do not claim our presets (is_turboquant false). 264 / 232 bytes per token and KV head at head_dim 256."""
-    import os
+    do not claim our presets (is_turboquant false). 264 / 232 bytes per token and KV head at head_dim 256. On the
+    GPU lane's 0.26.0 the same through its diff (PAGE_CHECK_026)."""
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", PAGE_CHECK], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "PYTHONPATH": str(tq_vllm)})
+    r = subprocess.run([sys.executable, "-c", PAGE_CHECK_026 if LANE_VLLM else PAGE_CHECK], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, **_tq_env(tq_vllm)})
     assert r.returncode == 0, r.stderr[-3000:]
     pages = json.loads(r.stdout.strip().splitlines()[-1])
     assert pages == {"turboquant_k4v4": [16 * 2 * 264] * 2 + [False],
                      "turboquant_k4v3": [16 * 2 * 232] * 2 + [False]}, pages
+    if LANE_VLLM:
+        return  # the image build's check below is for the shipped tracks' images
     # the same facts through the check Dockerfile.v2-tq runs after patching (python -m onespark.patches.turboquant_check)
     r = subprocess.run([sys.executable, "-m", "onespark.patches.turboquant_check"], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": str(tq_vllm)})
+                       timeout=300, env={**os.environ, **_tq_env(tq_vllm)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"turboquant_k4v4": [16 * 2 * 264] * 2,
                                                              "turboquant_k4v3": [16 * 2 * 232] * 2}

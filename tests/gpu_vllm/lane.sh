@@ -27,6 +27,12 @@ tests=(
   tests/test_v032_server.py::test_chat_tool_calls_streamed_under_mtp_equal_the_whole_answer
   tests/test_v032_server.py::test_responses_tool_calls_streamed_under_mtp_equal_the_whole_answer
   tests/test_v032_server.py::test_upstream_turboquant_on_the_hybrid_model
+  # onespark's TurboQuant through patches/turboquant-0.26.0.diff (a patched copy of the lane's vLLM, per server)
+  tests/test_v032_server.py::test_turboquant_diff_applies_once_and_only_to_its_files
+  tests/test_v032_server.py::test_turboquant_pages_on_032_equal_the_kernels_layout
+  tests/test_v032_server.py::test_turboquant_refuses_032s_own_k8v4_by_name
+  tests/test_v032_server.py::test_turboquant_serves_the_hybrid_model_close_to_the_bf16_cache
+  tests/test_v032_server.py::test_turboquant_with_mtp2_drafts_and_matches_the_bf16_cache
 )
 set +e
 "$py" -P -m pytest --import-mode=append -p no:cacheprovider -v -rA --junitxml "$out/vllm_gpu_lane.xml" \
