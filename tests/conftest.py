@@ -28,7 +28,13 @@ from functools import cache
 
 import pytest
 
+from tests import _interrupt
 from tests.vllm_server import VLLMServer
+
+
+def pytest_configure(config):
+    _interrupt.install()  # SIGTERM tears fixtures (and their vLLM servers) down
+
 
 # Existing test modules that also run on the 0.32.0 track (their own files carry no track marker).
 ALSO_ON_032 = frozenset({

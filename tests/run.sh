@@ -52,7 +52,7 @@ BACKGROUND=()  # the pids of the tracks running behind the first (stopped with t
 stop_background() {
   local pid
   for pid in "${BACKGROUND[@]}"; do
-    pkill -TERM -P "$pid" 2>/dev/null || true  # the track's pytest (its servers stop in pytest's teardown)
+    pkill -TERM -P "$pid" 2>/dev/null || true  # the track's pytest: SIGTERM is a KeyboardInterrupt there (tests/_interrupt.py), so its servers stop in teardown
     kill -TERM "$pid" 2>/dev/null || true
   done
 }

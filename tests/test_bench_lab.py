@@ -63,3 +63,37 @@ def test_upstream_comparisons_exact_reference_is_causal_gqa_attention():
     got = up.exact_attention(q, k, v, 0.25)
     assert got.dtype == torch.float64 and torch.allclose(got, ref.transpose(0, 1), atol=1e-12)
     assert not torch.allclose(up.exact_attention(q, k, v, 0.5), got)  # the scale is used
+
+
+def test_step_bytes_count_the_kv_cache_each_config_reads(tmp_path):
+    """vllm_step.py's KV-cache bytes per step, by --kv-cache-dtype, against the 122B's shape done by hand: 12
+    attention layers x 2 KV heads x context; 1024 B per token and head for BF16, 264 for onespark's K4V4, and for
+    upstream's 4-bit preset 262 except its two boundary layers, which stay BF16."""
+    import vllm_step
+
+    config = vllm_step.write_config(tmp_path, "122b", fp8_shared=True)
+    per_layer_token = {"auto": [1024] * 12, "turboquant_k4v4": [264] * 12, "turboquant_4bit_nc": [1024] * 2 + [262] * 10}
+    for dtype, layers in per_layer_token.items():
+        for ctx, batch in ((32768, 1), (1024, 4)):
+            b = vllm_step.step_bytes(config, True, True, ctx, batch, 1, dtype)
+            assert b["kv_cache"] == sum(layers) * 2 * ctx * batch, dtype
+    assert vllm_step.step_bytes(config, True, True, 32768, 1, 1)["kv_cache"] == 805306368  # bench/results: BF16
+    for name, (_, _, _, extra) in vllm_step.CONFIGS.items():
+        assert extra.get("kv_cache_dtype", "auto") in vllm_step.KV_BYTES, name
+        if name in vllm_step.PATCHED:
+            assert (harness.ROOT / "patches" / vllm_step.PATCHED[name]).is_file(), name
+
+
+def test_patched_vllm_refuses_a_diff_that_does_not_apply(tmp_path):
+    """The lab's patched copy of vLLM (vllm_step.py's `tq` config) stops with the diff's name when the diff is not
+    for the installed vLLM (here: the GPU lane's 0.26.0 diff against a test venv's vLLM), and leaves the
+    installed vLLM as it was."""
+    pytest.importorskip("vllm")
+    import importlib.util
+
+    installed = Path(next(iter(importlib.util.find_spec("vllm").submodule_search_locations))) / "config" / "cache.py"
+    before = installed.read_bytes()
+    with pytest.raises(RuntimeError, match=r"turboquant-0\.26\.0\.diff does not apply to the installed vLLM"):
+        harness.patched_vllm([harness.ROOT / "patches" / "turboquant-0.26.0.diff"], tmp_path / "tree")
+    assert installed.read_bytes() == before
+    assert (tmp_path / "tree" / "vllm" / "config" / "cache.py").is_file()  # a copy was patched, not the original

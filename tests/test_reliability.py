@@ -631,3 +631,29 @@ def test_serve_takes_its_key_from_a_file_and_never_shows_it(tmp_path):
     r = cli("serve", "--dry-run", "--demo", "--checkpoint", str(tmp_path / "model"), "--api-key-file", str(tmp_path / "no"))
     assert r.returncode == 1 and r.stderr.strip().splitlines() == [
         f"onespark serve: error: cannot read --api-key-file {tmp_path / 'no'}: No such file or directory"]
+
+
+def test_a_terminated_pytest_still_tears_its_fixtures_down(tmp_path):
+    """tests/run.sh stops its background track with SIGTERM; the vLLM servers of that track run in their own
+    process groups and stop only in their fixture's teardown. With tests/_interrupt.py (loaded by conftest), a
+    SIGTERM during a test still runs the teardown; without it, pytest dies and the teardown never runs."""
+    (tmp_path / "test_sleep.py").write_text(
+        "import pathlib, time\nimport pytest\n\n"
+        "@pytest.fixture\ndef server(tmp_path_factory):\n"
+        f"    pathlib.Path({str(tmp_path / 'up')!r}).write_text('')\n"
+        "    yield\n"
+        f"    pathlib.Path({str(tmp_path / 'torn-down')!r}).write_text('')\n\n"
+        "def test_slow(server):\n    time.sleep(60)\n")
+    for plugin, torn_down in ((["-p", "tests._interrupt"], True), ([], False)):
+        for f in ("up", "torn-down"):
+            (tmp_path / f).unlink(missing_ok=True)
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *plugin,
+                                 str(tmp_path / "test_sleep.py")], cwd=Path(__file__).resolve().parent.parent,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "up").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert (tmp_path / "up").exists(), proc.communicate()[0]
+        proc.terminate()
+        out = proc.communicate(timeout=60)[0]
+        assert (tmp_path / "torn-down").exists() == torn_down, out

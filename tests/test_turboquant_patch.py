@@ -24,6 +24,9 @@ import pytest
 
 from onespark.kernels import turboquant as tq
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "lab"))  # the lab's harness, as the lab imports it
+import harness  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 DIFF = Path(__file__).resolve().parent.parent / "patches" / "turboquant.diff"
 TARGETS = [
@@ -70,20 +73,16 @@ def _has_dist(name: str) -> bool:
 
 def make_patched_tree(root: Path, diffs: tuple[tuple[Path, list[str]], ...] = ((DIFF, TARGETS),)) -> Path:
     """A copy of the installed vllm package under root (symlinks) whose target files are patched copies, one
-    (diff, target files) pair after another: PYTHONPATH=root imports the patched vLLM (the backend and
-    tool-call tests serve from it)."""
-    src = installed_vllm_root()
-    shutil.copytree(src / "vllm", root / "vllm", symlinks=True, copy_function=os.symlink,
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    (diff, target files) pair after another (bench/lab/harness.patched_vllm, the lab's and the tests' one way to
+    do it): PYTHONPATH=root imports the patched vLLM (the backend and tool-call tests serve from it). Each pair's
+    target list must be the files its diff edits."""
+    installed_vllm_root()  # skips without a vLLM
     for diff, targets in diffs:
-        for rel in targets:
-            (root / rel).unlink()
-            shutil.copyfile(src / rel, root / rel)
-        dry = apply(diff, root, dry_run=True)
-        assert dry.returncode == 0, f"{diff.name} does not apply to the installed vLLM ({src}):\n{dry.stdout}{dry.stderr}"
-        real = apply(diff, root, dry_run=False)
-        assert real.returncode == 0, real.stdout + real.stderr
-    return root
+        assert sorted(harness.diff_targets(diff)) == sorted(targets), f"{diff.name} edits other files than {targets}"
+    try:
+        return harness.patched_vllm([diff for diff, _ in diffs], root)
+    except RuntimeError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")

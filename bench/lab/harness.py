@@ -147,3 +147,38 @@ def write_result(path, result: dict) -> Path:
     os.chmod(f.name, 0o644)  # NamedTemporaryFile makes it 0600; a result is for everyone who reads the repo
     os.replace(f.name, path)
     return path
+
+
+def diff_targets(diff: Path) -> list[str]:
+    """The files a unified diff edits (its `+++ b/` paths)."""
+    import re
+
+    return re.findall(r"^\+\+\+ b/(\S+)", Path(diff).read_text(), flags=re.M)
+
+
+def patched_vllm(diffs, root: Path) -> Path:
+    """A copy of the installed vllm package under `root` with each diff of `diffs` applied, in order: every file
+    a symlink into the installed one except the diffs' targets, which are patched copies. Put `root` first on
+    PYTHONPATH and that process imports the patched vLLM; the installed one is never modified. `patch
+    --fuzz=0` (or `git apply`): a diff that does not apply exactly raises with the tool's own message."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("no vLLM is installed to patch")
+    src = Path(next(iter(spec.submodule_search_locations))).parent
+    root = Path(root)
+    shutil.copytree(src / "vllm", root / "vllm", symlinks=True, copy_function=os.symlink,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for diff in diffs:
+        for rel in diff_targets(diff):
+            if (root / rel).is_symlink():  # not yet copied by an earlier diff
+                (root / rel).unlink()
+                shutil.copyfile(src / rel, root / rel)
+        cmd = (["patch", "-p1", "--forward", "--fuzz=0", "--batch", "-i", str(Path(diff).resolve())]
+               if shutil.which("patch") else ["git", "apply", "-p1", str(Path(diff).resolve())])  # git: outside a repo too
+        r = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"{Path(diff).name} does not apply to the installed vLLM ({src}):\n{r.stdout}{r.stderr}")
+    return root

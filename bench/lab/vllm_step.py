@@ -14,6 +14,9 @@ wheel set: tests/gpu_vllm/). Configs, in the order they run (the deadline stops 
                request plus the drafter's 2 steps (acceptance comes from the published runs: README)
   int8-head    stock + INT8 head only (separates the head from the FP8 shared experts)
   upstream-tq  product + upstream vLLM's TurboQuant KV cache (--kv-cache-dtype turboquant_4bit_nc, its backend)
+  tq           product + onespark's TurboQuant K4V4 (--kv-cache-dtype turboquant_k4v4 --attention-backend CUSTOM),
+               served from a copy of the installed vLLM with patches/turboquant-0.26.0.diff applied
+               (harness.patched_vllm; the installed vLLM is not touched)
 
 Decode step = (last_token_ts - first_token_ts) / (generated - 1), vLLM's own per-request timestamps (engine core,
 monotonic); each (context, batch) point is one request batch after a warm-up. Bytes per step come from the
@@ -45,7 +48,15 @@ CONFIGS = {  # name -> (FP8 shared experts, INT8 head, MTP-2, extra engine kwarg
     "mtp2": (True, True, True, {}),
     "int8-head": (False, True, False, {}),
     "upstream-tq": (True, True, False, {"kv_cache_dtype": "turboquant_4bit_nc", "attention_backend": "TURBOQUANT"}),
+    "tq": (True, True, False, {"kv_cache_dtype": "turboquant_k4v4", "attention_backend": "CUSTOM"}),
 }
+# Configs served from a patched copy of vLLM: the diff (under patches/) that makes their KV-cache dtype exist
+PATCHED = {"tq": "turboquant-0.26.0.diff"}
+# KV-cache bytes per token and KV head at head_dim 256, by --kv-cache-dtype: BF16 K and V; onespark's K4V4 (4-bit
+# codes of K and V + two fp32 scales: kernels/turboquant.py); upstream's 4-bit preset as its slot is sized (its
+# boundary attention layers stay BF16: the first and last of the 12, counted as such below)
+KV_BYTES = {"auto": 1024, "turboquant_k4v4": 264, "turboquant_4bit_nc": 262}
+UPSTREAM_TQ_BOUNDARY_LAYERS = 2
 H200_BW = 4.3e12  # B/s, a device-to-device copy on this workplace's H200 (read + write; KINDS.md, 2026-10-28)
 SPARK_BW = 273e9  # B/s, the GB10's LPDDR5x (published)
 DECODE_STEPS = 64
@@ -84,7 +95,8 @@ def write_config(out: Path, model: str, fp8_shared: bool) -> dict:
     return config
 
 
-def step_bytes(config: dict, fp8_shared: bool, int8_head: bool, ctx: int, batch: int, q_len: int) -> dict:
+def step_bytes(config: dict, fp8_shared: bool, int8_head: bool, ctx: int, batch: int, q_len: int,
+               kv_dtype: str = "auto") -> dict:
     """Bytes one decode step reads, by part, from the shapes: AutoRound's INT4 (0.5 B + a BF16 scale per group of
     128) except its 16-bit layers (extra_config; routers), FP8 shared experts 1 B + a scale per 128x128 block."""
     tc = qwen35.text_config(config)
@@ -110,7 +122,11 @@ def step_bytes(config: dict, fp8_shared: bool, int8_head: bool, ctx: int, batch:
             parts["attention_and_gdn"] += packed
     kinds = qwen35.layer_types(tc)
     attn = kinds.count("full_attention")
-    parts["kv_cache"] = attn * 2 * tc["num_key_value_heads"] * tc["head_dim"] * 2 * ctx * batch
+    if tc["head_dim"] != 256:
+        raise ValueError(f"KV_BYTES is for head_dim 256, the config has {tc['head_dim']}")
+    bf16_layers = UPSTREAM_TQ_BOUNDARY_LAYERS if kv_dtype == "turboquant_4bit_nc" else 0
+    per_token = bf16_layers * KV_BYTES["auto"] + (attn - bf16_layers) * KV_BYTES[kv_dtype]
+    parts["kv_cache"] = per_token * tc["num_key_value_heads"] * ctx * batch
     gdn_state = tc["linear_num_value_heads"] * tc["linear_key_head_dim"] * tc["linear_value_head_dim"] * 4
     parts["gdn_state"] = (len(kinds) - attn) * gdn_state * 2 * batch  # fp32 state read + written per request
     parts["total"] = sum(parts.values())
@@ -167,7 +183,8 @@ def one(model: str, config_name: str, ctxs: list[int], batches: list[int], out: 
                     continue
                 steps, ttft, spec = run(ctx, batch)
                 ms = 1e3 * sorted(steps)[len(steps) // 2]
-                b = step_bytes(config, fp8_shared, int8_head, ctx, batch, 3 if mtp2 else 1)
+                b = step_bytes(config, fp8_shared, int8_head, ctx, batch, 3 if mtp2 else 1,
+                               extra.get("kv_cache_dtype", "auto"))
                 h200_floor = b["total"] / H200_BW
                 result["points"].append(dict(ctx=ctx, batch=batch, step_ms=round(ms, 3), prefill_s=round(ttft, 3),
                                    bytes=round(b["total"]), bytes_by_part={k: round(v) for k, v in b.items()},
@@ -200,6 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     result = harness.header(a.git_sha, argv=argv) | dict(vllm=vllm.__version__, decode_steps=DECODE_STEPS,
                                                          h200_bw=H200_BW, spark_bw=SPARK_BW, runs=[], not_run=[])
     order = [(m, c) for c in a.configs.split(",") for m in a.models.split(",")]
+    unknown = sorted({c for _, c in order} - set(CONFIGS)) + sorted({m for m, _ in order} - set(MODELS))
+    if unknown:
+        p.error(f"unknown --configs/--models {', '.join(unknown)}: configs {', '.join(CONFIGS)}; models {', '.join(MODELS)}")
+    scratch = tempfile.TemporaryDirectory()
+    patched = {c: harness.patched_vllm([harness.ROOT / "patches" / PATCHED[c]], Path(scratch.name) / c)
+               for c in {c for _, c in order} & set(PATCHED)}
     for model, config in order:
         left = a.deadline_s - (time.monotonic() - t0)
         if left < 60:
@@ -208,13 +231,16 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--one", f"{model}:{config}", "--out", f.name, "--ctx", a.ctx,
                    "--batch", a.batch]
+            env = dict(os.environ)
+            if config in PATCHED:  # the child imports the patched copy first
+                env["PYTHONPATH"] = os.pathsep.join(x for x in (str(patched[config]), env.get("PYTHONPATH")) if x)
             print(f"== {model} {config} ({left:.0f} s left)", flush=True)
             # the engine's whole log beside the result: where its start-up time goes (compile, graphs, weights)
             log = a.out.with_name(f"{a.out.stem}_{model}_{config}.log")
             error = None
             try:
                 with open(log, "w") as lf:
-                    r = subprocess.run(cmd, timeout=left, stdout=lf, stderr=subprocess.STDOUT, text=True)
+                    r = subprocess.run(cmd, timeout=left, stdout=lf, stderr=subprocess.STDOUT, text=True, env=env)
                 if r.returncode != 0:
                     error = log.read_text()[-1500:]
             except subprocess.TimeoutExpired:
