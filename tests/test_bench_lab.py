@@ -67,12 +67,12 @@ def test_upstream_comparisons_exact_reference_is_causal_gqa_attention():
 
 def test_step_bytes_count_the_kv_cache_each_config_reads(tmp_path):
     """vllm_step.py's KV-cache bytes per step, by --kv-cache-dtype, against the 122B's shape done by hand: 12
-    attention layers x 2 KV heads x context; 1024 B per token and head for BF16, 264 for onespark's K4V4, and for
-    upstream's 4-bit preset 262 except its two boundary layers, which stay BF16."""
+    attention layers x 2 KV heads x context; 1024 B per token and head for BF16, 264 for onespark's K4V4, 262 for
+    upstream's 4-bit preset (no BF16 boundary layers on a hybrid model in vLLM 0.26.0)."""
     import vllm_step
 
     config = vllm_step.write_config(tmp_path, "122b", fp8_shared=True)
-    per_layer_token = {"auto": [1024] * 12, "turboquant_k4v4": [264] * 12, "turboquant_4bit_nc": [1024] * 2 + [262] * 10}
+    per_layer_token = {"auto": [1024] * 12, "turboquant_k4v4": [264] * 12, "turboquant_4bit_nc": [262] * 12}
     for dtype, layers in per_layer_token.items():
         for ctx, batch in ((32768, 1), (1024, 4)):
             b = vllm_step.step_bytes(config, True, True, ctx, batch, 1, dtype)

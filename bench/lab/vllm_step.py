@@ -53,10 +53,10 @@ CONFIGS = {  # name -> (FP8 shared experts, INT8 head, MTP-2, extra engine kwarg
 # Configs served from a patched copy of vLLM: the diff (under patches/) that makes their KV-cache dtype exist
 PATCHED = {"tq": "turboquant-0.26.0.diff"}
 # KV-cache bytes per token and KV head at head_dim 256, by --kv-cache-dtype: BF16 K and V; onespark's K4V4 (4-bit
-# codes of K and V + two fp32 scales: kernels/turboquant.py); upstream's 4-bit preset as its slot is sized (its
-# boundary attention layers stay BF16: the first and last of the 12, counted as such below)
+# codes of K and V + two fp32 scales: kernels/turboquant.py); upstream's 4-bit preset as vLLM 0.26.0 sizes its
+# slot (TurboQuantConfig.slot_size_aligned: 130 B of key + 132 of value). Every attention layer: upstream keeps
+# boundary layers in BF16 only for dense models (get_boundary_skip_layers returns none for a hybrid)
 KV_BYTES = {"auto": 1024, "turboquant_k4v4": 264, "turboquant_4bit_nc": 262}
-UPSTREAM_TQ_BOUNDARY_LAYERS = 2
 H200_BW = 4.3e12  # B/s, a device-to-device copy on this workplace's H200 (read + write; KINDS.md, 2026-10-28)
 SPARK_BW = 273e9  # B/s, the GB10's LPDDR5x (published)
 DECODE_STEPS = 64
@@ -124,9 +124,7 @@ def step_bytes(config: dict, fp8_shared: bool, int8_head: bool, ctx: int, batch:
     attn = kinds.count("full_attention")
     if tc["head_dim"] != 256:
         raise ValueError(f"KV_BYTES is for head_dim 256, the config has {tc['head_dim']}")
-    bf16_layers = UPSTREAM_TQ_BOUNDARY_LAYERS if kv_dtype == "turboquant_4bit_nc" else 0
-    per_token = bf16_layers * KV_BYTES["auto"] + (attn - bf16_layers) * KV_BYTES[kv_dtype]
-    parts["kv_cache"] = per_token * tc["num_key_value_heads"] * ctx * batch
+    parts["kv_cache"] = attn * KV_BYTES[kv_dtype] * tc["num_key_value_heads"] * ctx * batch
     gdn_state = tc["linear_num_value_heads"] * tc["linear_key_head_dim"] * tc["linear_value_head_dim"] * 4
     parts["gdn_state"] = (len(kinds) - attn) * gdn_state * 2 * batch  # fp32 state read + written per request
     parts["total"] = sum(parts.values())
