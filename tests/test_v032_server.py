@@ -251,9 +251,9 @@ def _tq_env(tq_vllm: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def tq_vllm(tmp_path_factory) -> Path:
-    from tests.test_turboquant_patch import make_patched_tree
+    from tests.test_turboquant_patch import harness, make_patched_tree
 
-    targets = re.findall(r"^\+\+\+ b/(\S+)", TQ_DIFF.read_text(), flags=re.M)
+    targets = harness.diff_targets(TQ_DIFF)
     return make_patched_tree(tmp_path_factory.mktemp("vllm-tq-032"), diffs=((TQ_DIFF, targets),))
 
 

@@ -156,6 +156,19 @@ def diff_targets(diff: Path) -> list[str]:
     return re.findall(r"^\+\+\+ b/(\S+)", Path(diff).read_text(), flags=re.M)
 
 
+def apply_diff(diff: Path, root: Path, dry_run: bool = False) -> subprocess.CompletedProcess:
+    """`patch -p1 --forward --fuzz=0` of `diff` inside `root` (`git apply` where patch is missing: it works
+    outside a repository too); dry_run checks only. A diff applied already fails (--forward), as the images need."""
+    import shutil
+
+    diff = str(Path(diff).resolve())
+    if shutil.which("patch"):
+        cmd = ["patch", "-p1", "--forward", "--fuzz=0", "--batch", "-i", diff] + (["--dry-run"] if dry_run else [])
+    else:
+        cmd = ["git", "apply", "-p1", diff] + (["--check"] if dry_run else [])
+    return subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+
+
 def patched_vllm(diffs, root: Path) -> Path:
     """A copy of the installed vllm package under `root` with each diff of `diffs` applied, in order: every file
     a symlink into the installed one except the diffs' targets, which are patched copies. Put `root` first on
@@ -176,9 +189,7 @@ def patched_vllm(diffs, root: Path) -> Path:
             if (root / rel).is_symlink():  # not yet copied by an earlier diff
                 (root / rel).unlink()
                 shutil.copyfile(src / rel, root / rel)
-        cmd = (["patch", "-p1", "--forward", "--fuzz=0", "--batch", "-i", str(Path(diff).resolve())]
-               if shutil.which("patch") else ["git", "apply", "-p1", str(Path(diff).resolve())])  # git: outside a repo too
-        r = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+        r = apply_diff(diff, root)
         if r.returncode != 0:
             raise RuntimeError(f"{Path(diff).name} does not apply to the installed vLLM ({src}):\n{r.stdout}{r.stderr}")
     return root
