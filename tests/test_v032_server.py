@@ -367,7 +367,9 @@ def test_turboquant_pages_on_032_equal_the_kernels_layout(tq_vllm):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-c", PAGE_CHECK_026 if LANE_VLLM else PAGE_CHECK], capture_output=True,
+    # -P: the checkout's onespark/ folder (no kernels/ inside) must not shadow the installed onespark; on the GPU
+    # lane, where onespark is the wheel rather than this checkout's editable install, it did
+    r = subprocess.run([sys.executable, "-P", "-c", PAGE_CHECK_026 if LANE_VLLM else PAGE_CHECK], capture_output=True,
                        text=True, timeout=300, env={**os.environ, **_tq_env(tq_vllm)})
     assert r.returncode == 0, r.stderr[-3000:]
     pages = json.loads(r.stdout.strip().splitlines()[-1])
@@ -376,7 +378,7 @@ def test_turboquant_pages_on_032_equal_the_kernels_layout(tq_vllm):
     if LANE_VLLM:
         return  # the image build's check below is for the shipped tracks' images
     # the same facts through the check Dockerfile.v2-tq runs after patching (python -m onespark.patches.turboquant_check)
-    r = subprocess.run([sys.executable, "-m", "onespark.patches.turboquant_check"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-P", "-m", "onespark.patches.turboquant_check"], capture_output=True, text=True,
                        timeout=300, env={**os.environ, **_tq_env(tq_vllm)})
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"turboquant_k4v4": [16 * 2 * 264] * 2,
