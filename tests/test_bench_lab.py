@@ -84,6 +84,21 @@ def test_step_bytes_count_the_kv_cache_each_config_reads(tmp_path):
             assert (harness.ROOT / "patches" / vllm_step.PATCHED[name]).is_file(), name
 
 
+def test_engine_kwargs_build_for_every_config():
+    """Every config's LLM(...) arguments build, and a config's own settings win over the lane's defaults: the `tq`
+    and `upstream-tq` configs once raised a TypeError (attention_backend given twice) before their engine started,
+    found on the H200 (577dce7)."""
+    import vllm_step
+
+    for name, (_, _, mtp2, extra) in vllm_step.CONFIGS.items():
+        kw = vllm_step.engine_kwargs(name, [1024, 32768], [1, 4])
+        assert kw["attention_backend"] == extra.get("attention_backend", "TRITON_ATTN"), name
+        assert kw.get("kv_cache_dtype", "auto") == extra.get("kv_cache_dtype", "auto"), name
+        assert ("speculative_config" in kw) == mtp2, name
+        assert kw["max_model_len"] == 32768 + vllm_step.DECODE_STEPS + 16 and kw["max_num_seqs"] == 4, name
+    assert vllm_step.engine_kwargs("tq", [1024], [1])["attention_backend"] == "CUSTOM"
+
+
 def test_patched_vllm_refuses_a_diff_that_does_not_apply(tmp_path):
     """The lab's patched copy of vLLM (vllm_step.py's `tq` config) stops with the diff's name when the diff is not
     for the installed vLLM (here: the GPU lane's 0.26.0 diff against a test venv's vLLM), and leaves the

@@ -131,6 +131,21 @@ def step_bytes(config: dict, fp8_shared: bool, int8_head: bool, ctx: int, batch:
     return parts
 
 
+def engine_kwargs(config_name: str, ctxs: list[int], batches: list[int]) -> dict:
+    """vLLM's LLM(...) arguments for one config (all but the model folder): the lane's defaults, then the
+    config's own (a TurboQuant config replaces the attention backend)."""
+    _, _, mtp2, extra = CONFIGS[config_name]
+    kw = dict(load_format="dummy", skip_tokenizer_init=True, language_model_only=True,
+              max_model_len=max(ctxs) + DECODE_STEPS + 16, max_num_seqs=max(batches),
+              max_num_batched_tokens=MAX_BATCHED_TOKENS, gpu_memory_utilization=0.88, enable_prefix_caching=False,
+              disable_log_stats=False, gdn_prefill_backend="triton", cudagraph_capture_sizes=CAPTURE_SIZES,
+              attention_backend="TRITON_ATTN")
+    kw.update(extra)
+    if mtp2:
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 2}
+    return kw
+
+
 def one(model: str, config_name: str, ctxs: list[int], batches: list[int], out: Path) -> None:
     """In the child: one engine, every (context, batch) point; `out` is rewritten after each point, so a child
     stopped at the deadline keeps what it measured."""
@@ -143,14 +158,8 @@ def one(model: str, config_name: str, ctxs: list[int], batches: list[int], out: 
     os.environ["ONESPARK_INT8_LM_HEAD"] = "1" if int8_head else "0"
     with tempfile.TemporaryDirectory() as d:
         config = write_config(Path(d), model, fp8_shared)
-        kw = dict(attention_backend="TRITON_ATTN", **extra)
-        if mtp2:
-            kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 2}
         t0 = time.monotonic()
-        llm = LLM(model=d, load_format="dummy", skip_tokenizer_init=True, language_model_only=True,
-                  max_model_len=max(ctxs) + DECODE_STEPS + 16, max_num_seqs=max(batches), max_num_batched_tokens=MAX_BATCHED_TOKENS,
-                  gpu_memory_utilization=0.88, enable_prefix_caching=False, disable_log_stats=False,
-                  gdn_prefill_backend="triton", cudagraph_capture_sizes=CAPTURE_SIZES, **kw)
+        llm = LLM(model=d, **engine_kwargs(config_name, ctxs, batches))
         result = dict(model=MODELS[model], config=config_name, startup_s=round(time.monotonic() - t0, 1), points=[])
         rng = random.Random(0)
         sp = SamplingParams(max_tokens=DECODE_STEPS + 1, ignore_eos=True, temperature=0, detokenize=False)
