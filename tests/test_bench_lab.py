@@ -22,7 +22,7 @@ SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name not in MODULES)
 
 def test_the_lab_holds_the_benchmarks():
     assert SCRIPTS == ["checkpoint.py", "compressor.py", "draft_head.py", "lm_head.py", "lm_head_glue.py", "turboquant.py",
-                       "turboquant_quality.py", "vllm_step.py"]
+                       "turboquant_codebooks.py", "turboquant_quality.py", "vllm_step.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -97,6 +97,33 @@ def test_engine_kwargs_build_for_every_config():
         assert ("speculative_config" in kw) == mtp2, name
         assert kw["max_model_len"] == 32768 + vllm_step.DECODE_STEPS + 16 and kw["max_num_seqs"] == 4, name
     assert vllm_step.engine_kwargs("tq", [1024], [1])["attention_backend"] == "CUSTOM"
+
+
+def test_codebook_study_grids_and_roundtrip():
+    """bench/lab/turboquant_codebooks.py: its fp8-grid codebooks lie on their grid up to the one scale s (so a
+    decoder would read level / s as an e5m2 byte, whose fp16 is that byte shifted left by 8), none beats Lloyd-Max
+    (the MSE optimum), and its roundtrip with the Lloyd-Max levels is the shipped codec's (tq.quantize then
+    tq.dequantize)."""
+    import turboquant_codebooks as cb
+
+    import torch
+
+    from onespark.kernels import turboquant as tq
+
+    lloyd = tq.codebook(4).mse
+    for fmt, mbits in ((torch.float8_e5m2, 2), (torch.float8_e4m3fn, 3)):
+        levels, mse, s = cb.grid_codebook(4, mbits, steps=8)
+        assert len(levels) == 16 and bool((levels.diff() > 0).all()) and torch.equal(levels, -levels.flip(0))
+        on_grid = levels / s
+        assert torch.equal(on_grid.to(fmt).double(), on_grid), fmt
+        assert lloyd <= mse < 1.1 * lloyd, (fmt, mse, lloyd)
+    e5m2 = (cb.grid_codebook(4, 2, steps=8)[0] / cb.grid_codebook(4, 2, steps=8)[2]).to(torch.float16)
+    assert bool(((e5m2.view(torch.int16) & 0xFF) == 0).all())  # the fp16 of an e5m2 value: its byte << 8
+    r = tq.rotation(tq.rotation_seed(3), dtype=torch.float64)
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    codes, scale = tq.quantize(x, r, 4)
+    shipped = tq.dequantize(codes, scale, r, 4)
+    assert torch.allclose(cb.roundtrip(x, r, tq.codebook(4).levels), shipped, rtol=0, atol=1e-6)
 
 
 def test_patched_vllm_refuses_a_diff_that_does_not_apply(tmp_path):

@@ -56,8 +56,9 @@ def free_port() -> int:
 
 
 GPU = os.environ.get("ONESPARK_VLLM_GPU") == "1"
-# The GPU lane's vLLM 0.26.0 wheel set (tests/gpu_vllm/pack.py) has no FlashAttention-2 and no FlashInfer: Triton
-# attention and Triton GDN prefill; a small memory share and batch keep start-up (graph capture) short.
+# The GPU lane's vLLM 0.26.0 wheel set (tests/gpu_vllm/pack.py) has no FlashInfer: Triton attention (as every lane
+# result so far was measured) and Triton GDN prefill; a small memory share and batch keep start-up (graph capture)
+# short.
 GPU_FLAGS = {"--attention-backend": "TRITON_ATTN", "--gdn-prefill-backend": "triton",
              "--gpu-memory-utilization": "0.2", "--max-num-seqs": "8"}
 

@@ -29,10 +29,13 @@ VLLM_WHEEL = "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux_2_31_x86_64"]  # llguidance 1.7.6 exists only as manylinux_2_31 (the host has glibc 2.39)
 
-# Path prefixes inside the vLLM wheel that are not shipped, and why (732 MB unpacked -> ~320 MB).
+# Path prefixes inside the vLLM wheel that are not shipped, and why (732 MB unpacked -> ~625 MB). FlashAttention-2
+# (`_vllm_fa2_C`, 305 MB) stays although the lane serves with TRITON_ATTN: upstream's TurboQuant, the baseline
+# the lane measures, forces flash_attn_version 2 (vllm/engine/arg_utils.py, "TurboQuant is not yet compatible with
+# FlashAttention >= 3") and runs its first-chunk prefill through torch.ops._vllm_fa2_C.varlen_fwd; without it
+# that server would fail on its first request for our trim, not for upstream's code. FA3 stays because
+# vllm.vllm_flash_attn is imported at module level on CUDA.
 TRIM = {
-    "vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so": "FlashAttention-2 (305 MB): the lane serves with TRITON_ATTN and "
-    "vLLM prefers FA3 on SM90; FA3 stays because vllm.vllm_flash_attn is imported at module level on CUDA",
     "vllm/vllm-rs": "the optional Rust front end (VLLM_USE_RUST_FRONTEND=1 only), 43 MB",
     "vllm/third_party/deep_gemm/": "DeepGEMM FP8 block GEMM (34 MB): absent means vLLM does not offer it; FP8 "
     "linear layers take the CUTLASS/Triton path",
