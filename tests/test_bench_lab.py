@@ -104,9 +104,8 @@ def test_codebook_study_grids_and_roundtrip():
     decoder would read level / s as an e5m2 byte, whose fp16 is that byte shifted left by 8), none beats Lloyd-Max
     (the MSE optimum), and its roundtrip with the Lloyd-Max levels is the shipped codec's (tq.quantize then
     tq.dequantize)."""
-    import turboquant_codebooks as cb
-
     import torch
+    import turboquant_codebooks as cb
 
     from onespark.kernels import turboquant as tq
 
