@@ -86,6 +86,20 @@ def spec_name(text: str) -> str:
     return text
 
 
+_VOLUME_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def cache_volume(text: str) -> str | None:
+    """argparse `type=` of serve's --cache-volume: a Docker named volume (Docker's own name rule), or `none`. Only a
+    name: a path or a `src:dst` would turn the -v flag it becomes into a bind mount of the host's files."""
+    if text == "none":
+        return None
+    if not _VOLUME_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Docker volume name: give letters, digits and _ . - "
+                                         "(starting with a letter or digit), or none for no cache")
+    return text
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with errors of one line, without the value of any key-looking option (`--api-ke=KEY`,
     `--api_key KEY`, a short key taken for a positional's "invalid choice"), and without the values of

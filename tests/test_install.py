@@ -552,6 +552,33 @@ def test_serve_command_spark(tmp_path):
     assert tail == [serve.V2_IMAGE, "--host", "127.0.0.1", "--port", "8000", "--max-model-len", "65536"]
 
 
+def test_serve_keeps_the_compile_caches_in_a_named_volume(tmp_path):
+    """The container's ~/.cache (vLLM's, Triton's and FlashInfer's compile caches: the image points them there) is a
+    Docker named volume, so the next container starts without compiling again; `none` runs without one."""
+    cmd, _ = serve.docker_run_command(_serve_args(tmp_path), serve.V2_IMAGE)
+    mounts = [cmd[i + 1] for i, a in enumerate(cmd[:cmd.index(serve.V2_IMAGE)]) if a == "-v"]
+    assert mounts == [f"{tmp_path / 'model'}:/model:ro", "onespark-cache:/root/.cache"]
+    cmd, _ = serve.docker_run_command(_serve_args(tmp_path, "--cache-volume", "my.cache-2"), serve.V2_IMAGE)
+    assert "my.cache-2:/root/.cache" in cmd
+    cmd, _ = serve.docker_run_command(_serve_args(tmp_path, "--cache-volume", "none"), serve.V2_IMAGE)
+    assert not any(a.endswith(":/root/.cache") for a in cmd)
+    dockerfile = (Path(__file__).resolve().parents[1] / "Dockerfile.v2").read_text()
+    for env in ("VLLM_CACHE_ROOT=/root/.cache/vllm", "TRITON_CACHE_DIR=/root/.cache/triton", "TRITON_CACHE_AUTOTUNING=1"):
+        assert env in dockerfile, env
+
+
+@pytest.mark.parametrize("bad", ["/etc", "/:/host", "data:/root", "../x", "-v", "a b", "", ".hidden", "x" * 129,
+                                 "vol;rm", "$(id)", "naïve"])
+def test_serve_refuses_a_cache_volume_that_is_not_a_name(tmp_path, bad):
+    """A path or `src:dst` would make the -v flag a bind mount of the host's files: one line, exit 2, nothing run."""
+    r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--checkpoint", str(tmp_path), "--dry-run",
+                        f"--cache-volume={bad}"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "docker run" not in r.stdout, r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--cache-volume" in lines[0] and "Docker volume name" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
 def test_serve_command_demo(tmp_path):
     cmd, env = serve.docker_run_command(_serve_args(tmp_path, "--demo", "--port", "9123"), serve.DEMO_IMAGE)
     assert "--gpus" not in cmd

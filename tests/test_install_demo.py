@@ -135,6 +135,14 @@ def test_install_demo_end_to_end(tmp_path, demo_container):
     image = subprocess.run(["docker", "inspect", "-f", "{{.Config.Image}} {{.HostConfig.NetworkMode}}", CONTAINER],
                            capture_output=True, text=True, check=True).stdout.split()
     assert image[0].startswith("onespark-demo/v2:") and image[1] == "host"
+    # The compile caches' named volume at the container's ~/.cache, and the image's caches pointed into it.
+    mounts = subprocess.run(["docker", "inspect", "-f", "{{range .Mounts}}{{.Type}} {{.Name}} {{.Destination}};{{end}}",
+                             CONTAINER], capture_output=True, text=True, check=True).stdout
+    assert "volume onespark-cache /root/.cache;" in mounts, mounts
+    env = subprocess.run(["docker", "image", "inspect", "-f", "{{json .Config.Env}}", image[0]], capture_output=True,
+                         text=True, check=True).stdout
+    assert all(e in json.loads(env) for e in ("TRITON_CACHE_DIR=/root/.cache/triton", "TRITON_CACHE_AUTOTUNING=1",
+                                              "VLLM_CACHE_ROOT=/root/.cache/vllm")), env
     base = subprocess.run(["docker", "image", "inspect", "-f", '{{ index .Config.Labels "dev.onespark.demo" }}',
                            image[0]], capture_output=True, text=True, check=True).stdout.strip()
     assert base == "1", "v2 should inherit the stand-in base's labels (FROM VLLM_BASE)"

@@ -43,9 +43,19 @@ def warn_if_exposed(prog: str, host: str, api_key: str | None) -> None:
               "pass --api-key", file=sys.stderr)
 
 
-def container_flags(name: str, model: str, *, mounts: tuple[str, ...] = (), gpu: bool = True) -> list[str]:
+# A Docker named volume at the container's ~/.cache: what a start compiles (vLLM's torch.compile artifacts, Triton
+# kernels and autotuning results, FlashInfer's JIT for sm_121a: the images point each there) is kept for the next
+# container, which every `onespark serve` and `--replace` is; without it each start compiles all of it again.
+# `docker volume rm onespark-cache` clears it; every cache keys its entries by code and configuration.
+CACHE_VOLUME = "onespark-cache"
+CACHE_DIR = "/root/.cache"
+
+
+def container_flags(name: str, model: str, *, mounts: tuple[str, ...] = (), gpu: bool = True,
+                    cache_volume: str | None = CACHE_VOLUME) -> list[str]:
     """`docker run -d` of a serving container, up to its own extras, environment and image."""
-    cmd = ["docker", "run", "-d", "--name", name, "--network", "host", "-v", f"{model}:/model:ro", *mounts,
+    cache = ("-v", f"{cache_volume}:{CACHE_DIR}") if cache_volume else ()
+    cmd = ["docker", "run", "-d", "--name", name, "--network", "host", "-v", f"{model}:/model:ro", *cache, *mounts,
            # Out of memory, the kernel kills the container first, not sshd; and why there is no --memory limit:
            # memory.OOM_SCORE_ADJ's comment.
            "--oom-score-adj", str(memory.OOM_SCORE_ADJ)]

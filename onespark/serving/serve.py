@@ -63,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="extra container environment, repeatable (e.g. ONESPARK_INT8_LM_HEAD=0 for an A/B run); a name "
                         "with TOKEN, KEY, SECRET or PASSWORD in it is passed by name, its value never shown")
     p.add_argument("--replace", action="store_true", help="remove an existing container of the same name first")
+    p.add_argument("--cache-volume", type=options.cache_volume, default=launch.CACHE_VOLUME, metavar="NAME",
+                   help=f"Docker volume kept at the container's {launch.CACHE_DIR} for vLLM's, Triton's and "
+                        f"FlashInfer's compile caches, so a restart does not compile again (default: "
+                        f"{launch.CACHE_VOLUME}; none: no volume)")
     p.add_argument("--prompt", default="In one sentence: what is a DGX Spark?", help="the smoke-test question")
     p.add_argument("--max-tokens", type=options.COUNT, default=64, help="smoke-test answer length (default: 64)")
     p.add_argument("--no-smoke", action="store_true", help="skip the smoke request")

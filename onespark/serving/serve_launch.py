@@ -60,6 +60,7 @@ class Launch:
     meminfo: str
     vmstat: str
     compressor_dir: str | None = None  # --compressor-dir: `onespark compress serve` beside it, counted in the plan
+    cache_volume: str | None = launch.CACHE_VOLUME  # --cache-volume: the compile caches' volume (None: none)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, image: str | None = None) -> Launch:
@@ -80,7 +81,7 @@ class Launch:
                    prompt=args.prompt, max_tokens=args.max_tokens,
                    timeout=args.timeout or (600 if args.demo else 1800), guard=not args.no_memory_guard,
                    guard_floor_gib=floor, host_reserve_gib=args.host_reserve_gib, meminfo=args.meminfo,
-                   vmstat=args.vmstat, compressor_dir=args.compressor_dir)
+                   vmstat=args.vmstat, compressor_dir=args.compressor_dir, cache_volume=args.cache_volume)
 
 
 def _after_dashes(vllm_args: list[str] | None) -> list[str]:
@@ -151,7 +152,8 @@ def container_command(la: Launch) -> tuple[list[str], dict[str, str]]:
     """The `docker run` argv and the environment variables it forwards (by name, values not on argv)."""
     env = {"ONESPARK_HEALTH_URL": f"http://{launch.probe_host(la.host)}:{la.port}/health"}
     drafter = ("-v", f"{la.drafter_dir}:/drafter:ro") if la.drafter_dir else ()
-    cmd = launch.container_flags(la.name, os.path.abspath(la.checkpoint), mounts=drafter, gpu=not la.demo)
+    cmd = launch.container_flags(la.name, os.path.abspath(la.checkpoint), mounts=drafter, gpu=not la.demo,
+                                 cache_volume=la.cache_volume)
     if la.demo:
         env.update(DEMO_ENV)
         env["ONESPARK_DROP_DEFAULTS"] = DEMO_DROP
