@@ -68,6 +68,21 @@ def test_cluster_plan_without_the_guard():
     assert "onespark.serving.memory guard" not in p.stdout and "--oom-score-adj 1000" in p.stdout
 
 
+def test_cluster_keeps_the_compile_caches_on_each_node_as_serve_does():
+    """Both Ray containers mount the compile caches' volume (serve's default), another name, or none; a path is
+    refused in one line before any plan."""
+    for extra, want in (((), "-v onespark-cache:/root/.cache "), (("--cache-volume", "c2"), "-v c2:/root/.cache ")):
+        p = _cluster_dry_run(*extra)
+        assert p.returncode == 0, p.stderr
+        runs = [ln for ln in p.stdout.splitlines() if " docker run " in ln and "] + " in ln]
+        assert len(runs) == 2 and all(want in ln for ln in runs), runs
+    p = _cluster_dry_run("--cache-volume", "none")
+    assert p.returncode == 0 and ":/root/.cache" not in p.stdout, p.stdout
+    p = _cluster_dry_run("--cache-volume=/:/host")
+    assert p.returncode == 2 and "docker run" not in p.stdout
+    assert p.stderr.count("\n") == 1 and "--cache-volume" in p.stderr and "Docker volume name" in p.stderr, p.stderr
+
+
 def test_cluster_bad_key_file_is_one_line(tmp_path):
     p = _cluster_dry_run("--api-key-file", str(tmp_path / "missing"))
     assert p.returncode == 1

@@ -90,6 +90,7 @@ class Cluster:
     vllm_args: tuple[str, ...]  # the user's, after --
     guard: bool
     guard_floor_gib: float
+    cache_volume: str | None = launch.CACHE_VOLUME  # --cache-volume, on each node's Docker (None: none)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Cluster:
@@ -101,7 +102,7 @@ class Cluster:
                    allow_sockets=args.allow_sockets, host=args.host, port=args.port, api_key=api_key,
                    timeout=args.timeout, prompt=args.prompt, max_tokens=args.max_tokens, bench=args.bench,
                    down=args.down, dry_run=args.dry_run, vllm_args=tuple(extra), guard=not args.no_memory_guard,
-                   guard_floor_gib=args.guard_floor_gib)
+                   guard_floor_gib=args.guard_floor_gib, cache_volume=args.cache_volume)
 
     @property
     def model(self) -> str:
@@ -168,10 +169,11 @@ def build_cluster_image_cmd(serving: str) -> str:
             f"-t {cluster} -; }}")
 
 
-def ray_container_cmd(image: str, model: str, env: dict[str, str], ray_args: list[str]) -> str:
+def ray_container_cmd(image: str, model: str, env: dict[str, str], ray_args: list[str],
+                      cache_volume: str | None = launch.CACHE_VOLUME) -> str:
     # serve's container (host network: Ray and NCCL bind the link address; the OOM adjustment; GPU, --ipc host,
     # unlimited locked memory), plus the RDMA devices for NCCL's IB transport.
-    parts = [*launch.container_flags(RAY_CONTAINER, model), "--device", "/dev/infiniband", "--cap-add", "IPC_LOCK",
+    parts = [*launch.container_flags(RAY_CONTAINER, model, cache_volume=cache_volume), "--device", "/dev/infiniband", "--cap-add", "IPC_LOCK",
              *launch.env_flags({**env, "RAY_USAGE_STATS_ENABLED": "0"}),
              "--entrypoint", "ray", image, "start", "--block", "--disable-usage-stats", *ray_args]
     return shlex.join(parts)
@@ -254,7 +256,7 @@ def plan_commands(c: Cluster, plan: Plan) -> list[tuple[str, Node, str]]:
                            "--num-gpus", "1"]}
     for node in (head, worker):
         cmds.append(("ray", node, f"docker rm -f {RAY_CONTAINER} >/dev/null 2>&1; " + ray_container_cmd(
-            cluster_image(c.image), model, plan.env.get(node.role, {}), ray_args[node.role])))
+            cluster_image(c.image), model, plan.env.get(node.role, {}), ray_args[node.role], c.cache_volume)))
     if c.guard:  # once the containers exist (the guard refuses a missing one), before vLLM starts in them
         cmds += [("guard", node, guard_cmd(c)) for node in (head, worker)]
     cmds.append(("check", head, shlex.join(["docker", "exec", RAY_CONTAINER, "python", "-c", PLUGIN_CHECK.strip()])))
@@ -410,6 +412,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "instead of tensor parallel 2")
     p.add_argument("--sync", action="store_true", help="build the cluster image and copy it and the checkpoint "
                    "to the worker when missing or different")
+    p.add_argument("--cache-volume", type=options.cache_volume, default=launch.CACHE_VOLUME, metavar="NAME",
+                   help="Docker volume on each node for the compile caches, as onespark serve's (default: "
+                        f"{launch.CACHE_VOLUME}; none: no volume)")
     p.add_argument("--allow-sockets", action="store_true", help="run over TCP sockets when the link has no RoCE")
     p.add_argument("--host", default="127.0.0.1", help="address vLLM binds on the head (default: %(default)s)")
     p.add_argument("--port", type=options.PORT, default=8000, help="vLLM's port on the head (default: %(default)s)")
