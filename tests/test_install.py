@@ -776,16 +776,24 @@ def test_wheels_pins_match_the_lock():
 
 
 def test_wheels_lock_is_what_pypi_resolves(tmp_path):
-    """Re-resolve vllm==0.32.0 from PyPI (metadata only, ~5 s) with the lock's own command: same pins, so the
-    lock is consistent with vLLM's, torch's and FlashInfer's published metadata (uv reads each wheel's METADATA)."""
+    """Re-resolve vllm==0.32.0 from PyPI (metadata only, ~5 s) with the lock's own command, the lock itself as
+    constraints: the same pins and the same sha256 set, so the lock is a consistent resolution of vLLM's, torch's
+    and FlashInfer's published metadata and its hashes are PyPI's (uv reads each wheel's METADATA). Constrained,
+    not fresh: a fresh resolve drifts whenever PyPI shows a release dated before the cutoff that it did not list
+    when the lock was made (2026-12-02: httpx 0.29.0, sse-starlette 3.7.1, opencv-python-headless 5.1.0.95, all
+    dated before 2026-11-28), which says nothing about the lock."""
     command = next(line.strip("# ").strip() for line in LOCK.read_text().splitlines() if "uv pip compile" in line)
     argv = shlex.split(command)
     argv[argv.index("-o") + 1] = str(tmp_path / "lock.txt")
-    r = subprocess.run([sys.executable, "-m", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", *argv, "-c", str(LOCK)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
     if r.returncode != 0 and re.search(r"(?i)connect|dns|network|timed out", r.stderr):
         pytest.skip(f"PyPI not reachable: {r.stderr.strip().splitlines()[-1]}")
     assert r.returncode == 0, r.stderr
-    assert _lock_pins((tmp_path / "lock.txt").read_text()) == _lock_pins(LOCK.read_text())
+    got = (tmp_path / "lock.txt").read_text()
+    assert _lock_pins(got) == _lock_pins(LOCK.read_text())
+    sha = re.compile(r"--hash=(sha256:[0-9a-f]{64})")
+    assert set(sha.findall(got)) == set(sha.findall(LOCK.read_text()))
 
 
 @pytest.mark.parametrize("platform, python", [("aarch64-manylinux_2_39", "3.12"), ("x86_64-manylinux_2_36", "3.11")],
