@@ -173,7 +173,8 @@ def ray_container_cmd(image: str, model: str, env: dict[str, str], ray_args: lis
                       cache_volume: str | None = launch.CACHE_VOLUME) -> str:
     # serve's container (host network: Ray and NCCL bind the link address; the OOM adjustment; GPU, --ipc host,
     # unlimited locked memory), plus the RDMA devices for NCCL's IB transport.
-    parts = [*launch.container_flags(RAY_CONTAINER, model, cache_volume=cache_volume), "--device", "/dev/infiniband", "--cap-add", "IPC_LOCK",
+    parts = [*launch.container_flags(RAY_CONTAINER, model, cache_volume=cache_volume),
+             "--device", "/dev/infiniband", "--cap-add", "IPC_LOCK",
              *launch.env_flags({**env, "RAY_USAGE_STATS_ENABLED": "0"}),
              "--entrypoint", "ray", image, "start", "--block", "--disable-usage-stats", *ray_args]
     return shlex.join(parts)

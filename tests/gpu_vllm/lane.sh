@@ -7,7 +7,7 @@
 #
 # LANE_DEADLINE_S=N stops pytest after N seconds with SIGTERM (a KeyboardInterrupt there: tests/_interrupt.py), so
 # its servers stop in teardown and the tests that finished are still in the JSON: a device call is capped at
-# 10 minutes and a server starts in 1-6 (the test left running is recorded as an error).
+# 10 minutes and a server starts in 1-6 (the test it stopped is left out; stopped_at_deadline says the run was cut).
 #
 # Needs: ONESPARK_WHEEL (the onespark wheel built at this commit, e.g. .gpu-vllm/onespark-0.1.0-py3-none-any.whl)
 # and ONESPARK_GIT_SHA. Writes into $OUT (or bench/results): vllm_gpu_lane_<gpu>.json (sha, command, GPU, vLLM,
