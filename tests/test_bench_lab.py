@@ -125,6 +125,20 @@ def test_codebook_study_grids_and_roundtrip():
     assert torch.allclose(cb.roundtrip(x, r, tq.codebook(4).levels), shipped, rtol=0, atol=1e-6)
 
 
+def test_step_deadline_names_what_it_did_not_run(tmp_path, monkeypatch, capsys):
+    """A --deadline-s too short for any engine (on the H200 a 60 s deadline once started none, silently, and wrote no
+    file) writes the result with every (model, config) under not_run and says so on stdout."""
+    pytest.importorskip("vllm")
+    import vllm_step
+
+    monkeypatch.setattr(vllm_step.harness, "header", lambda *a, **k: {"schema_version": harness.SCHEMA_VERSION})
+    out = tmp_path / "step.json"
+    assert vllm_step.main(["--out", str(out), "--models", "35b,122b", "--configs", "stock", "--deadline-s", "30"]) == 0
+    got = json.loads(out.read_text())
+    assert got["runs"] == [] and got["not_run"] == ["35b:stock (deadline)", "122b:stock (deadline)"]
+    assert "== 35b stock: not run" in capsys.readouterr().out
+
+
 def test_patched_vllm_refuses_a_diff_that_does_not_apply(tmp_path):
     """The lab's patched copy of vLLM (vllm_step.py's `tq` config) stops with the diff's name when the diff is not
     for the installed vLLM (here: the GPU lane's 0.26.0 diff against a test venv's vLLM), and leaves the

@@ -232,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                for c in {c for _, c in order} & set(PATCHED)}
     for model, config in order:
         left = a.deadline_s - (time.monotonic() - t0)
-        if left < 60:
+        if left < 60:  # an engine needs minutes: starting one with less left would only be killed
             result["not_run"].append(f"{model}:{config} (deadline)")
+            print(f"== {model} {config}: not run, {left:.0f} s left of --deadline-s {a.deadline_s:g} "
+                  "(an engine is started only with 60 s or more left)", flush=True)
             continue
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [sys.executable, __file__, "--one", f"{model}:{config}", "--out", f.name, "--ctx", a.ctx,
@@ -259,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         result["runs"].append(run)
         print(run.get("error", "")[-600:], flush=True)
         harness.write_result(a.out, result)
+    harness.write_result(a.out, result)  # also when the deadline left no engine to run: not_run says so
     print(f"{'model':18s} {'config':12s} {'ctx':>7s} {'b':>2s} {'ms/step':>8s} {'GB/step':>8s} {'TB/s':>6s} {'Spark ms (est.)':>15s}")
     for run in result["runs"]:
         for pt in run.get("points", []):
