@@ -24,7 +24,11 @@ Cache layout of one attention layer: uint8 [num_blocks, block_bytes]; block = PA
     [K codes: PAGE x H x k_bytes][V codes: PAGE x H x v_bytes][scales: PAGE x H x 2 fp32]
 Code rows are multiples of 16 bytes (wide loads), the scales live apart, nothing is padded to a
 power of two. Packing of one row (coordinate i of the rotated vector -> byte, bits):
-    4 bit: byte i % 128, bits 4*(i // 128)                (two nibbles; lo = coords 0..127)
+    4 bit: byte i % 128 holds coordinates i (A, i < 128) and i + 128 (B) in sign-magnitude form: the 16
+           Lloyd-Max levels are symmetric, level[7 - m] = -level[8 + m], so a code is a sign (code < 8) and a
+           magnitude index m = 0..7. Byte = m(A) at bits 0-2, sign(B) at bit 3, m(B) at bits 4-6, sign(A) at
+           bit 7: the order the GPU decoder wants (turboquant_triton._byte_asm: the magnitudes are PRMT
+           selectors after one mask, each sign one byte spread away from its fp16 sign bit).
     3 bit: 64-byte plane of 2-bit fields: byte i % 64, bits 2*(i // 64)
            + 32-byte plane of high bits:  byte i % 32, bit i // 32      (96 bytes in all)
     8 bit: byte i
@@ -260,6 +264,20 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, r: torch.Tensor, bits: 
     return (c * scale.to(torch.float64)[..., None]) @ r.to(torch.float64)
 
 
+def _pack4(c: torch.Tensor) -> torch.Tensor:
+    """int64 codes [..., d] -> int64 bytes [..., d/2] in the sign-magnitude layout (module docstring)."""
+    neg, mag = (c < 8).to(torch.int64), torch.where(c < 8, 7 - c, c - 8)
+    h = c.shape[-1] // 2
+    return mag[..., :h] | (neg[..., h:] << 3) | (mag[..., h:] << 4) | (neg[..., :h] << 7)
+
+
+def _unpack4(p: torch.Tensor) -> torch.Tensor:
+    """int64 bytes [..., d/2] -> codes [..., d]: the inverse of _pack4."""
+    def code(mag, neg):
+        return torch.where(neg == 1, 7 - mag, 8 + mag)
+
+    return torch.cat([code(p & 7, p >> 7), code((p >> 4) & 7, (p >> 3) & 1)], -1)
+
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """codes [..., d] (0 <= code < 2^bits) -> uint8 [..., bits*d/8] in the layout of the module docstring."""
     d = codes.shape[-1]
@@ -267,7 +285,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         out = c
     elif bits == 4:
-        out = c[..., : d // 2] | (c[..., d // 2 :] << 4)
+        out = _pack4(c)
     elif bits == 3:
         lo = c & 3
         q = d // 4
@@ -286,7 +304,7 @@ def unpack(packed: torch.Tensor, bits: int, d: int = HEAD_DIM) -> torch.Tensor:
     if bits == 8:
         return p
     if bits == 4:
-        return torch.cat([p & 15, p >> 4], -1)
+        return _unpack4(p)
     if bits == 3:
         q, e = d // 4, d // 8
         low, high = p[..., :q], p[..., q : q + e]

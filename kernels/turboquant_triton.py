@@ -44,15 +44,23 @@ LOG2E = 1.4426950408889634
 
 
 # ---------------------------------------------------------------------------------------------
-# 4-bit decode in registers (GPU): the Lloyd-Max levels are symmetric, level[7 - i] = -level[8 + i], so a
-# nibble c is a sign (c < 8: negative) and a magnitude index m = (c ^ (c < 8 ? 7 : 0)) & 7. PRMT looks
-# up the low and the high bytes of fp16 |level[8 + m]| for four nibbles at once from two 8-byte tables
-# held in registers; the sign bit is ORed in. 20 integer ops per 4 values and no memory access. With an
-# L1 gather per value instead (the `decoder="gather"` path, and the interpreter's) K4V4 decode at 128K
-# tokens, batch 1 took 139 us against 90 us (H200, bench/results/turboquant_h200.json, sweep).
+# 4-bit decode in registers (GPU). A code byte holds coordinates i (A) and 128 + i (B), each a sign and a
+# magnitude index m (turboquant.py's docstring). For the 4 bytes of a register: a mask, a shift-OR and a byte
+# PRMT make the 4 A magnitudes a PRMT selector, two PRMT look up the low and high bytes of fp16 |level[8 + m]|
+# from two 8-byte tables held in registers, one mask-and-OR puts the 4 signs into the high bytes (bit 7 of each
+# code byte is its A sign, at the same place), two PRMT pair the bytes into fp16; B likewise after a shift:
+# 20 ops for 8 values, no memory access. Per byte, so it is right in whatever register layout Triton gives the
+# tile: for P @ V Triton decodes V straight into the mma operand layout, where a thread's 4 bytes are 4 tokens
+# (a decoder over 4-byte words would mix them up). The nibble decoder this replaced (ascending codes, ~24 ops per
+# 4 values) made the T = 1 decode loop 1115 SASS instructions per 32-key tile on sm_90, this one 872, and the
+# verify kernel 3944 -> 3432 (counted in the cubins' SASS, cuobjdump -sass, Triton 3.6.0). With an L1 gather
+# per value instead (the `decoder="gather"` path, and the interpreter's) K4V4 decode at 128K tokens, batch 1 took
+# 139 us against 90 us for the nibble decoder (H200, at 222ae6e, bench/results/turboquant_h200.json, sweep).
 
 
-def _prmt_asm(levels: torch.Tensor, high: bool) -> str:
+def _byte_asm(levels: torch.Tensor) -> str:
+    """PTX for 4 code bytes ($4) -> fp16 pairs (A_0, A_1), (A_2, A_3) in $0, $1 and (B_0, B_1), (B_2, B_3) in
+    $2, $3 (element k of Triton's pack=4 group is byte k)."""
     lev = levels.to(torch.float16)
     if not torch.equal(lev[:8], -lev[8:].flip(0)):
         raise AssertionError("the 4-bit codebook is not symmetric in fp16: the PRMT decoder needs it")
@@ -60,39 +68,36 @@ def _prmt_asm(levels: torch.Tensor, high: bool) -> str:
     word = lambda vals: sum((v & 0xFF) << (8 * i) for i, v in enumerate(vals))  # noqa: E731
     l0, l1 = word(bits[:4]), word(bits[4:])
     h0, h1 = word([b >> 8 for b in bits[:4]]), word([b >> 8 for b in bits[4:]])
-    first = "shr.b32 n, $2, 4;\n and.b32 n, n, 0x0F0F0F0F;" if high else "and.b32 n, $2, 0x0F0F0F0F;"
+
+    def half(mags: str, signs: str, out0: str, out1: str) -> str:
+        # mags: the 4 magnitudes at bits 0-2 of bytes 0-3 -> PRMT selector nibbles 0-3 (one shift, one OR, one
+        # byte PRMT); the table lookups then hold byte k's entry in byte k, where its sign (bit 7 of byte k of
+        # `signs`) is the fp16 sign bit of the high byte: one mask-and-OR.
+        return f"""
+    shr.b32 x, {mags}, 4;
+    or.b32 m, {mags}, x;
+    prmt.b32 m, m, 0, 0x0020;
+    prmt.b32 lo, t0, t1, m;
+    prmt.b32 hi, t2, t3, m;
+    and.b32 s, {signs}, 0x80808080;
+    or.b32 hi, hi, s;
+    prmt.b32 {out0}, lo, hi, 0x5140;
+    prmt.b32 {out1}, lo, hi, 0x7362;"""
+
     return f"""{{
-    .reg .b32 n, neg, f, m, t, c, lo, hi, s, g, z, t0, t1, t2, t3;
-    {first}
-    and.b32 neg, n, 0x08080808;
-    xor.b32 neg, neg, 0x08080808;
-    shr.b32 f, neg, 3;
-    sub.u32 f, neg, f;
-    xor.b32 m, n, f;
-    and.b32 m, m, 0x07070707;
-    shr.b32 t, m, 4;
-    or.b32 t, t, m;
-    mov.b32 z, 0;
-    prmt.b32 c, t, z, 0x0020;
+    .reg .b32 a, b, x, m, lo, hi, s, sb, t0, t1, t2, t3;
     mov.b32 t0, {l0:#010x};
     mov.b32 t1, {l1:#010x};
     mov.b32 t2, {h0:#010x};
     mov.b32 t3, {h1:#010x};
-    prmt.b32 lo, t0, t1, c;
-    prmt.b32 hi, t2, t3, c;
-    prmt.b32 $0, lo, hi, 0x5140;
-    prmt.b32 $1, lo, hi, 0x7362;
-    shl.b32 s, neg, 4;
-    prmt.b32 g, s, z, 0x1404;
-    or.b32 $0, $0, g;
-    prmt.b32 g, s, z, 0x3424;
-    or.b32 $1, $1, g;
+    and.b32 a, $4, 0x07070707;{half("a", "$4", "$0", "$1")}
+    shr.b32 b, $4, 4;
+    and.b32 b, b, 0x07070707;
+    shl.b32 sb, $4, 4;{half("b", "sb", "$2", "$3")}
     }}"""
 
 
-_LEVELS4 = tq.codebook(4).levels
-_NIB_LO = tl.constexpr(_prmt_asm(_LEVELS4, high=False))
-_NIB_HI = tl.constexpr(_prmt_asm(_LEVELS4, high=True))
+_BYTE4 = tl.constexpr(_byte_asm(tq.codebook(4).levels))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,6 +196,14 @@ def _chunks4(x, BLOCK_T: tl.constexpr):
 
 
 @triton.jit
+def _sm_byte(a, b):
+    """4-bit codes of coordinates i (a) and 128 + i (b) -> their sign-magnitude byte (turboquant.py)."""
+    na, nb = (a < 8).to(tl.int32), (b < 8).to(tl.int32)
+    ma, mb = tl.where(a < 8, 7 - a, a - 8), tl.where(b < 8, 7 - b, b - 8)
+    return (ma | (nb << 3) | (mb << 4) | (na << 7)).to(tl.uint8)
+
+
+@triton.jit
 def _encode_rows(X, stride_xn, stride_xh, SIGNS, BND, LEV, rows, rmask, h, OUT, s_ptr,
                  BITS: tl.constexpr, DELTA: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr):
     """Quantize BLOCK_T rows of one head and store codes at OUT [BLOCK_T] (int64 byte offsets), scale at s_ptr."""
@@ -213,9 +226,9 @@ def _encode_rows(X, stride_xn, stride_xh, SIGNS, BND, LEV, rows, rmask, h, OUT, 
         tl.store(out + 64, c1.to(tl.uint8), mask=m)
         tl.store(out + 128, c2.to(tl.uint8), mask=m)
         tl.store(out + 192, c3.to(tl.uint8), mask=m)
-    elif BITS == 4:  # byte i: coordinate i (low nibble), i + 128 (high)
-        tl.store(out, (c0 | (c2 << 4)).to(tl.uint8), mask=m)
-        tl.store(out + 64, (c1 | (c3 << 4)).to(tl.uint8), mask=m)
+    elif BITS == 4:  # byte i: coordinates i and i + 128, sign-magnitude
+        tl.store(out, _sm_byte(c0, c2), mask=m)
+        tl.store(out + 64, _sm_byte(c1, c3), mask=m)
     else:  # 3 bit: 2-bit plane, byte i: coordinates i + 64m at bits 2m; high plane, byte i: i + 32m at bit m
         tl.store(out, ((c0 & 3) | ((c1 & 3) << 2) | ((c2 & 3) << 4) | ((c3 & 3) << 6)).to(tl.uint8), mask=m)
         high = _high_bits(c0, 0, BLOCK_T) | _high_bits(c1, 1, BLOCK_T) | _high_bits(c2, 2, BLOCK_T) | _high_bits(c3, 3, BLOCK_T)
@@ -288,17 +301,23 @@ def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t
 
 @triton.jit
 def _nibbles(CACHE, ptr, nmask, TAB, HALF: tl.constexpr, PRMT: tl.constexpr):
-    """4-bit: bytes [64 HALF, 64 HALF + 64) of BLOCK_N code rows -> fp16 values of coordinates
-    64 HALF + j (low nibbles) and 128 + 64 HALF + j (high nibbles), each [BLOCK_N, 64]."""
+    """4-bit: bytes [64 HALF, 64 HALF + 64) of BLOCK_N code rows -> fp16 values of coordinates 64 HALF + j (A)
+    and 128 + 64 HALF + j (B), each [BLOCK_N, 64]."""
     b = tl.load(CACHE + ptr[:, None] + (HALF * 64 + tl.arange(0, 64))[None, :], mask=nmask[:, None], other=0)
     if PRMT:
-        lo = tl.inline_asm_elementwise(_NIB_LO, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
-        hi = tl.inline_asm_elementwise(_NIB_HI, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        lo, hi = tl.inline_asm_elementwise(_BYTE4, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16),
+                                           is_pure=True, pack=4)
     else:
         b = b.to(tl.int32)
-        lo = tl.load(TAB + (b & 15))
-        hi = tl.load(TAB + (b >> 4))
+        lo = tl.load(TAB + _sm_code(b & 7, b >> 7))
+        hi = tl.load(TAB + _sm_code((b >> 4) & 7, (b >> 3) & 1))
     return lo, hi
+
+
+@triton.jit
+def _sm_code(mag, neg):
+    """Sign-magnitude -> the ascending code (level index)."""
+    return tl.where(neg == 1, 7 - mag, 8 + mag)
 
 
 @triton.jit
@@ -499,14 +518,17 @@ def _mma_sync_only(capability: tuple[int, int] | None) -> bool:
     return capability is not None and capability[0] in (8, 12)
 
 
-def decode_block_n(T: int, capability: tuple[int, int] | None) -> int:
+def decode_block_n(T: int, capability: tuple[int, int] | None, v_bits: int = 4) -> int:
     """Keys per tile. sm_90: the H200 sweep (bench/results/turboquant_h200.json): 32 for T = 1, 64 for
-    verify steps. mma.sync-only parts: 16 for verify steps, the largest tile that ptxas fits in 255
-    registers without spilling at the 64-row tile of T = 3, 16 query heads (64 keys spill 960 bytes per
-    thread on sm_121; tests/test_kernels_compile.py checks it). Not timed on a Spark."""
+    verify steps, but 32 for 3-bit values, whose 64-key verify tile spills 632 bytes per thread (80 at 32 keys;
+    the 3-bit gathers hold more registers). mma.sync-only parts: 16 for verify steps, the largest tile that
+    ptxas fits in 255 registers without spilling at the 64-row tile of T = 3, 16 query heads (64 keys spill 960
+    bytes per thread on sm_121; tests/test_kernels_compile.py checks it). Not timed on a Spark."""
     if T == 1:
         return 32
-    return 16 if _mma_sync_only(capability) else 64
+    if _mma_sync_only(capability):
+        return 16
+    return 32 if v_bits == 3 else 64
 
 
 def prefill_tile(G: int, capability: tuple[int, int] | None) -> tuple[int, int]:
@@ -551,7 +573,7 @@ def decode_attention(
     G = Hq // H
     block_m = max(16, triton.next_power_of_2(G * T))
     if block_n is None:
-        block_n = decode_block_n(T, _capability(q.device))
+        block_n = decode_block_n(T, _capability(q.device), layout.preset.v_bits)
     t = _tables(layout.preset, seed, q.device, d)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4

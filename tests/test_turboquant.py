@@ -92,9 +92,14 @@ def test_pack_roundtrip_and_size(bits):
 
 
 def test_pack_bit_positions_follow_the_documented_layout():
-    codes = torch.zeros(256, dtype=torch.int64)
-    codes[130] = 0b1011  # 4 bit: byte 130 % 128 = 2, high nibble
-    assert tq.pack(codes, 4)[2] == 0b1011 << 4
+    # 4 bit: code 8 is level[8] = +|level|, magnitude 0, sign 0: all bits zero
+    codes = torch.full((256,), 8, dtype=torch.int64)
+    assert int(tq.pack(codes, 4).sum()) == 0
+    codes[130] = 5  # B of byte 2 (130 = 128 + 2); negative (5 < 8), magnitude 7 - 5 = 2: bits 4-6, sign bit 3
+    codes[2] = 14  # A of byte 2; positive, magnitude 6: bits 0-2, sign bit 7 clear
+    assert tq.pack(codes, 4)[2] == (2 << 4) | (1 << 3) | 6 and int(tq.pack(codes, 4).sum()) == (2 << 4) + 8 + 6
+    codes[2] = 0  # negative, magnitude 7: and sign bit 7
+    assert tq.pack(codes, 4)[2] == (1 << 7) | (2 << 4) | (1 << 3) | 7
     codes = torch.zeros(256, dtype=torch.int64)
     codes[200] = 0b110  # 3 bit: low field 0b10 at byte 200 % 64 = 8 bits 2*(200//64)=6; high bit at byte 200 % 32 = 8, bit 6
     p = tq.pack(codes, 3)

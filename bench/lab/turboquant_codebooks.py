@@ -3,12 +3,13 @@ codebooks whose decode takes fewer integer operations per value, on the same coo
 
     python bench/lab/turboquant_codebooks.py --out bench/results/turboquant_codebooks.json
 
-The decode kernel spends ~5 integer operations per 4-bit value on the Lloyd-Max table (PRMT lookups, the
-sign-magnitude fold: kernels/turboquant_triton.py) and is bound by that work on an H200, not by bytes
+The decode kernel spends 2.5 integer operations per 4-bit value on the Lloyd-Max table (PRMT lookups of
+sign-magnitude codes: kernels/turboquant_triton._byte_asm; 5 with the ascending codes before) and was bound by that
+work on an H200, not by bytes
 (docs/concepts/turboquant.md). Candidates, each with the instruction count of the sequence that would decode
 it (counted from the sequence, not measured):
 
-  lloyd-max  the shipped table: 20 ops / 4 values (the PRMT sequence in turboquant_triton._prmt_asm)
+  lloyd-max  the shipped table: 20 ops / 8 values (the PRMT sequence in turboquant_triton._byte_asm)
   fp8-e5m2   symmetric levels restricted to s x {e5m2 values}: the table holds one byte per magnitude, and an
              e5m2 byte shifted left by 8 is its fp16, so one PRMT looks up 4 values and two more spread them
              into fp16 pairs: ~8 ops / 4 values with sign-magnitude codes (an encode-side numbering change)
@@ -36,7 +37,7 @@ from onespark.kernels import turboquant as tq
 
 SM_SCALE = 1 / 16
 # 4-bit only: 3-bit codes decode by an L1 gather per value today, and their planes would take other sequences
-OPS_PER_VALUE = {"lloyd-max": 20 / 4, "fp8-e5m2": 8 / 4, "fp8-e4m3": 8 / 4, "uniform": 9 / 8}
+OPS_PER_VALUE = {"lloyd-max": 20 / 8, "fp8-e5m2": 8 / 4, "fp8-e4m3": 8 / 4, "uniform": 9 / 8}
 SEEDS = (0, 1, 2, 3)  # attention data per kind: one seed's outlier error swings by tens of percent
 
 
