@@ -58,9 +58,11 @@ LOG2E = 1.4426950408889634
 # 139 us against 90 us for the nibble decoder (H200, at 222ae6e, bench/results/turboquant_h200.json, sweep).
 
 
-def _byte_asm(levels: torch.Tensor) -> str:
-    """PTX for 4 code bytes ($4) -> fp16 pairs (A_0, A_1), (A_2, A_3) in $0, $1 and (B_0, B_1), (B_2, B_3) in
-    $2, $3 (element k of Triton's pack=4 group is byte k)."""
+def _byte_asm(levels: torch.Tensor, high: bool) -> str:
+    """PTX for 4 code bytes ($2) -> fp16 pairs (A_0, A_1), (A_2, A_3) in $0, $1, or with high=True (B_0, B_1),
+    (B_2, B_3) (element k of Triton's pack=4 group is byte k). Two calls rather than one with four outputs:
+    fewer registers live at once (one asm for both spilled 8 B per thread in the sm_121 prefill tile with
+    Triton 3.7.1)."""
     lev = levels.to(torch.float16)
     if not torch.equal(lev[:8], -lev[8:].flip(0)):
         raise AssertionError("the 4-bit codebook is not symmetric in fp16: the PRMT decoder needs it")
@@ -84,20 +86,26 @@ def _byte_asm(levels: torch.Tensor) -> str:
     prmt.b32 {out0}, lo, hi, 0x5140;
     prmt.b32 {out1}, lo, hi, 0x7362;"""
 
-    return f"""{{
-    .reg .b32 a, b, x, m, lo, hi, s, sb, t0, t1, t2, t3;
+    tables = f"""
     mov.b32 t0, {l0:#010x};
     mov.b32 t1, {l1:#010x};
     mov.b32 t2, {h0:#010x};
-    mov.b32 t3, {h1:#010x};
-    and.b32 a, $4, 0x07070707;{half("a", "$4", "$0", "$1")}
-    shr.b32 b, $4, 4;
+    mov.b32 t3, {h1:#010x};"""
+    if high:
+        return f"""{{
+    .reg .b32 b, x, m, lo, hi, s, sb, t0, t1, t2, t3;{tables}
+    shr.b32 b, $2, 4;
     and.b32 b, b, 0x07070707;
-    shl.b32 sb, $4, 4;{half("b", "sb", "$2", "$3")}
+    shl.b32 sb, $2, 4;{half("b", "sb", "$0", "$1")}
+    }}"""
+    return f"""{{
+    .reg .b32 a, x, m, lo, hi, s, t0, t1, t2, t3;{tables}
+    and.b32 a, $2, 0x07070707;{half("a", "$2", "$0", "$1")}
     }}"""
 
 
-_BYTE4 = tl.constexpr(_byte_asm(tq.codebook(4).levels))
+_BYTE_LO = tl.constexpr(_byte_asm(tq.codebook(4).levels, high=False))
+_BYTE_HI = tl.constexpr(_byte_asm(tq.codebook(4).levels, high=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,8 +313,8 @@ def _nibbles(CACHE, ptr, nmask, TAB, HALF: tl.constexpr, PRMT: tl.constexpr):
     and 128 + 64 HALF + j (B), each [BLOCK_N, 64]."""
     b = tl.load(CACHE + ptr[:, None] + (HALF * 64 + tl.arange(0, 64))[None, :], mask=nmask[:, None], other=0)
     if PRMT:
-        lo, hi = tl.inline_asm_elementwise(_BYTE4, "=r,=r,=r,=r,r", [b], dtype=(tl.float16, tl.float16),
-                                           is_pure=True, pack=4)
+        lo = tl.inline_asm_elementwise(_BYTE_LO, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        hi = tl.inline_asm_elementwise(_BYTE_HI, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
     else:
         b = b.to(tl.int32)
         lo = tl.load(TAB + _sm_code(b & 7, b >> 7))
@@ -533,14 +541,15 @@ def decode_block_n(T: int, capability: tuple[int, int] | None, v_bits: int = 4) 
 
 def prefill_tile(G: int, capability: tuple[int, int] | None) -> tuple[int, int]:
     """(query positions, keys) per prefill tile; rows = positions x G query heads. sm_90: 64 rows, 64 keys
-    (the decode kernel's verify-step tile). mma.sync-only parts: 32 rows, 32 keys, the largest that ptxas
-    fits on sm_121 without spilling for every preset (64 rows spill ~1,000 bytes per thread; 32 rows with 64
-    keys still spill 8 bytes at K4V3). The sm_90 tile as timed on an H200 (64K context, 2K chunk): 27.2 ms;
+    (the decode kernel's verify-step tile). mma.sync-only parts: 32 rows, 16 keys, which ptxas fits on sm_121
+    without spilling for every preset and both tracks' Tritons (64 rows spill ~1,000 bytes per thread; 32 rows
+    with 32 keys spill 8 bytes at K4V4 and K8V4 with Triton 3.7.1 since the sign-magnitude decoder, with 64
+    keys 8 bytes at K4V3 before it). The sm_90 tile as timed on an H200 (64K context, 2K chunk): 27.2 ms;
     8 positions x 64 keys with 8 warps 25.2 ms, 8 x 32 43.5 ms (bench/results/turboquant_prefill_h200.json,
     prefill_sweep); this fused kernel is the fallback path (ONESPARK_TQ_PREFILL=triton), so it keeps the
     spill-checked tile. The sm_121 tile is not timed: no Spark here."""
     if _mma_sync_only(capability):
-        return max(1, 32 // G), 32
+        return max(1, 32 // G), 16
     return max(1, 64 // G), 64
 
 
