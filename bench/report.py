@@ -181,7 +181,8 @@ def _capacity_table(s: dict, result: dict) -> Table:
         use = "-" if ld["peak_kv_usage"] is None else f"{100 * ld['peak_kv_usage']:.3g}%"
         rows.append([str(ld["context"]), f"peak use {use}",
                      str(ld["users_at_context_measured"] or "-"),
-                     f"measured: {ld['streams']} streams, peak {ld['peak_running']} running"])
+                     f"measured: {ld['streams']} streams, peak {ld['peak_running']} running"
+                     + (f" ({ld['note']})" if ld.get("note") else "")])
     return ("capacity: KV cache and concurrent users per context length", headers, rows)
 
 

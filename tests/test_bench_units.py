@@ -449,3 +449,19 @@ def test_capacity_load_sees_the_load_when_metrics_is_slower_than_the_run():
     assert all(r["ok"] and r["completion_tokens"] == 5 for r in rows)
     assert load["samples_after_all_started"] == 1
     assert load["peak_running"] == streams and load["peak_kv_usage"] == pytest.approx(0.04)
+    # Every answer came after the first stream ended: nothing proves it was read under load, and the result says so.
+    assert load["samples_under_load"] == 0 and "--capacity-max-tokens" in load["note"]
+
+
+def test_capacity_load_counts_only_answers_that_came_while_every_stream_ran():
+    from onespark.bench.suites import _load_summary
+
+    def sample(t, running, after):
+        return {"t": t, "kv_usage": 0.01 * running, "running": running, "waiting": 0, "after_all_started": after}
+
+    samples = [sample(1.0, 0, False), sample(2.0, 4, True), sample(3.5, 0, False)]
+    load = _load_summary(4, 300, samples, first_end=3.0)
+    assert (load["samples_under_load"], load["peak_running"], load["note"]) == (1, 4, None)
+    assert load["users_at_context_measured"] == 100  # 4 running at 4% of the cache
+    late = _load_summary(4, 300, samples, first_end=1.5)
+    assert late["samples_under_load"] == 0 and late["note"]
