@@ -152,3 +152,23 @@ def test_patched_vllm_refuses_a_diff_that_does_not_apply(tmp_path):
         harness.patched_vllm([harness.ROOT / "patches" / "turboquant-0.26.0.diff"], tmp_path / "tree")
     assert installed.read_bytes() == before
     assert (tmp_path / "tree" / "vllm" / "config" / "cache.py").is_file()  # a copy was patched, not the original
+
+
+def test_log_facts_read_the_graph_mode_and_the_root_cause_from_real_engine_logs():
+    """vllm_step.py's log reader on the H200 engine logs committed at c207b19: our TurboQuant backend's run fell
+    back to piecewise graphs; upstream's failed start is named by its ValueError, not vLLM's closing RuntimeError;
+    the BF16-KV run kept the requested mode."""
+    import tarfile
+
+    import vllm_step
+
+    logs = {}
+    with tarfile.open(harness.ROOT / "bench" / "results" / "vllm_step_h200_35b_tq_engine_logs.tar.xz") as tar:
+        for m in tar.getmembers():
+            if m.isfile():
+                logs[Path(m.name).name] = tar.extractfile(m).read().decode(errors="replace")
+    tq = vllm_step.log_facts(logs["vllm_step_h200_35b_tq.log"])
+    assert tq == {"cudagraph_mode": "PIECEWISE"}
+    up = vllm_step.log_facts(logs["vllm_step_h200_35b_upstream-tq.log"])
+    assert up["error_cause"].startswith("ValueError: Unknown TurboQuant cache dtype: 'auto'")
+    assert vllm_step.log_facts(logs["vllm_step_h200_35b_product.log"]) == {}

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -79,6 +80,22 @@ def spec_counts(llm) -> dict:
         elif name == "vllm:spec_decode_num_accepted_tokens":
             counts["accepted"] += m.value
     return counts
+
+
+def log_facts(text: str) -> dict:
+    """What an engine's log says that the step time depends on: the CUDA-graph mode vLLM settled on when it
+    lowered the requested one (FULL_AND_PIECEWISE -> PIECEWISE for a backend without full-graph support puts every
+    attention and GDN layer of a decode step outside the graph), and for a failed start the first exception
+    line, not vLLM's closing "Engine core initialization failed" (the root cause scrolls out of a tail)."""
+    facts = {}
+    modes = re.findall(r"setting cudagraph_mode=(\w+)", text)
+    if modes:
+        facts["cudagraph_mode"] = modes[-1]
+    causes = [m.group(1) for m in re.finditer(r"^(?:.*\] )?((?:\w+\.)*\w*(?:Error|Exception): .+)$", text, re.M)
+              if "Engine core initialization failed" not in m.group(1)]
+    if causes:
+        facts["error_cause"] = causes[0].strip()
+    return facts
 
 
 def write_config(out: Path, model: str, fp8_shared: bool) -> dict:
@@ -256,17 +273,20 @@ def main(argv: list[str] | None = None) -> int:
                 error = f"stopped at the deadline (log: {log.name})"
             text = Path(f.name).read_text()
             run = json.loads(text) if text else dict(model=MODELS[model], config=config, points=[])
+            run.update(log_facts(log.read_text(errors="replace")))
             if error:
                 run["error"] = error
         result["runs"].append(run)
-        print(run.get("error", "")[-600:], flush=True)
+        print(run.get("error_cause") or run.get("error", "")[-600:], flush=True)
         harness.write_result(a.out, result)
     harness.write_result(a.out, result)  # also when the deadline left no engine to run: not_run says so
-    print(f"{'model':18s} {'config':12s} {'ctx':>7s} {'b':>2s} {'ms/step':>8s} {'GB/step':>8s} {'TB/s':>6s} {'Spark ms (est.)':>15s}")
+    print(f"{'model':18s} {'config':12s} {'ctx':>7s} {'b':>2s} {'ms/step':>8s} {'GB/step':>8s} {'TB/s':>6s} "
+          f"{'Spark ms (est.)':>15s}  graphs")
     for run in result["runs"]:
         for pt in run.get("points", []):
             print(f"{run['model']:18s} {run['config']:12s} {pt['ctx']:7d} {pt['batch']:2d} {pt['step_ms']:8.2f} "
-                  f"{pt['bytes'] / 1e9:8.2f} {pt['achieved_tb_s']:6.2f} {pt['spark_estimate_ms']:15.1f}")
+                  f"{pt['bytes'] / 1e9:8.2f} {pt['achieved_tb_s']:6.2f} {pt['spark_estimate_ms']:15.1f}  "
+                  f"{run.get('cudagraph_mode', 'as requested')}")
     return 0
 
 
