@@ -125,6 +125,18 @@ def parse_server_log(text: str) -> dict:
     return out
 
 
+_CAUSE = re.compile(r"^(?:.*\] )?((?:\w+\.)*\w*(?:Error|Exception): .+)$", re.M)
+
+
+def error_cause(text: str) -> str | None:
+    """The first exception line of a vLLM log that failed, without its logger prefix: the root cause, not the
+    engine's closing "Engine core initialization failed" (which a log tail keeps and the cause scrolls out of)."""
+    for m in _CAUSE.finditer(text):
+        if "Engine core initialization failed" not in m.group(1):
+            return m.group(1).strip()
+    return None
+
+
 def capacity_estimate(kv_cache_tokens: int | None, num_gpu_blocks: int | None, block_size: int | None,
                       context_len: int) -> dict:
     """Concurrent users that fit at `context_len` tokens each, from the KV cache size.

@@ -465,3 +465,14 @@ def test_capacity_load_counts_only_answers_that_came_while_every_stream_ran():
     assert load["users_at_context_measured"] == 100  # 4 running at 4% of the cache
     late = _load_summary(4, 300, samples, first_end=1.5)
     assert late["samples_under_load"] == 0 and late["note"]
+
+
+def test_error_cause_names_the_first_exception_not_the_engines_closing_line():
+    from onespark.bench.metrics import error_cause
+
+    log = ("(EngineCore pid=1) ERROR 12-03 18:53:49 [core.py:1330] ValueError: Unknown TurboQuant cache dtype: 'auto'\n"
+           "    raise RuntimeError(\n"
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n")
+    assert error_cause(log) == "ValueError: Unknown TurboQuant cache dtype: 'auto'"
+    assert error_cause("RuntimeError: Engine core initialization failed.\n") is None
+    assert error_cause("INFO all fine\n") is None

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 
+from onespark.bench.metrics import error_cause
 from tests._scripted_model import write_scripted_model
 from tests._tool_calls import PARSERS, REPLY, chat_exchange, check_chat_answers, check_responses
 from tests.test_plugin_server import GEN_TOKENS, PROMPTS, score
@@ -214,8 +215,7 @@ def test_upstream_turboquant_on_the_hybrid_model(scripted_qwen35, plain_server, 
     from tests.test_turboquant_backend import MAX_DLP, MIN_TOP1
 
     def not_served(e: Exception, what: str):
-        causes = [x for x in str(e).splitlines() if re.search(r"\w+Error: ", x) and "Engine core initial" not in x]
-        why = (causes or str(e).splitlines())[0].split("] ", 1)[-1].strip()
+        why = error_cause(str(e)) or str(e).splitlines()[0].split("] ", 1)[-1].strip()
         record_property("upstream_tq", f"upstream turboquant_4bit_nc {what}: {why}")
         pytest.xfail(f"upstream TurboQuant on the hybrid model {what}: {why}")
 

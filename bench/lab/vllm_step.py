@@ -39,6 +39,7 @@ from pathlib import Path
 
 import harness
 
+from onespark.bench.metrics import error_cause
 from onespark.checkpoint import synth
 from onespark.model import qwen35, specs
 
@@ -91,10 +92,8 @@ def log_facts(text: str) -> dict:
     modes = re.findall(r"setting cudagraph_mode=(\w+)", text)
     if modes:
         facts["cudagraph_mode"] = modes[-1]
-    causes = [m.group(1) for m in re.finditer(r"^(?:.*\] )?((?:\w+\.)*\w*(?:Error|Exception): .+)$", text, re.M)
-              if "Engine core initialization failed" not in m.group(1)]
-    if causes:
-        facts["error_cause"] = causes[0].strip()
+    if cause := error_cause(text):
+        facts["error_cause"] = cause
     return facts
 
 
@@ -267,13 +266,14 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 with open(log, "w") as lf:
                     r = subprocess.run(cmd, timeout=left, stdout=lf, stderr=subprocess.STDOUT, text=True, env=env)
-                if r.returncode != 0:
-                    error = log.read_text()[-1500:]
             except subprocess.TimeoutExpired:
                 error = f"stopped at the deadline (log: {log.name})"
+            log_text = log.read_text(errors="replace")
+            if error is None and r.returncode != 0:
+                error = log_text[-1500:]
             text = Path(f.name).read_text()
             run = json.loads(text) if text else dict(model=MODELS[model], config=config, points=[])
-            run.update(log_facts(log.read_text(errors="replace")))
+            run.update(log_facts(log_text))
             if error:
                 run["error"] = error
         result["runs"].append(run)
