@@ -460,10 +460,14 @@ def _tq_decode_kernel(
 
     ws = (bh.to(tl.int64) * num_splits + split) * BLOCK_M + r
     wrow = ws[:, None] * D + c64[None, :]
-    tl.store(WS_ACC + wrow, acc0, mask=rvalid[:, None])
-    tl.store(WS_ACC + wrow + 64, acc1, mask=rvalid[:, None])
-    tl.store(WS_ACC + wrow + 128, acc2, mask=rvalid[:, None])
-    tl.store(WS_ACC + wrow + 192, acc3, mask=rvalid[:, None])
+    # An empty split (start >= L: a short sequence in a grid sized for max_seq_len, as a CUDA graph captured at
+    # max_model_len is, or a padded request with L = 0) writes only m = -inf and l = 0; the merge weighs it 0 and
+    # never reads its accumulators, so they are not written.
+    amask = (rvalid & (start < end))[:, None]
+    tl.store(WS_ACC + wrow, acc0, mask=amask)
+    tl.store(WS_ACC + wrow + 64, acc1, mask=amask)
+    tl.store(WS_ACC + wrow + 128, acc2, mask=amask)
+    tl.store(WS_ACC + wrow + 192, acc3, mask=amask)
     tl.store(WS_ML + ws * 2, m_i, mask=rvalid)
     tl.store(WS_ML + ws * 2 + 1, l_i, mask=rvalid)
 
@@ -496,7 +500,8 @@ def _tq_merge_kernel(
         row = first + s * BLOCK_M
         w = tl.exp2(tl.load(WS_ML + row * 2, mask=smask, other=float("-inf")) - m_safe)  # empty split: m = -inf, w = 0
         lv += w * tl.load(WS_ML + row * 2 + 1, mask=smask, other=0.0)
-        o += tl.sum(w[:, None] * tl.load(WS_ACC + row[:, None] * D + cols[None, :], mask=smask[:, None], other=0.0), 0)
+        live = smask & (w > 0)  # an empty split's accumulators were never written (see _tq_decode_kernel)
+        o += tl.sum(w[:, None] * tl.load(WS_ACC + row[:, None] * D + cols[None, :], mask=live[:, None], other=0.0), 0)
     l_all = tl.sum(lv, 0)
     o = o / tl.where(l_all > 0, l_all, 1.0)
     c64 = tl.arange(0, 64)
@@ -527,16 +532,22 @@ def _mma_sync_only(capability: tuple[int, int] | None) -> bool:
 
 
 def decode_block_n(T: int, capability: tuple[int, int] | None, v_bits: int = 4) -> int:
-    """Keys per tile. sm_90: the H200 sweep (bench/results/turboquant_h200.json): 32 for T = 1, 64 for
-    verify steps, but 32 for 3-bit values, whose 64-key verify tile spills 632 bytes per thread (80 at 32 keys;
-    the 3-bit gathers hold more registers). mma.sync-only parts: 16 for verify steps, the largest tile that
-    ptxas fits in 255 registers without spilling at the 64-row tile of T = 3, 16 query heads (64 keys spill 960
-    bytes per thread on sm_121; tests/test_kernels_compile.py checks it). Not timed on a Spark."""
-    if T == 1:
-        return 32
+    """Keys per tile. sm_90, from the H200 sweep (bench/results/turboquant_h200.json, `sweep`, K4V4): 64, for
+    T = 1 with 2 warps (decode_num_warps: 8-9% faster than 32 keys x 4 warps at 128K batch 1 and 64K batch 8);
+    but 32 for 3-bit values, whose gathers hold more registers: with Triton 3.6.0 their 64-key tile spills 728
+    bytes per thread at T = 1 (2 warps) and 632 in a verify step when swept, 32 keys 112 (tests/
+    test_kernels_compile.py prints them). mma.sync-only parts: 32 for T = 1, 16 for verify steps, the largest
+    tile that ptxas fits in 255 registers without spilling at the 64-row tile of T = 3, 16 query heads (64 keys
+    spill 960 bytes per thread on sm_121; tests/test_kernels_compile.py checks it). Not timed on a Spark."""
     if _mma_sync_only(capability):
-        return 16
+        return 32 if T == 1 else 16
     return 32 if v_bits == 3 else 64
+
+
+def decode_num_warps(T: int, capability: tuple[int, int] | None, v_bits: int = 4) -> int:
+    """Warps per decode program: 2 with decode_block_n's 64 keys at T = 1 on sm_90 (the sweep's best: a
+    16-row tile leaves 4 warps little to share), otherwise 4."""
+    return 2 if T == 1 and decode_block_n(T, capability, v_bits) == 64 and not _mma_sync_only(capability) else 4
 
 
 def prefill_tile(G: int, capability: tuple[int, int] | None) -> tuple[int, int]:
@@ -563,7 +574,7 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int
 
 def decode_attention(
     q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float, max_seq_len: int,
-    num_splits: int | None = None, block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+    num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
     decoder: str = "prmt", waves: int = 4, out=None,
 ):
     """q [B, Hq, T, d] -> out [B, Hq, T, d] (q's dtype). seq_lens [B] int32 on the device (no sync);
@@ -583,6 +594,8 @@ def decode_attention(
     block_m = max(16, triton.next_power_of_2(G * T))
     if block_n is None:
         block_n = decode_block_n(T, _capability(q.device), layout.preset.v_bits)
+    if num_warps is None:
+        num_warps = decode_num_warps(T, _capability(q.device), layout.preset.v_bits)
     t = _tables(layout.preset, seed, q.device, d)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4

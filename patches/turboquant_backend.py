@@ -21,7 +21,12 @@ What runs where (one layer, one step):
                   its exact K/V makes a token's output independent of how the prompt was chunked. CPU (and
                   ONESPARK_TQ_PREFILL=torch): per request, dequantized and attended in plain torch.
 Cache tensor of a layer: uint8 [num_blocks, CacheLayout.block_bytes], one block = block_size tokens.
-CUDA graphs: piecewise only (the builder reads host-side query lengths every step).
+CUDA graphs: full graphs for uniform batches (UNIFORM_BATCH: every request a decode, or every request an MTP
+verify step of the same length), piecewise for the rest. vLLM pads a full-graph batch with requests of query
+length 0 and seq_len 0 (block-table rows the null block, slots -1); they join the one decode call, where an
+empty sequence's output is zeros, and the encode skips slot -1. The decode's split grid is sized from the
+host-side max_seq_len, which vLLM sets to max_model_len when it captures; each request's own length is split on
+the device, so a graph replays correctly at any length.
 """
 
 from __future__ import annotations
@@ -178,7 +183,9 @@ class TurboQuantMetadata:
 
 
 class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # full graphs of decode and MTP verify batches (vLLM 0.26.0 on the H200 before this: a 35B decode step 3.2x
+    # v2's, all attention and GDN ops eager: bench/results/vllm_step_h200_35b_tq.json)
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -198,6 +205,8 @@ class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
         nd = 0
         while T and nd < m.num_reqs and q_lens[nd] == T:  # the leading run of equal short queries
             nd += 1
+        if nd and all(n == 0 for n in q_lens[nd:]) and m.num_actual_tokens >= m.num_reqs * T:
+            nd = m.num_reqs  # a full graph's padding (query length 0, seq_len 0): zeros from the decode call
         prefill_qsl = prefill_lens = None
         if nd < m.num_reqs:
             prefill_qsl = m.query_start_loc[nd: m.num_reqs + 1] - nd * T

@@ -60,7 +60,8 @@ if ((tests)); then
     tests/test_draft_head.py::test_argmax_maps_back_with_a_clear_winner_and_with_ties \
     tests/test_draft_head.py::test_a_better_token_outside_the_subset_is_never_drafted \
     tests/test_draft_head.py::test_real_shape_cuda_graph_replay_equals_eager \
-    tests/test_turboquant_backend.py::test_cuda_path_triton_kernels 2>&1 | tee "$out/gpu_lane.log"
+    tests/test_turboquant_backend.py::test_cuda_path_triton_kernels \
+    tests/test_turboquant_backend.py::test_padded_uniform_step_replays_in_a_cuda_graph 2>&1 | tee "$out/gpu_lane.log"
   rc=${PIPESTATUS[0]}
   set -e
   "$py" - "$out/gpu_lane.xml" "$out/gpu_lane_$gpu.json" "$sha" "tests/gpu.sh $argv" <<'EOF'

@@ -57,9 +57,13 @@ def test_builder_asks_vllm_to_put_decodes_and_verify_steps_first():
     assert tb.TurboQuantMetadataBuilder(None, [], _vllm_config(2), torch.device("cpu")).reorder_batch_threshold == 3
 
 
-def _step(preset: str, reqs: list[tuple[int, int]], dtype=torch.float16, pad: int = 2, dev: str = "cpu"):
+def _step(preset: str, reqs: list[tuple[int, int]], dtype=torch.float16, pad: int = 2, dev: str = "cpu",
+          graph_pad: int = 0):
     """One attention step for requests (context already cached, new query tokens), through the backend on
-    device dev. Returns what the test compares; the references are computed on the CPU in float64."""
+    device dev. Returns what the test compares; the references are computed on the CPU in float64.
+    graph_pad: as vLLM pads a full CUDA graph's uniform batch: that many more requests of query length 0 and
+    seq_len 0, their block-table rows the null block 0, their T tokens each slot -1, and max_seq_len the block
+    table's whole width (at capture vLLM passes max_model_len)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     tb = _tb()
@@ -85,16 +89,22 @@ def _step(preset: str, reqs: list[tuple[int, int]], dtype=torch.float16, pad: in
                                 slots(i, 0, c).to(dst.device), dst, layout, r.to(dst.device))
 
     new = [(c, c + q) for c, q in reqs]
+    if graph_pad:
+        pad = graph_pad * reqs[0][1]
     key = torch.cat([ks[i][lo:hi] for i, (lo, hi) in enumerate(new)] + [torch.zeros(pad, H, D)]).to(dtype)
     value = torch.cat([vs[i][lo:hi] for i, (lo, hi) in enumerate(new)] + [torch.zeros(pad, H, D)]).to(dtype)
     slot_mapping = torch.cat([slots(i, lo, hi) for i, (lo, hi) in enumerate(new)] + [torch.full((pad,), -1)])
     n = key.shape[0]
     query = torch.randn(n, HQ, D, generator=g).to(dtype)
     qsl = torch.tensor([0] + [sum(q for _, q in reqs[: i + 1]) for i in range(B)], dtype=torch.int32)
+    padded_qsl = torch.cat([qsl, qsl[-1:].repeat(graph_pad)])
+    padded_table = torch.cat([block_table, torch.zeros(graph_pad, max_blocks, dtype=torch.int32)])
     common = CommonAttentionMetadata(
-        query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-        num_reqs=B, num_actual_tokens=n, max_query_len=max(q for _, q in reqs), max_seq_len=max(lens),
-        block_table_tensor=block_table.to(dev), slot_mapping=slot_mapping.to(dev),
+        query_start_loc=padded_qsl.to(dev), query_start_loc_cpu=padded_qsl,
+        seq_lens=torch.tensor(lens + [0] * graph_pad, dtype=torch.int32, device=dev), num_reqs=B + graph_pad,
+        num_actual_tokens=n, max_query_len=max(q for _, q in reqs),
+        max_seq_len=max_blocks * PAGE if graph_pad else max(lens),
+        block_table_tensor=padded_table.to(dev), slot_mapping=slot_mapping.to(dev),
     )
     md = tb.TurboQuantMetadataBuilder(None, [_Layer.layer_name], _vllm_config(), torch.device(dev)).build(0, common)
     impl = tb.TurboQuantImpl(HQ, D, SCALE, H, None, None, preset)
@@ -153,6 +163,35 @@ def test_mtp_verify_batch_is_causal_within_the_step():
     _check("turboquant_k4v3", [(30, 3), (0, 3), (17, 3)], want_T=3, want_decodes=3)
 
 
+@pytest.mark.parametrize("T", [1, 3], ids=["decode", "verify"])
+def test_full_graph_padding_joins_the_decode_call_as_zeros(T):
+    """A uniform batch as vLLM pads it for a full CUDA graph (two requests of query length 0 and seq_len 0 after
+    the real ones): one decode call over all of them, the real requests as the reference, the padded rows 0."""
+    reqs = [(40, T), (7, T)]
+    md, cache, want_cache, out, want, qsl = _step("turboquant_k4v4", reqs, graph_pad=2)
+    assert (md.decode_query_len, md.num_decodes, md.num_reqs) == (T, 4, 4)
+    assert md.prefill_seq_lens_cpu is None  # nothing on the prefill path, which reads seq_lens on the host
+    assert torch.equal(cache, want_cache)
+    for i, (ref, vmax) in enumerate(want):
+        assert_close(out[qsl[i]: qsl[i + 1]], ref, torch.finfo(torch.float16).eps * ref.abs() + 1e-4 * float(vmax),
+                     f"request {i}")
+    assert (out[int(qsl[-1]):] == 0).all(), "a padded request's rows are not zeros"
+
+
+def test_trailing_empty_requests_without_their_rows_stay_off_the_decode_call():
+    """Query-length-0 requests after the decodes whose T rows the step does not carry are not a full graph's
+    padding: the decode call covers only the real decodes."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    qsl = torch.tensor([0, 1, 2, 2], dtype=torch.int32)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=torch.tensor([5, 9, 0], dtype=torch.int32),
+        num_reqs=3, num_actual_tokens=2, max_query_len=1, max_seq_len=9,
+        block_table_tensor=torch.zeros(3, 1, dtype=torch.int32), slot_mapping=torch.tensor([3, 4]))
+    md = _tb().TurboQuantMetadataBuilder(None, [_Layer.layer_name], _vllm_config(), torch.device("cpu")).build(0, common)
+    assert (md.num_decodes, md.decode_query_len) == (2, 1)
+
+
 def test_prefill_only_batch():
     # a batch that starts with a prefill has no decode part: everything on the prefill path
     _check("turboquant_k8v4", [(0, 12), (20, 1), (9, 2)], want_T=0, want_decodes=0)
@@ -185,6 +224,73 @@ def test_cuda_path_triton_kernels(preset, reqs, want_T, want_decodes, prefill, m
         rel = ((got - ref).norm() / ref.norm()).item()
         assert rel < 8e-3, f"{preset} request {i} {reqs[i]}: relative error {rel:.2e}"
     assert torch.isnan(out[int(qsl[-1]):]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 3], ids=["decode", "verify"])
+def test_padded_uniform_step_replays_in_a_cuda_graph(T):
+    """What vLLM's full graph does with the backend: a padded uniform batch's cache write and attention captured
+    once (max_seq_len = the block table's width, as vLLM passes max_model_len at capture; sequences 1 key long),
+    then replayed after the sequences grew and new queries came: the replay equals attention computed eagerly
+    for the grown sequences (their own max_seq_len, so another split count), and the padded rows are zeros."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    tb, dev, preset = _tb(), "cuda", tq.DEFAULT_PRESET
+    B, pad, width = 2, 2, 64  # width blocks of PAGE: a graph sized for 1,024 keys
+    layout = tq.CacheLayout(tq.PRESETS[preset], H, PAGE)
+    g = torch.Generator().manual_seed(T)
+    table = torch.zeros(B + pad, width, dtype=torch.int32)
+    table[:B] = 1 + torch.randperm(B * width, generator=g).view(B, width)  # block 0: the null block
+    cache = layout.empty(1 + B * width, dev)
+    lens = torch.zeros(B + pad, dtype=torch.int32, device=dev)
+    slots = torch.full(((B + pad) * T,), -1, dtype=torch.int64, device=dev)
+    qkv = torch.zeros(3, (B + pad) * T, HQ, D, dtype=torch.bfloat16, device=dev)
+    out = torch.zeros((B + pad) * T, HQ, D, dtype=torch.bfloat16, device=dev)
+    qsl = torch.tensor([0] + [T * min(i + 1, B) for i in range(B + pad)], dtype=torch.int32)
+
+    def metadata(max_seq_len):
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl.to(dev), query_start_loc_cpu=qsl, seq_lens=lens, num_reqs=B + pad,
+            num_actual_tokens=(B + pad) * T, max_query_len=T, max_seq_len=max_seq_len,
+            block_table_tensor=table.to(dev), slot_mapping=slots)
+        return tb.TurboQuantMetadataBuilder(None, [_Layer.layer_name], _vllm_config(), torch.device(dev)).build(0, common)
+
+    impl = tb.TurboQuantImpl(HQ, D, SCALE, H, None, None, preset)
+
+    def step(md):
+        impl.do_kv_cache_update(_Layer(), qkv[1, :, :H], qkv[2, :, :H], cache, slots)
+        impl.forward(_Layer(), qkv[0], qkv[1, :, :H], qkv[2, :, :H], cache, md, output=out)
+
+    def grow(context):  # the real requests' context and this step's T tokens; padding stays at 0 and slot -1
+        for i, c in enumerate(context):
+            L = c + T
+            k, v = (torch.randn(L, H, D, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+            ctx = tq.seq_slots(table[i], L, PAGE).to(dev)
+            tt_encode(k[:c], v[:c], ctx[:c])
+            qkv[1, i * T:(i + 1) * T, :H], qkv[2, i * T:(i + 1) * T, :H] = k[c:], v[c:]
+            slots[i * T:(i + 1) * T] = ctx[c:]
+            lens[i] = L
+        qkv[0].copy_(torch.randn(qkv[0].shape, generator=g))
+
+    def tt_encode(k, v, where):
+        from onespark.kernels import turboquant_triton as tt
+
+        tt.encode(k, v, where, cache, layout, tq.rotation_seed(LAYER))
+
+    grow([0] * B)  # seq_len T: what vLLM's capture run attends over
+    capture_md = metadata(width * PAGE)
+    step(capture_md)  # warm-up, eager (vLLM's warm-up run: Triton compiles, tables cached)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(capture_md)
+    grow([700, 33])
+    graph.replay()
+    replayed = out.clone()
+    out.fill_(float("nan"))
+    step(metadata(int(lens.max())))
+    rel = ((replayed.double() - out.double()).norm() / out[: B * T].double().norm()).item()
+    assert rel < 2e-3, f"graph replay vs eager: relative difference {rel:.1e} (split counts differ: rounding only)"
+    assert (replayed[B * T:] == 0).all() and (out[B * T:] == 0).all(), "padded rows are not zeros"
 
 
 @pytest.mark.parametrize("kwargs,needle", [

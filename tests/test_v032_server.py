@@ -278,6 +278,16 @@ def test_turboquant_diff_applies_once_and_only_to_its_files(tq_vllm):
     assert '"turboquant_k4v4",' in text and '"turboquant_k4v3",' in text
 
 
+def assert_full_decode_graphs(log: str) -> None:
+    """On the GPU lane, vLLM captured full CUDA graphs for decode batches with our backend (UNIFORM_BATCH); while
+    the backend declared NEVER, vLLM lowered FULL_AND_PIECEWISE to PIECEWISE and ran every attention and GDN op
+    of a step eagerly (bench/results/vllm_step_h200_35b_tq.json). The CPU build captures no graphs."""
+    if GPU:
+        lowered = re.search(r"not supported with TurboQuantBackend.*?setting cudagraph_mode=\w+", log)
+        assert lowered is None, f"vLLM lowered the CUDA graph mode for our backend: {lowered.group(0)}"
+        assert "Capturing CUDA graphs (decode, FULL)" in log, "no full CUDA graphs captured for decode batches"
+
+
 def test_turboquant_serves_the_hybrid_model_close_to_the_bf16_cache(tq_server, plain_server, record_property):
     """Same server as `plain` (INT8 head, no speculative decoding) but the KV cache of the full-attention layer
     is TurboQuant (the Gated DeltaNet layers keep their own state). Measure: teacher-forced top-1 agreement and
@@ -290,6 +300,7 @@ def test_turboquant_serves_the_hybrid_model_close_to_the_bf16_cache(tq_server, p
     kernels = "Triton kernels" if GPU else "plain-torch reference kernels"
     assert re.search(rf"TurboQuant attention backend serves 1 layers \({kernels}", log), \
         "the attention layer is not served by onespark's TurboQuant backend"
+    assert_full_decode_graphs(log)
     tq, ref = score(srv), score(plain_server)
     n, agree, dlp = agreement(tq, ref)
     same = sum(p == q for p, q in zip(tq["gen_tokens"], ref["gen_tokens"]))
@@ -322,6 +333,7 @@ def test_turboquant_with_mtp2_drafts_and_matches_the_bf16_cache(scripted_qwen35,
         before = spec_counters(srv)
         ids, _ = greedy(srv)
         after = spec_counters(srv)
+        assert_full_decode_graphs(srv.log_text())  # verify steps of 3 tokens: the uniform batch vLLM graphs
     ref, _ = greedy(plain_server)
     pairs = [(a, b) for p, q in zip(ids, ref) for a, b in zip(p, q)]
     agree = sum(a == b for a, b in pairs) / len(pairs)

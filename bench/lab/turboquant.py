@@ -256,7 +256,9 @@ def encode_ms(k, v, slots, cache, lay, **kw):
 SWEEP = {  # decode_attention keyword sets tried per q_len ({} = the library defaults); the best (128K B1 +
     # 64K B8) is recorded as sweep_best, and the table runs the defaults: what vLLM's backend calls (until
     # c207b19 the table ran the best, up to 10% faster than what shipped)
-    1: [dict(), dict(block_n=64), dict(num_warps=2), dict(num_warps=2, waves=8), dict(num_warps=2, block_n=64), dict(decoder="gather")],
+    # q_len 1: {} is 64 keys x 2 warps on sm_90 since the sweep at c207b19; 32 x 4 was the default before it
+    1: [dict(), dict(block_n=32, num_warps=4), dict(block_n=32, num_warps=2), dict(num_warps=4), dict(waves=8),
+        dict(decoder="gather")],
     3: [dict(), dict(block_n=32)],
 }
 
