@@ -157,18 +157,22 @@ def test_patched_vllm_refuses_a_diff_that_does_not_apply(tmp_path):
 def test_log_facts_read_the_graph_mode_and_the_root_cause_from_real_engine_logs():
     """vllm_step.py's log reader on the H200 engine logs committed at c207b19: our TurboQuant backend's run fell
     back to piecewise graphs; upstream's failed start is named by its ValueError, not vLLM's closing RuntimeError;
-    the BF16-KV run kept the requested mode."""
+    the BF16-KV run kept the requested mode. At e81c79e (full-graph support) the TurboQuant run kept it too."""
     import tarfile
 
     import vllm_step
 
-    logs = {}
-    with tarfile.open(harness.ROOT / "bench" / "results" / "vllm_step_h200_35b_tq_engine_logs.tar.xz") as tar:
-        for m in tar.getmembers():
-            if m.isfile():
-                logs[Path(m.name).name] = tar.extractfile(m).read().decode(errors="replace")
+    def logs_of(name: str) -> dict[str, str]:
+        with tarfile.open(harness.ROOT / "bench" / "results" / name) as tar:
+            return {Path(m.name).name: tar.extractfile(m).read().decode(errors="replace")
+                    for m in tar.getmembers() if m.isfile()}
+
+    logs = logs_of("vllm_step_h200_35b_tq_c207b19_engine_logs.tar.xz")
     tq = vllm_step.log_facts(logs["vllm_step_h200_35b_tq.log"])
     assert tq == {"cudagraph_mode": "PIECEWISE"}
     up = vllm_step.log_facts(logs["vllm_step_h200_35b_upstream-tq.log"])
     assert up["error_cause"].startswith("ValueError: Unknown TurboQuant cache dtype: 'auto'")
     assert vllm_step.log_facts(logs["vllm_step_h200_35b_product.log"]) == {}
+    now = logs_of("vllm_step_h200_35b_tq_engine_logs.tar.xz")
+    assert vllm_step.log_facts(now["vllm_step_h200_35b_tq.log"]) == {}
+    assert "Capturing CUDA graphs (decode, FULL)" in now["vllm_step_h200_35b_tq.log"]

@@ -52,8 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--drafter dflash: tokens drafted per step (default: the spec's, the record's 12; others "
                         "reported 12 unstable and use 10)")
     p.add_argument("--image", help=f"image to run (default: {V2_IMAGE}; --tq: {V2_TQ_IMAGE}; --demo: {DEMO_IMAGE})")
-    p.add_argument("--tq", action="store_true", help="run the TurboQuant image (v2-tq): 3.9x the KV tokens per GB, but "
-                   "a decode step ~3x v2's until its backend runs in full CUDA graphs (docs/concepts/turboquant.md)")
+    p.add_argument("--tq", action="store_true", help="run the TurboQuant image (v2-tq): 3.9x the KV tokens per GB; a decode "
+                   "step ~v2's at 1K, faster at long context (H200, 35B shape: docs/concepts/turboquant.md)")
     p.add_argument("--demo", action="store_true", help="CPU stand-in: no GPU, tiny model, GPU-only defaults dropped")
     p.add_argument("--name", default="onespark", help="container name (default: onespark)")
     p.add_argument("--host", default="127.0.0.1", help="address vLLM binds (default: 127.0.0.1, this machine only)")
