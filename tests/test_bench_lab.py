@@ -21,7 +21,7 @@ SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name not in MODULES)
 
 
 def test_the_lab_holds_the_benchmarks():
-    assert SCRIPTS == ["checkpoint.py", "compressor.py", "draft_head.py", "lm_head.py", "lm_head_glue.py", "turboquant.py",
+    assert SCRIPTS == ["checkpoint.py", "compile_resources.py", "compressor.py", "draft_head.py", "lm_head.py", "lm_head_glue.py", "turboquant.py",
                        "turboquant_codebooks.py", "turboquant_quality.py", "vllm_step.py"]
 
 
@@ -30,6 +30,22 @@ def test_lab_script_starts(script):
     r = subprocess.run([sys.executable, str(LAB / script), "--help"], cwd=LAB.parents[1], capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "usage:" in r.stdout, f"{script} --help failed:\n{r.stdout}{r.stderr[-3000:]}"
+
+
+def test_compile_resources_reads_the_lines_the_compile_test_prints():
+    """What `pytest -q -s tests/test_kernels_compile.py` prints, progress dots included (a dot leads the first
+    line a test prints; missing it once dropped 30 of 79 launches), both line shapes; other lines ignored."""
+    import compile_resources
+
+    out = (".sm_121 turboquant_k4v4 _tq_decode_kernel: 127 registers, 0 B spilled, 17664 B shared\n"
+           "sm_121 turboquant_k4v4 with the H200 verify tile _tq_decode_kernel: 255 registers, 1072 B spilled, 49664 B shared\n"
+           ".sm_90 int8 M<=16 ('swap', 64, 16, 128, 1, 2, 4): _int8_mm_kernel 96 registers, 0 B spilled, 36864 B shared\n"
+           "31 passed in 5.07s\n")
+    rows = compile_resources.parse(out)
+    assert [(r["arch"], r["launch"], r["kernel"], r["registers"], r["spill_bytes_per_thread"]) for r in rows] == [
+        ("sm_121", "turboquant_k4v4", "_tq_decode_kernel", 127, 0),
+        ("sm_121", "turboquant_k4v4 with the H200 verify tile", "_tq_decode_kernel", 255, 1072),
+        ("sm_90", "int8 M<=16 ('swap', 64, 16, 128, 1, 2, 4)", "_int8_mm_kernel", 96, 0)]
 
 
 def test_result_file_is_written_whole_with_its_header(tmp_path):
