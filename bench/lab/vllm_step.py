@@ -17,6 +17,7 @@ wheel set: tests/gpu_vllm/). Configs, in the order they run (the deadline stops 
   tq           product + onespark's TurboQuant K4V4 (--kv-cache-dtype turboquant_k4v4 --attention-backend CUSTOM),
                served from a copy of the installed vLLM with patches/turboquant-0.26.0.diff applied
                (harness.patched_vllm; the installed vLLM is not touched)
+  tq-mtp2      tq + MTP-2: the v2-tq image's defaults (every step a 3-token verify in the TurboQuant decode kernel)
 
 Decode step = (last_token_ts - first_token_ts) / (generated - 1), vLLM's own per-request timestamps (engine core,
 monotonic); each (context, batch) point is one request batch after a warm-up. Bytes per step come from the
@@ -51,9 +52,10 @@ CONFIGS = {  # name -> (FP8 shared experts, INT8 head, MTP-2, extra engine kwarg
     "int8-head": (False, True, False, {}),
     "upstream-tq": (True, True, False, {"kv_cache_dtype": "turboquant_4bit_nc", "attention_backend": "TURBOQUANT"}),
     "tq": (True, True, False, {"kv_cache_dtype": "turboquant_k4v4", "attention_backend": "CUSTOM"}),
+    "tq-mtp2": (True, True, True, {"kv_cache_dtype": "turboquant_k4v4", "attention_backend": "CUSTOM"}),
 }
 # Configs served from a patched copy of vLLM: the diff (under patches/) that makes their KV-cache dtype exist
-PATCHED = {"tq": "turboquant-0.26.0.diff"}
+PATCHED = {"tq": "turboquant-0.26.0.diff", "tq-mtp2": "turboquant-0.26.0.diff"}
 # KV-cache bytes per token and KV head at head_dim 256, by --kv-cache-dtype: BF16 K and V; onespark's K4V4 (4-bit
 # codes of K and V + two fp32 scales: kernels/turboquant.py); upstream's 4-bit preset as vLLM 0.26.0 sizes its
 # slot (TurboQuantConfig.slot_size_aligned: 130 B of key + 132 of value). Every attention layer: upstream keeps
