@@ -23,8 +23,9 @@ What runs where (one layer, one step):
 Cache tensor of a layer: uint8 [num_blocks, CacheLayout.block_bytes], one block = block_size tokens.
 CUDA graphs: full graphs for uniform batches (UNIFORM_BATCH: every request a decode, or every request an MTP
 verify step of the same length), piecewise for the rest. vLLM pads a full-graph batch with requests of query
-length 0 and seq_len 0 (block-table rows the null block, slots -1); they join the one decode call, where an
-empty sequence's output is zeros, and the encode skips slot -1. The decode's split grid is sized from the
+length 0 and seq_len 0 (slots -1; block-table rows -1 on 0.19.1, the null block on 0.26.0 and 0.32.0, never read
+at seq_len 0: as read from each release's gpu_model_runner.py and 0.32.0's model runner V2); they join the one
+decode call, where an empty sequence's output is zeros, and the encode skips slot -1. The decode's split grid is sized from the
 host-side max_seq_len, which vLLM sets to max_model_len when it captures; each request's own length is split on
 the device, so a graph replays correctly at any length.
 """

@@ -58,12 +58,12 @@ def test_builder_asks_vllm_to_put_decodes_and_verify_steps_first():
 
 
 def _step(preset: str, reqs: list[tuple[int, int]], dtype=torch.float16, pad: int = 2, dev: str = "cpu",
-          graph_pad: int = 0):
+          graph_pad: int = 0, pad_block: int = 0):
     """One attention step for requests (context already cached, new query tokens), through the backend on
     device dev. Returns what the test compares; the references are computed on the CPU in float64.
     graph_pad: as vLLM pads a full CUDA graph's uniform batch: that many more requests of query length 0 and
-    seq_len 0, their block-table rows the null block 0, their T tokens each slot -1, and max_seq_len the block
-    table's whole width (at capture vLLM passes max_model_len)."""
+    seq_len 0, their block-table rows pad_block (the null block 0 on vLLM 0.26.0 and 0.32.0, -1 on 0.19.1), their T
+    tokens each slot -1, and max_seq_len the block table's whole width (at capture vLLM passes max_model_len)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     tb = _tb()
@@ -98,7 +98,7 @@ def _step(preset: str, reqs: list[tuple[int, int]], dtype=torch.float16, pad: in
     query = torch.randn(n, HQ, D, generator=g).to(dtype)
     qsl = torch.tensor([0] + [sum(q for _, q in reqs[: i + 1]) for i in range(B)], dtype=torch.int32)
     padded_qsl = torch.cat([qsl, qsl[-1:].repeat(graph_pad)])
-    padded_table = torch.cat([block_table, torch.zeros(graph_pad, max_blocks, dtype=torch.int32)])
+    padded_table = torch.cat([block_table, torch.full((graph_pad, max_blocks), pad_block, dtype=torch.int32)])
     common = CommonAttentionMetadata(
         query_start_loc=padded_qsl.to(dev), query_start_loc_cpu=padded_qsl,
         seq_lens=torch.tensor(lens + [0] * graph_pad, dtype=torch.int32, device=dev), num_reqs=B + graph_pad,
@@ -163,12 +163,14 @@ def test_mtp_verify_batch_is_causal_within_the_step():
     _check("turboquant_k4v3", [(30, 3), (0, 3), (17, 3)], want_T=3, want_decodes=3)
 
 
+@pytest.mark.parametrize("pad_block", [0, -1], ids=["null-block", "minus-one"])
 @pytest.mark.parametrize("T", [1, 3], ids=["decode", "verify"])
-def test_full_graph_padding_joins_the_decode_call_as_zeros(T):
+def test_full_graph_padding_joins_the_decode_call_as_zeros(T, pad_block):
     """A uniform batch as vLLM pads it for a full CUDA graph (two requests of query length 0 and seq_len 0 after
-    the real ones): one decode call over all of them, the real requests as the reference, the padded rows 0."""
+    the real ones, their block-table rows as each release fills them): one decode call over all of them, the real
+    requests as the reference, the padded rows 0."""
     reqs = [(40, T), (7, T)]
-    md, cache, want_cache, out, want, qsl = _step("turboquant_k4v4", reqs, graph_pad=2)
+    md, cache, want_cache, out, want, qsl = _step("turboquant_k4v4", reqs, graph_pad=2, pad_block=pad_block)
     assert (md.decode_query_len, md.num_decodes, md.num_reqs) == (T, 4, 4)
     assert md.prefill_seq_lens_cpu is None  # nothing on the prefill path, which reads seq_lens on the host
     assert torch.equal(cache, want_cache)
