@@ -253,13 +253,13 @@ def test_byte_decoder_tables_hold_the_codebook_magnitudes():
 @kernel_case
 @pytest.mark.parametrize("T", [1, 3])
 def test_decode_in_a_graph_sized_grid_with_padded_requests(T, monkeypatch):
-    """A full CUDA graph's batch: the split grid sized for max_model_len (4,096 here, so most of a short
-    sequence's 64 splits are empty) and padded requests of seq_len 0 on the null block. The real requests match
-    the reference, the padded ones are exactly 0, and no empty split's workspace is read: it starts as NaN."""
+    """A full CUDA graph's batch: the split grid sized for max_model_len (4,096 here: 16 splits, of which a
+    short sequence fills 1-3) and a padded request of seq_len 0 on the null block. The real requests match the
+    reference, the padded one is exactly 0, and no empty split's workspace is read: it starts as NaN."""
     lay = tq.CacheLayout(tq.PRESETS[tq.DEFAULT_PRESET], num_kv_heads=2, page=16)
-    lens = [45, 0, 130, 0]
-    bt, nb = paged([45, 16, 130, 16], 16, seed=T)
-    bt[1], bt[3] = 0, 0
+    lens = [45, 0, 130]
+    bt, nb = paged([45, 16, 130], 16, seed=T)
+    bt[1] = 0
     bt = torch.nn.functional.pad(bt, (0, 256 - bt.shape[1]))  # a table as wide as max_model_len / page
     cache = lay.empty(nb)
     g = torch.Generator().manual_seed(11)
@@ -273,9 +273,9 @@ def test_decode_in_a_graph_sized_grid_with_padded_requests(T, monkeypatch):
     empty = torch.empty
     monkeypatch.setattr(tt.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
     out = tt.decode_attention(q.to(DEV, torch.float16), cache.to(DEV), lay, bt.to(DEV), seq_lens.to(DEV), SEED,
-                              1 / 16, 4096, num_splits=64)
+                              1 / 16, 4096, num_splits=16)
     monkeypatch.undo()
-    assert (out[[1, 3]] == 0).all(), "a padded request (seq_len 0) did not come out as zeros"
+    assert (out[1] == 0).all(), "a padded request (seq_len 0) did not come out as zeros"
     assert_rel(out[[0, 2]].float(), ref[[0, 2]], 3e-3, "real requests in a graph-sized grid")
 
 

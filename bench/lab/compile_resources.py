@@ -40,7 +40,7 @@ def parse(text: str) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--git-sha", help="the commit measured (default: this checkout's HEAD)")
     args = ap.parse_args()
