@@ -547,7 +547,7 @@ def decode_block_n(T: int, capability: tuple[int, int] | None, v_bits: int = 4) 
 def decode_num_warps(T: int, capability: tuple[int, int] | None, v_bits: int = 4) -> int:
     """Warps per decode program: 2 with decode_block_n's 64 keys at T = 1 on sm_90 (the sweep's best: a
     16-row tile leaves 4 warps little to share), otherwise 4."""
-    return 2 if T == 1 and decode_block_n(T, capability, v_bits) == 64 and not _mma_sync_only(capability) else 4
+    return 2 if T == 1 and decode_block_n(T, capability, v_bits) == 64 else 4
 
 
 def prefill_tile(G: int, capability: tuple[int, int] | None) -> tuple[int, int]:

@@ -184,8 +184,8 @@ class TurboQuantMetadata:
 
 
 class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
-    # full graphs of decode and MTP verify batches (vLLM 0.26.0 on the H200 before this: a 35B decode step 3.2x
-    # v2's, all attention and GDN ops eager: bench/results/vllm_step_h200_35b_tq.json)
+    # full graphs of decode and MTP verify batches (vLLM 0.26.0 on the H200 while this was NEVER: a 35B decode step
+    # 3.2x v2's, all attention and GDN ops eager: bench/results/vllm_step_h200_35b_tq_c207b19.json)
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):

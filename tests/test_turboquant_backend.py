@@ -263,6 +263,11 @@ def test_padded_uniform_step_replays_in_a_cuda_graph(T):
         impl.do_kv_cache_update(_Layer(), qkv[1, :, :H], qkv[2, :, :H], cache, slots)
         impl.forward(_Layer(), qkv[0], qkv[1, :, :H], qkv[2, :, :H], cache, md, output=out)
 
+    def tt_encode(k, v, where):
+        from onespark.kernels import turboquant_triton as tt
+
+        tt.encode(k, v, where, cache, layout, tq.rotation_seed(LAYER))
+
     def grow(context):  # the real requests' context and this step's T tokens; padding stays at 0 and slot -1
         for i, c in enumerate(context):
             L = c + T
@@ -273,11 +278,6 @@ def test_padded_uniform_step_replays_in_a_cuda_graph(T):
             slots[i * T:(i + 1) * T] = ctx[c:]
             lens[i] = L
         qkv[0].copy_(torch.randn(qkv[0].shape, generator=g))
-
-    def tt_encode(k, v, where):
-        from onespark.kernels import turboquant_triton as tt
-
-        tt.encode(k, v, where, cache, layout, tq.rotation_seed(LAYER))
 
     grow([0] * B)  # seq_len T: what vLLM's capture run attends over
     capture_md = metadata(width * PAGE)

@@ -45,17 +45,18 @@ from onespark.checkpoint import synth
 from onespark.model import qwen35, specs
 
 MODELS = {"122b": "qwen3.5-122b-a10b", "35b": "qwen3.5-35b-a3b"}
+TQ = {"kv_cache_dtype": "turboquant_k4v4", "attention_backend": "CUSTOM"}  # onespark's TurboQuant, as v2-tq serves it
 CONFIGS = {  # name -> (FP8 shared experts, INT8 head, MTP-2, extra engine kwargs)
     "stock": (False, False, False, {}),
     "product": (True, True, False, {}),
     "mtp2": (True, True, True, {}),
     "int8-head": (False, True, False, {}),
     "upstream-tq": (True, True, False, {"kv_cache_dtype": "turboquant_4bit_nc", "attention_backend": "TURBOQUANT"}),
-    "tq": (True, True, False, {"kv_cache_dtype": "turboquant_k4v4", "attention_backend": "CUSTOM"}),
-    "tq-mtp2": (True, True, True, {"kv_cache_dtype": "turboquant_k4v4", "attention_backend": "CUSTOM"}),
+    "tq": (True, True, False, TQ),
+    "tq-mtp2": (True, True, True, TQ),
 }
 # Configs served from a patched copy of vLLM: the diff (under patches/) that makes their KV-cache dtype exist
-PATCHED = {"tq": "turboquant-0.26.0.diff", "tq-mtp2": "turboquant-0.26.0.diff"}
+PATCHED = {name: "turboquant-0.26.0.diff" for name, (*_, extra) in CONFIGS.items() if extra is TQ}
 # KV-cache bytes per token and KV head at head_dim 256, by --kv-cache-dtype: BF16 K and V; onespark's K4V4 (4-bit
 # codes of K and V + two fp32 scales: kernels/turboquant.py); upstream's 4-bit preset as vLLM 0.26.0 sizes its
 # slot (TurboQuantConfig.slot_size_aligned: 130 B of key + 132 of value). Every attention layer: upstream keeps
