@@ -82,7 +82,7 @@ Serves Qwen3.5-122B-A10B (or another --model) from one DGX Spark (GB10) through 
   --tq              use the TurboQuant image (onespark/v2-tq:$VERSION) instead of onespark/v2:$VERSION
                     (the 0.32.0 track's images: onespark/v2:$VERSION$(track_suffix 0.32.0), onespark/v2-tq:$VERSION$(track_suffix 0.32.0)):
                     3.9x the KV tokens per GB; a decode step ~v2's at 1K, faster at long context
-                    (H200, 35B shape: docs/concepts/turboquant.md)
+                    (H200, 122B and 35B shapes: docs/concepts/turboquant.md)
   --bench           after the launch, run onespark bench --suite published
   --host ADDR       address the server binds (default: $HOST, this machine only)
   --port N          port (default: $PORT)

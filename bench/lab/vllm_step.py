@@ -18,9 +18,12 @@ wheel set: tests/gpu_vllm/). Configs, in the order they run (the deadline stops 
                served from a copy of the installed vLLM with patches/turboquant-0.26.0.diff applied
                (harness.patched_vllm; the installed vLLM is not touched)
   tq-mtp2      tq + MTP-2: the v2-tq image's defaults (every step a 3-token verify in the TurboQuant decode kernel)
+  mtp2-fa      mtp2 on vLLM's FLASH_ATTN backend (FlashAttention 3 on Hopper): the strongest BF16-cache baseline for
+               a verify step in this wheel set (TRITON_ATTN does not split the context when a query is > 1 token)
 
 Decode step = (last_token_ts - first_token_ts) / (generated - 1), vLLM's own per-request timestamps (engine core,
-monotonic); each (context, batch) point is one request batch after a warm-up. Bytes per step come from the
+monotonic); each (context, batch) point is one request batch after a warm-up at every batch size (a Triton
+kernel compiled while a point was timed is named in the run's jit_in_points). Bytes per step come from the
 shapes (onespark.model.qwen35): weights each step reads once (8 of 256 experts per token, the expected number of
 distinct experts for the batch's tokens), the KV cache of the 12 attention layers and the 36 GDN states. The
 Spark estimate is bytes / 273 GB/s plus the H200's measured time beyond its own bytes / bandwidth: an estimate.
@@ -54,6 +57,7 @@ CONFIGS = {  # name -> (FP8 shared experts, INT8 head, MTP-2, extra engine kwarg
     "upstream-tq": (True, True, False, {"kv_cache_dtype": "turboquant_4bit_nc", "attention_backend": "TURBOQUANT"}),
     "tq": (True, True, False, TQ),
     "tq-mtp2": (True, True, True, TQ),
+    "mtp2-fa": (True, True, True, {"attention_backend": "FLASH_ATTN"}),
 }
 # Configs served from a patched copy of vLLM: the diff (under patches/) that makes their KV-cache dtype exist
 PATCHED = {name: "turboquant-0.26.0.diff" for name, (*_, extra) in CONFIGS.items() if extra is TQ}
@@ -72,6 +76,14 @@ CAPTURE_SIZES = [1, 2, 3, 4, 6, 8, 12, 16]
 # them (first H200 run, 222ae6e: 32K x 4 read 93.6 ms a step against 8.3 at batch 1), so a batch point runs
 # only where batch x ctx fits one step's token budget
 MAX_BATCHED_TOKENS = 16384
+
+
+WARMED = "== warm-up done"  # the child's log line after its warm-up requests (jit_in_points starts judging there)
+
+
+def fits(ctx: int, batches: list[int]) -> list[int]:
+    """The batch sizes measured at this context: all of a batch's prompts prefill in one step."""
+    return [b for b in batches if b == 1 or ctx * b <= MAX_BATCHED_TOKENS]
 
 
 def spec_counts(llm) -> dict:
@@ -97,7 +109,28 @@ def log_facts(text: str) -> dict:
         facts["cudagraph_mode"] = modes[-1]
     if cause := error_cause(text):
         facts["error_cause"] = cause
+    if jit := jit_in_points(text):
+        facts["jit_in_points"] = jit
     return facts
+
+
+def jit_in_points(text: str) -> dict:
+    """The Triton kernels vLLM's JIT monitor saw compiled (or loaded) while a point was timed, by point: a
+    compile of seconds inside 64 steps adds tens of ms to each (bench/results/vllm_step_h200_122b_tq_mtp2.json:
+    fused_moe_kernel in the 122B's first 1K x 4 point, 18.50 ms against 10.38 beside it). A point's window runs
+    from the line before it (WARMED or the previous point) to its own line; the window before the first such line
+    is the warm-up and not judged (in logs from before WARMED it also holds the first point)."""
+    out, window, judged = {}, [], False
+    for line in text.splitlines():
+        if m := re.search(r"JIT compilation during inference: (\w+)", line):
+            window.append(m.group(1))
+        elif m := re.search(r" ctx (\d+) batch (\d+): [\d.]+ ms/step", line):
+            if judged and window:
+                out[f"ctx {m.group(1)} batch {m.group(2)}"] = window
+            window, judged = [], True
+        elif WARMED in line:
+            window, judged = [], True
+    return out
 
 
 def write_config(out: Path, model: str, fp8_shared: bool) -> dict:
@@ -199,11 +232,13 @@ def one(model: str, config_name: str, ctxs: list[int], batches: list[int], out: 
                 ttft = max(ttft, m.first_token_ts - m.scheduled_ts)
             return steps, ttft, spec
 
-        run(min(ctxs), 1)  # warm-up: first-request allocations and lazy kernels out of the numbers
+        for batch in fits(min(ctxs), batches):  # warm-up: first-request allocations and each batch's kernels
+            run(min(ctxs), batch)
+        print(WARMED, flush=True)
         out.write_text(json.dumps(result))
         for ctx in ctxs:
             for batch in batches:
-                if batch > 1 and ctx * batch > MAX_BATCHED_TOKENS:
+                if batch not in fits(ctx, batches):
                     result.setdefault("skipped", []).append(f"ctx {ctx} x batch {batch}: prefill would overlap decode")
                     out.write_text(json.dumps(result))
                     continue
@@ -284,12 +319,13 @@ def main(argv: list[str] | None = None) -> int:
         harness.write_result(a.out, result)
     harness.write_result(a.out, result)  # also when the deadline left no engine to run: not_run says so
     print(f"{'model':18s} {'config':12s} {'ctx':>7s} {'b':>2s} {'ms/step':>8s} {'GB/step':>8s} {'TB/s':>6s} "
-          f"{'Spark ms (est.)':>15s}  graphs")
+          f"{'Spark ms (est.)':>15s}  graphs; Triton JIT while timed")
     for run in result["runs"]:
         for pt in run.get("points", []):
+            jit = run.get("jit_in_points", {}).get(f"ctx {pt['ctx']} batch {pt['batch']}", [])
             print(f"{run['model']:18s} {run['config']:12s} {pt['ctx']:7d} {pt['batch']:2d} {pt['step_ms']:8.2f} "
                   f"{pt['bytes'] / 1e9:8.2f} {pt['achieved_tb_s']:6.2f} {pt['spark_estimate_ms']:15.1f}  "
-                  f"{run.get('cudagraph_mode', 'as requested')}")
+                  f"{run.get('cudagraph_mode', 'as requested')}; {', '.join(jit) or 'none'}")
     return 0
 
 

@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "reported 12 unstable and use 10)")
     p.add_argument("--image", help=f"image to run (default: {V2_IMAGE}; --tq: {V2_TQ_IMAGE}; --demo: {DEMO_IMAGE})")
     p.add_argument("--tq", action="store_true", help="run the TurboQuant image (v2-tq): 3.9x the KV tokens per GB; a decode "
-                   "step ~v2's at 1K, faster at long context (H200, 35B shape: docs/concepts/turboquant.md)")
+                   "step ~v2's at 1K, faster at long context (H200, 122B and 35B shapes: docs/concepts/turboquant.md)")
     p.add_argument("--demo", action="store_true", help="CPU stand-in: no GPU, tiny model, GPU-only defaults dropped")
     p.add_argument("--name", default="onespark", help="container name (default: onespark)")
     p.add_argument("--host", default="127.0.0.1", help="address vLLM binds (default: 127.0.0.1, this machine only)")
