@@ -40,6 +40,7 @@ class Compiled:
     shared: int  # bytes per block, static + dynamic, as the launch would request
     registers: int
     spill_stack: int  # bytes per thread of local-memory stack (register spills)
+    cubin: bytes
 
 
 @contextlib.contextmanager
@@ -75,4 +76,5 @@ def compile_for(launch: Launch, capability: int, **constexpr_overrides) -> Compi
                                check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
     assert m, f"no resource usage in cuobjdump's output:\n{usage}"
-    return Compiled(kernel.fn.__name__, ck.asm["ptx"], ck.metadata.shared, int(m.group(1)), int(m.group(2)))
+    return Compiled(kernel.fn.__name__, ck.asm["ptx"], ck.metadata.shared, int(m.group(1)), int(m.group(2)),
+                    ck.asm["cubin"])

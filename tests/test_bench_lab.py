@@ -16,13 +16,13 @@ LAB = Path(__file__).resolve().parents[1] / "bench" / "lab"
 sys.path.insert(0, str(LAB))  # the harness is a lab module, imported here as the lab scripts import it
 import harness
 
-MODULES = {"harness.py", "turboquant_upstream.py"}  # imported by the scripts, not run
+MODULES = {"harness.py", "turboquant_swap.py", "turboquant_upstream.py"}  # imported by the scripts, not run
 SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name not in MODULES)
 
 
 def test_the_lab_holds_the_benchmarks():
     assert SCRIPTS == ["checkpoint.py", "compile_resources.py", "compressor.py", "draft_head.py", "lm_head.py", "lm_head_glue.py", "turboquant.py",
-                       "turboquant_codebooks.py", "turboquant_quality.py", "vllm_step.py"]
+                       "turboquant_codebooks.py", "turboquant_quality.py", "turboquant_sass.py", "vllm_step.py"]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -222,3 +222,22 @@ def test_warm_up_covers_every_batch_size_measured():
     assert vllm_step.fits(1024, [1, 4]) == [1, 4]
     assert vllm_step.fits(32768, [1, 4]) == [1]
     assert vllm_step.fits(4096, [1, 4, 8]) == [1, 4]
+
+
+def test_sass_loop_body_is_the_largest_backward_branch():
+    """turboquant_sass.py counts the body of the largest loop: from a backward branch's target to the branch,
+    predicated opcodes included, forward branches ignored."""
+    import turboquant_sass
+
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   PRMT R2, R3, 0x5140, R4 ;
+        /*0020*/              @P0  HMMA.16816.F32 R4, R8, R12, R4 ;
+        /*0030*/                   BRA 0x10 ;
+        /*0040*/                   LDG.E R5, [R6.64] ;
+        /*0050*/                   BRA 0x70 ;
+        /*0060*/                   STS [R1], R5 ;
+        /*0070*/                   EXIT ;
+    """
+    assert turboquant_sass.loop_body(sass) == ["PRMT", "HMMA", "BRA"]
+    assert turboquant_sass.loop_body(sass.replace("BRA 0x10", "BRA 0x40")) == []  # no backward branch: no loop

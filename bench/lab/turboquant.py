@@ -37,6 +37,7 @@ import time
 import harness
 import torch
 import torch.nn.functional as F
+import turboquant_swap
 import turboquant_upstream as up
 
 from onespark.kernels import turboquant as tq
@@ -184,9 +185,11 @@ def bench_config(pools, name, depth, T, B, copies_cap=32, **kcfg):
     outs = [torch.empty_like(q) for _ in range(copies)]
     seed = tq.rotation_seed(0)
 
+    decode = turboquant_swap.decode_attention_swap if kcfg.pop("impl", None) == "swap" else tt.decode_attention
+
     def run_tq():
         for c in range(copies):
-            tt.decode_attention(q, cache, lay, tables[c], seq_lens, seed, SM_SCALE, depth, out=outs[c], **kcfg)
+            decode(q, cache, lay, tables[c], seq_lens, seed, SM_SCALE, depth, out=outs[c], **kcfg)
 
     tq_ms = graph_ms(run_tq) / copies
     return tq_ms, copies
@@ -257,9 +260,11 @@ SWEEP = {  # decode_attention keyword sets tried per q_len ({} = the library def
     # 64K B8) is recorded as sweep_best, and the table runs the defaults: what vLLM's backend calls (until
     # c207b19 the table ran the best, up to 10% faster than what shipped)
     # q_len 1: {} is 64 keys x 2 warps on sm_90 since the sweep at c207b19; 32 x 4 was the default before it
+    # impl="swap": the transposed candidate kernel (turboquant_swap.py, not shipped), at its tiles without spills on
+    # sm_90 (tests/_aot.py's compile: 64 keys x 4 warps at q_len 1; at q_len 3 16 x 4, and 64 x 8 with 8 B)
     1: [dict(), dict(block_n=32, num_warps=4), dict(block_n=32, num_warps=2), dict(num_warps=4), dict(waves=8),
-        dict(decoder="gather")],
-    3: [dict(), dict(block_n=32)],
+        dict(decoder="gather"), dict(impl="swap", block_n=64, num_warps=4)],
+    3: [dict(), dict(block_n=32), dict(impl="swap", block_n=16, num_warps=4), dict(impl="swap", block_n=64, num_warps=8)],
 }
 
 

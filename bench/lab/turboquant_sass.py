@@ -1,0 +1,105 @@
+"""The TurboQuant decode kernels' key loop as sm_90 machine code, shipped kernel beside the transposed candidate.
+
+    .venv/bin/python bench/lab/turboquant_sass.py --out bench/results/turboquant_sass.json
+
+Compiles each kernel as its host code launches it (tests/_aot.py: Triton's bundled ptxas, no GPU), disassembles
+the cubin with the bundled cuobjdump and counts the instructions of the innermost loop (the largest backward
+branch's body) by kind. `per_64_keys` is the loop's instructions x warps x 64 / keys per tile: the warp
+instructions the SM issues for 64 keys of one KV head, comparable across tiles and warp counts. A static count,
+not a timing: it says where decode work is duplicated across warps (PRMT, the 4-bit decode, at its minimum is
+1,280 per 64 keys: 32,768 values x 10 PRMT per 8 values / 32 lanes) and where spills or shared-memory round
+trips sit in the loop; bench/lab/turboquant.py times the same tiles on the H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import harness
+import torch
+import triton
+import turboquant_swap
+
+from onespark.kernels import turboquant as tq
+from onespark.kernels import turboquant_triton as tt
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # tests/_aot.py: the compile-for-a-GPU-that-is-not-here helper the tests use
+from tests._aot import CUOBJDUMP, captured_launches, compile_for  # noqa: E402
+
+KINDS = {"prmt": ("PRMT",), "mma": ("HMMA", "HGMMA"), "shared_store": ("STS",), "shared_load": ("LDS", "LDSM"),
+         "global_load": ("LDG",), "spill_store": ("STL",), "spill_load": ("LDL",), "shuffle": ("SHFL",),
+         "barrier": ("BAR",), "mufu": ("MUFU",), "fp32": ("FMUL", "FFMA", "FADD", "FMNMX")}
+# (impl, q_len, keys per tile, warps): the shipped tiles (None: decode_block_n / decode_num_warps) and the
+# candidate's tiles that compile without spills or nearly so on sm_90
+TILES = [("shipped", 1, None, None), ("swap", 1, 64, 4), ("shipped", 3, None, None), ("swap", 3, 16, 4),
+         ("swap", 3, 64, 8)]
+INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def loop_body(sass: str) -> list[str]:
+    """Opcodes of the largest loop: from a backward branch's target to the branch."""
+    ins = [(int(a, 16), op.split(".")[0], rest) for a, op, rest in INSTRUCTION.findall(sass)]
+    best: list[str] = []
+    for addr, op, rest in ins:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
+            best = max(best, body, key=len)
+    return best
+
+
+def launch_of(impl: str, preset: str, T: int, block_n, num_warps):
+    lay = tq.CacheLayout(tq.PRESETS[preset], num_kv_heads=2, page=16)
+    args = (torch.randn(1, 32, T, 256, dtype=torch.bfloat16), lay.empty(64), lay, torch.zeros(1, 64, dtype=torch.int32),
+            torch.tensor([1000], dtype=torch.int32), 7, 1 / 16, 1000)
+    with captured_launches() as launches:
+        if impl == "swap":
+            turboquant_swap.decode_attention_swap(*args, block_n=block_n, num_warps=num_warps)
+        else:
+            tt.decode_attention(*args)
+    return launches[0]  # the decode kernel (the merge follows)
+
+
+def row(impl: str, preset: str, T: int, block_n, num_warps) -> dict:
+    launch = launch_of(impl, preset, T, block_n, num_warps)
+    c = compile_for(launch, 90, PRMT=True)
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(c.cubin)
+        f.flush()
+        body = loop_body(subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout)
+    keys, warps = launch.kwargs["BLOCK_N"], launch.kwargs["num_warps"]
+    scale = warps * 64 / keys
+    return dict(impl=impl, preset=preset, q_len=T, block_n=keys, num_warps=warps, registers=c.registers,
+                spill_bytes_per_thread=c.spill_stack, shared_bytes=c.shared, loop_instructions=len(body),
+                per_64_keys={k: round(sum(body.count(o) for o in ops) * scale) for k, ops in KINDS.items()}
+                | {"all": round(len(body) * scale)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--presets", default=",".join(tq.PRESETS))
+    p.add_argument("--git-sha", help="the commit measured (default: git rev-parse HEAD)")
+    a = p.parse_args(argv)
+    tt._capability = lambda device: (9, 0)  # the host code picks the H200's tiles
+    rows = []
+    for preset in a.presets.split(","):
+        for impl, T, block_n, num_warps in TILES:
+            rows.append(row(impl, preset, T, block_n, num_warps))
+            r = rows[-1]
+            print(f"sm_90 {preset} {impl:7s} q_len {T} {r['block_n']:3d} keys x {r['num_warps']} warps: "
+                  f"{r['registers']} registers, {r['spill_bytes_per_thread']} B spilled; per 64 keys "
+                  f"{r['per_64_keys']['all']} warp instructions, {r['per_64_keys']['prmt']} PRMT", flush=True)
+    harness.write_result(a.out, harness.header(a.git_sha, argv=argv, gpu=False) | dict(arch="sm_90", triton=triton.__version__,
+                                                                               rows=rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
