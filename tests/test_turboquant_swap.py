@@ -15,7 +15,7 @@ import torch
 from onespark.kernels import turboquant as tq
 from onespark.kernels import turboquant_triton as tt
 from tests._interpreter import run_interpreter_lane
-from tests.test_turboquant_triton import DECODE_CASES, SEED, assert_rel, paged
+from tests.test_turboquant_triton import DECODE_CASES, SEED, assert_rel, decode_case, paged
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "lab"))
 import turboquant_swap  # noqa: E402  (a lab module)
@@ -31,18 +31,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("name", list(tq.PRESETS))
 @pytest.mark.parametrize("B,Hq,H,T,lens,page,splits", DECODE_CASES)
 def test_swap_decode_matches_reference_and_the_shipped_kernel(name, B, Hq, H, T, lens, page, splits):
-    lay = tq.CacheLayout(tq.PRESETS[name], num_kv_heads=H, page=page)
-    bt, nb = paged(lens, page, seed=len(lens))
-    cache = lay.empty(nb)
-    r = tq.rotation(SEED)
-    g = torch.Generator().manual_seed(sum(lens))
-    for b, n in enumerate(lens):
-        k, v = torch.randn(n, H, 256, generator=g) * 2, torch.randn(n, H, 256, generator=g)
-        tq.encode_reference(k, v, tq.seq_slots(bt[b], n, page), cache, lay, r)
-    q = torch.randn(B, Hq, T, 256, generator=g)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    ref = tq.decode_attention_reference(q, cache, lay, bt, seq_lens, r, 1 / 16)
-    args = (q.to(DEV, torch.float16), cache.to(DEV), lay, bt.to(DEV), seq_lens.to(DEV), SEED, 1 / 16, max(lens))
+    args, ref = decode_case(name, B, Hq, H, T, lens, page)
     out = turboquant_swap.decode_attention_swap(*args, num_splits=splits, block_n=16 if INTERPRET else 64)
     assert_rel(out.float(), ref, 3e-3, f"{name} swap decode")
     shipped = tt.decode_attention(*args, num_splits=splits)

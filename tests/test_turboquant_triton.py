@@ -139,10 +139,9 @@ DECODE_CASES = [
 ]
 
 
-@kernel_case
-@pytest.mark.parametrize("name", list(tq.PRESETS))
-@pytest.mark.parametrize("B,Hq,H,T,lens,page,splits", DECODE_CASES)
-def test_decode_attention_matches_reference(name, B, Hq, H, T, lens, page, splits):
+def decode_case(name, B, Hq, H, T, lens, page):
+    """A DECODE_CASES shape filled by the reference encoder: (the decode kernels' positional arguments on DEV,
+    fp16 queries; the float64 reference attention)."""
     lay = tq.CacheLayout(tq.PRESETS[name], num_kv_heads=H, page=page)
     bt, nb = paged(lens, page, seed=len(lens))
     cache = lay.empty(nb)
@@ -154,9 +153,16 @@ def test_decode_attention_matches_reference(name, B, Hq, H, T, lens, page, split
     q = torch.randn(B, Hq, T, 256, generator=g)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     ref = tq.decode_attention_reference(q, cache, lay, bt, seq_lens, r, 1 / 16)
-    out = tt.decode_attention(
-        q.to(DEV, torch.float16), cache.to(DEV), lay, bt.to(DEV), seq_lens.to(DEV), SEED, 1 / 16, max(lens), num_splits=splits
-    )
+    args = (q.to(DEV, torch.float16), cache.to(DEV), lay, bt.to(DEV), seq_lens.to(DEV), SEED, 1 / 16, max(lens))
+    return args, ref
+
+
+@kernel_case
+@pytest.mark.parametrize("name", list(tq.PRESETS))
+@pytest.mark.parametrize("B,Hq,H,T,lens,page,splits", DECODE_CASES)
+def test_decode_attention_matches_reference(name, B, Hq, H, T, lens, page, splits):
+    args, ref = decode_case(name, B, Hq, H, T, lens, page)
+    out = tt.decode_attention(*args, num_splits=splits)
     # fp16 queries, probabilities and codebook values in the dots, fp32 accumulation: ~1e-3.
     assert_rel(out.float(), ref, 3e-3, f"{name} decode")
 

@@ -81,6 +81,11 @@ MAX_BATCHED_TOKENS = 16384
 WARMED = "== warm-up done"  # the child's log line after its warm-up requests (jit_in_points starts judging there)
 
 
+def point_key(ctx, batch) -> str:
+    """A point's name in jit_in_points (its log line reads "... ctx N batch B: X ms/step")."""
+    return f"ctx {ctx} batch {batch}"
+
+
 def fits(ctx: int, batches: list[int]) -> list[int]:
     """The batch sizes measured at this context: all of a batch's prompts prefill in one step."""
     return [b for b in batches if b == 1 or ctx * b <= MAX_BATCHED_TOKENS]
@@ -126,7 +131,7 @@ def jit_in_points(text: str) -> dict:
             window.append(m.group(1))
         elif m := re.search(r" ctx (\d+) batch (\d+): [\d.]+ ms/step", line):
             if judged and window:
-                out[f"ctx {m.group(1)} batch {m.group(2)}"] = window
+                out[point_key(m.group(1), m.group(2))] = window
             window, judged = [], True
         elif WARMED in line:
             window, judged = [], True
@@ -253,7 +258,7 @@ def one(model: str, config_name: str, ctxs: list[int], batches: list[int], out: 
                                    spark_estimate_ms=round(1e3 * (b["total"] / SPARK_BW) + max(ms - 1e3 * h200_floor, 0), 2),
                                    **({"spec_decode": spec} if mtp2 else {})))
                 out.write_text(json.dumps(result))
-                print(f"  {model} {config_name} ctx {ctx} batch {batch}: {ms:.2f} ms/step", flush=True)
+                print(f"  {model} {config_name} {point_key(ctx, batch)}: {ms:.2f} ms/step", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'Spark ms (est.)':>15s}  graphs; Triton JIT while timed")
     for run in result["runs"]:
         for pt in run.get("points", []):
-            jit = run.get("jit_in_points", {}).get(f"ctx {pt['ctx']} batch {pt['batch']}", [])
+            jit = run.get("jit_in_points", {}).get(point_key(pt["ctx"], pt["batch"]), [])
             print(f"{run['model']:18s} {run['config']:12s} {pt['ctx']:7d} {pt['batch']:2d} {pt['step_ms']:8.2f} "
                   f"{pt['bytes'] / 1e9:8.2f} {pt['achieved_tb_s']:6.2f} {pt['spark_estimate_ms']:15.1f}  "
                   f"{run.get('cudagraph_mode', 'as requested')}; {', '.join(jit) or 'none'}")
