@@ -412,9 +412,10 @@ class Runner:
     async def _load(self, streams: int, context: int) -> tuple[list[dict], dict]:
         """The load, run again (at most LOAD_ATTEMPTS in all) while no /metrics answer proves it was read under load.
 
-        vLLM's API server can answer /metrics only after the run: its output handler does not yield to the event
-        loop while engine outputs are queued, which happens when the engine outpaces the API process (CI's busy
-        2-core machine, the tiny model). A second run usually lands; every attempt's rows are kept."""
+        vLLM's API server can answer /metrics only after the run: its output handler (0.19.1's
+        v1/engine/async_llm.py) awaits an asyncio.Queue that returns at once while engine outputs wait in it, so it
+        does not yield to the event loop when the engine outpaces the API process (CI's busy 2-core machine, the
+        tiny model). Another run usually lands; every attempt's rows are kept."""
         rows: list[dict] = []
         for attempt in range(self.LOAD_ATTEMPTS):
             more, load = await self._load_once(streams, context, attempt)
