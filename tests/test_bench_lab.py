@@ -16,7 +16,7 @@ LAB = Path(__file__).resolve().parents[1] / "bench" / "lab"
 sys.path.insert(0, str(LAB))  # the harness is a lab module, imported here as the lab scripts import it
 import harness
 
-MODULES = {"harness.py", "turboquant_swap.py", "turboquant_upstream.py"}  # imported by the scripts, not run
+MODULES = {"harness.py", "turboquant_prmt3.py", "turboquant_swap.py", "turboquant_upstream.py"}  # imported by the scripts, not run
 SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name not in MODULES)
 
 

@@ -187,13 +187,13 @@ def test_decode_4bit_decoders_match_reference(block_n):
         assert_rel(out.float(), ref, 3e-3, f"decoder={decoder} block_n={block_n}")
 
 
-_PTX_ALU = {"and.b32": operator.and_, "or.b32": operator.or_, "shr.b32": operator.rshift,
-            "shl.b32": operator.lshift}  # the two-operand PTX ops _byte_asm uses
+_PTX_ALU = {"and.b32": operator.and_, "or.b32": operator.or_, "xor.b32": operator.xor, "shr.b32": operator.rshift,
+            "shl.b32": operator.lshift}  # the two-operand PTX ops the decoders use
 
 
-def _run_ptx(asm: str, x: int) -> tuple[int, int]:
-    """Execute the decoder's PTX (the handful of b32 ops it uses) on one 32-bit input $2: -> ($0, $1)."""
-    regs = {"$2": x}
+def _run_ptx(asm: str, *inputs: int) -> tuple[int, int]:
+    """Execute a decoder's PTX (the handful of b32 ops it uses) on 32-bit inputs $2, $3, ...: -> ($0, $1)."""
+    regs = {f"${2 + i}": x for i, x in enumerate(inputs)}
     val = lambda a: regs[a] if a in regs else int(a, 0)  # noqa: E731
     for line in asm.splitlines():
         line = line.strip().rstrip(";")

@@ -37,6 +37,7 @@ import time
 import harness
 import torch
 import torch.nn.functional as F
+import turboquant_prmt3
 import turboquant_swap
 import turboquant_upstream as up
 
@@ -185,7 +186,8 @@ def bench_config(pools, name, depth, T, B, copies_cap=32, **kcfg):
     outs = [torch.empty_like(q) for _ in range(copies)]
     seed = tq.rotation_seed(0)
 
-    decode = turboquant_swap.decode_attention_swap if kcfg.pop("impl", None) == "swap" else tt.decode_attention
+    decode = {"swap": turboquant_swap.decode_attention_swap, "prmt3": turboquant_prmt3.decode_attention_prmt3,
+              None: tt.decode_attention}[kcfg.pop("impl", None)]
 
     def run_tq():
         for c in range(copies):
@@ -266,6 +268,13 @@ SWEEP = {  # decode_attention keyword sets tried per q_len ({} = the library def
         dict(decoder="gather"), dict(impl="swap", block_n=64, num_warps=4)],
     3: [dict(), dict(block_n=32), dict(impl="swap", block_n=16, num_warps=4), dict(impl="swap", block_n=64, num_warps=8)],
 }
+# Other presets' candidates, logged beside their shipped defaults (not in sweep_best, which is the default
+# preset's): K4V3 with the 3-bit PRMT decoder (turboquant_prmt3.py, not shipped) at the shipped K4V3 tile and at
+# K4V4's (it compiles without spills at 64 keys x 2 warps for q_len 1 on sm_90: turboquant_sass.json).
+PRESET_SWEEP = {
+    "turboquant_k4v3": {1: [dict(), dict(impl="prmt3"), dict(impl="prmt3", block_n=64, num_warps=2)],
+                        3: [dict(), dict(impl="prmt3"), dict(impl="prmt3", block_n=64, num_warps=4)]},
+}
 
 
 def encode_sweep(pools, log):
@@ -284,23 +293,31 @@ def encode_sweep(pools, log):
             print(f"encode {n} tokens, block_t {bt}: {ms * 1000:.1f} us", flush=True)
 
 
+def sweep_one(pools, log, preset, T, v):
+    """One config on the two large shapes, logged; (128K B1 + 64K B8 time, config), or None if it failed."""
+    tag = f"sweep {preset[11:]} T={T} {v}"
+    try:
+        t1, _ = bench_config(pools, preset, 131072, T, 1, **v)
+        t8, _ = bench_config(pools, preset, 65536, T, 8, **v)
+    except Exception as e:  # out of resources for this tile: skip it, say so
+        print(f"{tag}: failed {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+        log.append(dict(preset=preset, q_len=T, cfg=v, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+        return None
+    print(f"{tag}: 128K B1 {t1 * 1000:.1f} us, 64K B8 {t8 * 1000:.1f} us", flush=True)
+    log.append(dict(preset=preset, q_len=T, cfg=v, ms_128k_b1=t1, ms_64k_b8=t8))
+    return t1 + t8, v
+
+
 def sweep(pools, log):
-    """Tile configs on two large configs; every result goes to `log`; returns the best per q_len."""
+    """Tile configs on two large shapes; every result goes to `log`; returns the default preset's best per q_len."""
     best = {}
     for T, variants in SWEEP.items():
-        scores = []
-        for v in variants:
-            try:
-                t1, _ = bench_config(pools, tq.DEFAULT_PRESET, 131072, T, 1, **v)
-                t8, _ = bench_config(pools, tq.DEFAULT_PRESET, 65536, T, 8, **v)
-            except Exception as e:  # out of resources for this tile: skip it, say so
-                print(f"sweep T={T} {v}: failed {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-                log.append(dict(q_len=T, cfg=v, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
-                continue
-            print(f"sweep T={T} {v}: 128K B1 {t1 * 1000:.1f} us, 64K B8 {t8 * 1000:.1f} us", flush=True)
-            log.append(dict(q_len=T, cfg=v, ms_128k_b1=t1, ms_64k_b8=t8))
-            scores.append((t1 + t8, v))
+        scores = [s for v in variants if (s := sweep_one(pools, log, tq.DEFAULT_PRESET, T, v))]
         best[T] = min(scores, key=lambda s: s[0])[1]
+    for preset, by_q_len in PRESET_SWEEP.items():
+        for T, variants in by_q_len.items():
+            for v in variants:
+                sweep_one(pools, log, preset, T, v)
     return best
 
 

@@ -1,6 +1,9 @@
-"""The TurboQuant decode kernels' key loop as sm_90 machine code, shipped kernel beside the transposed candidate.
+"""The TurboQuant decode kernels' key loop as machine code, the shipped kernel beside the lab's candidates.
 
     .venv/bin/python bench/lab/turboquant_sass.py --out bench/results/turboquant_sass.json
+    .venv/bin/python bench/lab/turboquant_sass.py --arch 121 --out bench/results/turboquant_sass_sm121.json
+
+sm_90 is the H200's (wgmma), sm_121 the DGX Spark's GB10 (mma.sync only); the host code picks each one's tiles.
 
 Compiles each kernel as its host code launches it (tests/_aot.py: Triton's bundled ptxas, no GPU), disassembles
 the cubin with the bundled cuobjdump and counts the instructions of the innermost loop (the largest backward
@@ -23,6 +26,7 @@ from pathlib import Path
 import harness
 import torch
 import triton
+import turboquant_prmt3
 import turboquant_swap
 
 from onespark.kernels import turboquant as tq
@@ -36,9 +40,12 @@ KINDS = {"prmt": ("PRMT",), "mma": ("HMMA", "HGMMA"), "shared_store": ("STS",), 
          "global_load": ("LDG",), "spill_store": ("STL",), "spill_load": ("LDL",), "shuffle": ("SHFL",),
          "barrier": ("BAR",), "mufu": ("MUFU",), "fp32": ("FMUL", "FFMA", "FADD", "FMNMX")}
 # (impl, q_len, keys per tile, warps): the shipped tiles (None: decode_block_n / decode_num_warps) and the
-# candidate's tiles that compile without spills or nearly so on sm_90
-TILES = [("shipped", 1, None, None), ("swap", 1, 64, 4), ("shipped", 3, None, None), ("swap", 3, 16, 4),
-         ("swap", 3, 64, 8)]
+# candidates' tiles: the transposed kernel's that compile without spills or nearly so on sm_90; the 3-bit PRMT
+# decoder (3-bit presets only) at the shipped K4V3 tiles and at K4V4's (64 keys; 2 warps at q_len 1)
+TILES = [("shipped", 1, None, None), ("swap", 1, 64, 4), ("prmt3", 1, None, None), ("prmt3", 1, 64, 2),
+         ("shipped", 3, None, None), ("swap", 3, 16, 4), ("swap", 3, 64, 8), ("prmt3", 3, None, None),
+         ("prmt3", 3, 64, 4)]
+CANDIDATES = {"swap": turboquant_swap.decode_attention_swap, "prmt3": turboquant_prmt3.decode_attention_prmt3}
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
@@ -59,16 +66,16 @@ def launch_of(impl: str, preset: str, T: int, block_n, num_warps):
     args = (torch.randn(1, 32, T, 256, dtype=torch.bfloat16), lay.empty(64), lay, torch.zeros(1, 64, dtype=torch.int32),
             torch.tensor([1000], dtype=torch.int32), 7, 1 / 16, 1000)
     with captured_launches() as launches:
-        if impl == "swap":
-            turboquant_swap.decode_attention_swap(*args, block_n=block_n, num_warps=num_warps)
+        if impl in CANDIDATES:
+            CANDIDATES[impl](*args, block_n=block_n, num_warps=num_warps)
         else:
             tt.decode_attention(*args)
     return launches[0]  # the decode kernel (the merge follows)
 
 
-def row(impl: str, preset: str, T: int, block_n, num_warps) -> dict:
+def row(impl: str, preset: str, T: int, block_n, num_warps, arch: int = 90) -> dict:
     launch = launch_of(impl, preset, T, block_n, num_warps)
-    c = compile_for(launch, 90, PRMT=True)
+    c = compile_for(launch, arch, PRMT=True)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.cubin)
         f.flush()
@@ -85,18 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--presets", default=",".join(tq.PRESETS))
+    p.add_argument("--arch", type=int, choices=(90, 121), default=90, help="sm_90 (H200) or sm_121 (GB10)")
     p.add_argument("--git-sha", help="the commit measured (default: git rev-parse HEAD)")
     a = p.parse_args(argv)
-    tt._capability = lambda device: (9, 0)  # the host code picks the H200's tiles
+    tt._capability = lambda device: divmod(a.arch, 10)  # the host code picks that GPU's tiles
     rows = []
     for preset in a.presets.split(","):
         for impl, T, block_n, num_warps in TILES:
-            rows.append(row(impl, preset, T, block_n, num_warps))
+            if impl == "prmt3" and 3 not in (tq.PRESETS[preset].k_bits, tq.PRESETS[preset].v_bits):
+                continue  # the shipped kernel as it stands
+            rows.append(row(impl, preset, T, block_n, num_warps, a.arch))
             r = rows[-1]
-            print(f"sm_90 {preset} {impl:7s} q_len {T} {r['block_n']:3d} keys x {r['num_warps']} warps: "
+            print(f"sm_{a.arch} {preset} {impl:7s} q_len {T} {r['block_n']:3d} keys x {r['num_warps']} warps: "
                   f"{r['registers']} registers, {r['spill_bytes_per_thread']} B spilled; per 64 keys "
                   f"{r['per_64_keys']['all']} warp instructions, {r['per_64_keys']['prmt']} PRMT", flush=True)
-    harness.write_result(a.out, harness.header(a.git_sha, argv=argv, gpu=False) | dict(arch="sm_90", triton=triton.__version__,
+    harness.write_result(a.out, harness.header(a.git_sha, argv=argv, gpu=False) | dict(arch=f"sm_{a.arch}", triton=triton.__version__,
                                                                                rows=rows))
     return 0
 

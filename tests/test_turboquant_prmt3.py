@@ -1,0 +1,92 @@
+"""The candidate 3-bit PRMT decoder (bench/lab/turboquant_prmt3.py): its PTX, executed op by op against the
+reference packing and codebook, and the decode kernel that uses it against the float64 reference and the shipped
+kernel. The kernel cases run with CUDA in this process (the PRMT path) and, without it, in Triton's interpreter in
+a child pytest (the interpreter has no inline PTX: there they check that the rebound kernel is the shipped one)."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from onespark.kernels import turboquant as tq
+from onespark.kernels import turboquant_triton as tt
+from tests._interpreter import run_interpreter_lane
+from tests.test_turboquant_triton import DECODE_CASES, _run_ptx, assert_rel, decode_case
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "lab"))
+import turboquant_prmt3  # noqa: E402  (a lab module)
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+kernel_case = pytest.mark.skipif(not (CUDA or INTERPRET), reason="CPU: runs in the interpreter child (test_interpreter_lane)")
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+@pytest.mark.skipif(INTERPRET, reason="pure Python: runs in the parent")
+@pytest.mark.parametrize("chunk", range(4))
+def test_byte3_ptx_decodes_every_code_in_every_position(chunk):
+    """Every element of 64 reference-packed rows (tq.pack, 3 bits), taken 4 at a time in a shuffled order (a
+    decoder per byte must not care which row or column its 4 bytes come from: 4 columns of one row for the
+    scores, 4 tokens of one column for the values), comes out as the fp16 bits of codebook[code]; every code is
+    seen in every byte position, for columns whose high bit sits at bit 2 * chunk and at 2 * chunk + 1."""
+    want = tq.codebook(3).levels.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    asm = turboquant_prmt3._byte3_asm(tq.codebook(3).levels, chunk)
+    g = torch.Generator().manual_seed(chunk)
+    codes = torch.randint(0, 8, (64, 256), generator=g)
+    packed = tq.pack(codes, 3).to(torch.int64)
+    assert packed.shape == (64, 96)
+    elements = [(r, j) for r in range(64) for j in range(64)]
+    seen = set()
+    for order in range(2):
+        random.Random(order).shuffle(elements)
+        for i in range(0, len(elements), 4):
+            group = elements[i:i + 4]
+            lo = sum(int(packed[r, j]) << (8 * k) for k, (r, j) in enumerate(group))
+            hb = sum(int(packed[r, 64 + j % 32]) << (8 * k) for k, (r, j) in enumerate(group))
+            up = sum((0xFF if j >= 32 else 0) << (8 * k) for k, (r, j) in enumerate(group))
+            o0, o1 = _run_ptx(asm, lo, hb, up)
+            got = [o0 & 0xFFFF, o0 >> 16, o1 & 0xFFFF, o1 >> 16]
+            cs = [int(codes[r, 64 * chunk + j]) for r, j in group]
+            assert got == [int(want[c]) for c in cs], f"chunk {chunk}, elements {group}, codes {cs}"
+            seen |= {(k, c, j >= 32) for k, (c, (_, j)) in enumerate(zip(cs, group))}
+    assert len(seen) == 4 * 8 * 2
+
+
+@pytest.mark.skipif(INTERPRET, reason="pure Python: runs in the parent")
+def test_byte3_tables_hold_the_codebook():
+    """The four table words are the low and high bytes of the 8 fp16 levels, in code order."""
+    import re
+
+    lev = tq.codebook(3).levels.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    words = [int(x, 16) for x in re.findall(r"mov\.b32 t\d, (0x[0-9a-f]+);", turboquant_prmt3._byte3_asm(
+        tq.codebook(3).levels, 0))]
+    got = [((words[2 + c // 4] >> (8 * (c % 4))) & 0xFF) << 8 | ((words[c // 4] >> (8 * (c % 4))) & 0xFF) for c in range(8)]
+    assert got == lev.tolist()
+    with pytest.raises(AssertionError, match="8-entry"):
+        turboquant_prmt3._byte3_asm(tq.codebook(4).levels, 0)
+
+
+@kernel_case
+@pytest.mark.parametrize("tile", [None, (64, 2)], ids=["shipped-tile", "64x2"])
+@pytest.mark.parametrize("B,Hq,H,T,lens,page,splits", DECODE_CASES)
+def test_prmt3_decode_matches_reference_and_the_shipped_kernel(B, Hq, H, T, lens, page, splits, tile):
+    if INTERPRET and tile:
+        pytest.skip("the interpreter runs the shipped gathers: one tile checks the rebinding")
+    args, ref = decode_case("turboquant_k4v3", B, Hq, H, T, lens, page)
+    kw = dict(block_n=tile[0], num_warps=tile[1]) if tile else {}
+    out = turboquant_prmt3.decode_attention_prmt3(*args, num_splits=splits, **kw)
+    assert_rel(out.float(), ref, 3e-3, "K4V3 decode, 3-bit PRMT decoder")
+    shipped = tt.decode_attention(*args, num_splits=splits)
+    assert_rel(out.float(), shipped.float(), 2e-3, "PRMT vs gather decoder")  # the same values, other op order
+    assert tt._tq_decode_kernel is not turboquant_prmt3._KERNEL, "the shipped kernel is back after the call"
+
+
+@pytest.mark.skipif(CUDA or INTERPRET, reason="kernel cases run in this process")
+def test_interpreter_lane():
+    out = run_interpreter_lane(__file__, timeout_s=900)
+    assert f"{len(DECODE_CASES)} passed" in out.splitlines()[-1], out[-2000:]
