@@ -241,3 +241,27 @@ def test_sass_loop_body_is_the_largest_backward_branch():
     """
     assert turboquant_sass.loop_body(sass) == ["PRMT", "HMMA", "BRA"]
     assert turboquant_sass.loop_body(sass.replace("BRA 0x10", "BRA 0x40")) == []  # no backward branch: no loop
+
+
+def test_sass_counts_the_3bit_prmt_decoder_below_the_gathers():
+    """Compiled for sm_90 as the host code launches them (no GPU): the candidate 3-bit decoder's K4V3 loop has no
+    gathers left (global loads: the code rows only) and issues fewer instructions than the shipped one, without
+    spilling; for sm_121 the row has the resources and no counts (no disassembler for it here)."""
+    import turboquant_sass
+
+    from onespark.kernels import turboquant_triton as tt
+
+    real = tt._capability
+    try:
+        tt._capability = lambda device: (9, 0)
+        shipped = turboquant_sass.row("shipped", "turboquant_k4v3", 1, None, None)
+        prmt3 = turboquant_sass.row("prmt3", "turboquant_k4v3", 1, None, None)
+        tt._capability = lambda device: (12, 1)
+        spark = turboquant_sass.row("prmt3", "turboquant_k4v3", 1, None, None, arch=121)
+    finally:
+        tt._capability = real
+    assert (shipped["block_n"], prmt3["block_n"]) == (32, 32)
+    assert prmt3["spill_bytes_per_thread"] == 0
+    assert prmt3["per_64_keys"]["all"] < 0.7 * shipped["per_64_keys"]["all"]
+    assert prmt3["per_64_keys"]["global_load"] < shipped["per_64_keys"]["global_load"] / 4
+    assert spark["per_64_keys"] is None and spark["registers"] > 0 and spark["spill_bytes_per_thread"] == 0
