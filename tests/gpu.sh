@@ -55,7 +55,7 @@ rc=0
 if ((tests)); then
   set +e
   "$py" -P -m pytest --import-mode=append -p no:cacheprovider -q -n "${JOBS:-8}" --junitxml "$out/gpu_lane.xml" \
-    tests/test_turboquant_triton.py tests/test_turboquant_swap.py tests/test_turboquant_prmt3.py tests/test_kernels_lm_head.py \
+    tests/test_turboquant_triton.py tests/test_turboquant_swap.py tests/test_turboquant_decoders.py tests/test_kernels_lm_head.py \
     tests/test_draft_head.py::test_draft_logits_match_masked_full_head tests/test_draft_head.py::test_draft_logits_int4_match_reference \
     tests/test_draft_head.py::test_argmax_maps_back_with_a_clear_winner_and_with_ties \
     tests/test_draft_head.py::test_a_better_token_outside_the_subset_is_never_drafted \

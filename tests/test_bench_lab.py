@@ -16,7 +16,7 @@ LAB = Path(__file__).resolve().parents[1] / "bench" / "lab"
 sys.path.insert(0, str(LAB))  # the harness is a lab module, imported here as the lab scripts import it
 import harness
 
-MODULES = {"harness.py", "turboquant_prmt3.py", "turboquant_swap.py", "turboquant_upstream.py"}  # imported by the scripts, not run
+MODULES = {"harness.py", "turboquant_decoders.py", "turboquant_swap.py", "turboquant_upstream.py"}  # imported by the scripts, not run
 SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name not in MODULES)
 
 
@@ -243,10 +243,12 @@ def test_sass_loop_body_is_the_largest_backward_branch():
     assert turboquant_sass.loop_body(sass.replace("BRA 0x10", "BRA 0x40")) == []  # no backward branch: no loop
 
 
-def test_sass_counts_the_3bit_prmt_decoder_below_the_gathers():
-    """Compiled for sm_90 as the host code launches them (no GPU): the candidate 3-bit decoder's K4V3 loop has no
-    gathers left (global loads: the code rows only) and issues fewer instructions than the shipped one, without
-    spilling; for sm_121 the row has the resources and no counts (no disassembler for it here)."""
+def test_sass_counts_the_candidate_decoders_below_the_shipped_ones():
+    """Compiled as the host code launches them (no GPU). prmt3: the K4V3 loop on sm_90 has no gathers left (global
+    loads: the code rows only) and fewer instructions, without spilling. once: on the Spark's sm_121 verify tile each
+    key is decoded once (PRMT at the 1,280 per 64 keys 4-bit K and V need: 32,768 values x 10 PRMT per 8 / 32
+    lanes) where the shipped tile decodes it in every warp; on sm_90's q_len-1 tile, fewer instructions. sm_121 rows
+    carry PTX counts and no machine-code ones (no disassembler for it here)."""
     import turboquant_sass
 
     from onespark.kernels import turboquant_triton as tt
@@ -254,14 +256,17 @@ def test_sass_counts_the_3bit_prmt_decoder_below_the_gathers():
     real = tt._capability
     try:
         tt._capability = lambda device: (9, 0)
-        shipped = turboquant_sass.row("shipped", "turboquant_k4v3", 1, None, None)
+        gathers = turboquant_sass.row("shipped", "turboquant_k4v3", 1, None, None)
         prmt3 = turboquant_sass.row("prmt3", "turboquant_k4v3", 1, None, None)
+        h200 = {impl: turboquant_sass.row(impl, "turboquant_k4v4", 1, None, None) for impl in ("shipped", "once")}
         tt._capability = lambda device: (12, 1)
-        spark = turboquant_sass.row("prmt3", "turboquant_k4v3", 1, None, None, arch=121)
+        spark = {impl: turboquant_sass.row(impl, "turboquant_k4v4", 3, None, None, arch=121) for impl in ("shipped", "once")}
     finally:
         tt._capability = real
-    assert (shipped["block_n"], prmt3["block_n"]) == (32, 32)
-    assert prmt3["spill_bytes_per_thread"] == 0
-    assert prmt3["per_64_keys"]["all"] < 0.7 * shipped["per_64_keys"]["all"]
-    assert prmt3["per_64_keys"]["global_load"] < shipped["per_64_keys"]["global_load"] / 4
-    assert spark["per_64_keys"] is None and spark["registers"] > 0 and spark["spill_bytes_per_thread"] == 0
+    assert (gathers["block_n"], prmt3["block_n"]) == (32, 32) and prmt3["spill_bytes_per_thread"] == 0
+    assert prmt3["per_64_keys"]["all"] < 0.7 * gathers["per_64_keys"]["all"]
+    assert prmt3["per_64_keys"]["global_load"] < gathers["per_64_keys"]["global_load"] / 4
+    assert h200["once"]["per_64_keys"]["all"] < 0.9 * h200["shipped"]["per_64_keys"]["all"]
+    assert h200["once"]["per_64_keys"]["prmt"] == 1280 < h200["shipped"]["per_64_keys"]["prmt"]
+    assert all(r["per_64_keys"] is None and r["spill_bytes_per_thread"] == 0 for r in spark.values())
+    assert spark["once"]["ptx_per_64_keys"]["prmt"] == 1280 and spark["shipped"]["ptx_per_64_keys"]["prmt"] >= 4 * 1280

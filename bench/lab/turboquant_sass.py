@@ -4,8 +4,10 @@
     .venv/bin/python bench/lab/turboquant_sass.py --arch 121 --out bench/results/turboquant_sass_sm121.json
 
 sm_90 is the H200's (wgmma), sm_121 the DGX Spark's GB10 (mma.sync only); the host code picks each one's tiles.
-For sm_121 the rows hold registers, spills and shared memory only: Triton 3.6.0 bundles CUDA 12.8's cuobjdump and
-nvdisasm, which cannot decode sm_121a ("Cannot decode architecture 'SM121a'").
+Machine-code counts (`per_64_keys`) are sm_90 only: Triton 3.6.0 bundles CUDA 12.8's cuobjdump and nvdisasm,
+which cannot decode sm_121a ("Cannot decode architecture 'SM121a'"). Every row also counts the loop in PTX
+(`ptx_per_64_keys`, the same scaling: a thread's instructions are its warp's): before ptxas, so not issue slots,
+but PRMT and mma map one to one, which is what shows decode duplicated across warps on either GPU.
 
 Compiles each kernel as its host code launches it (tests/_aot.py: Triton's bundled ptxas, no GPU), disassembles
 the cubin with the bundled cuobjdump and counts the instructions of the innermost loop (the largest backward
@@ -28,7 +30,7 @@ from pathlib import Path
 import harness
 import torch
 import triton
-import turboquant_prmt3
+import turboquant_decoders
 import turboquant_swap
 
 from onespark.kernels import turboquant as tq
@@ -41,13 +43,17 @@ from tests._aot import CUOBJDUMP, captured_launches, compile_for  # noqa: E402
 KINDS = {"prmt": ("PRMT",), "mma": ("HMMA", "HGMMA"), "shared_store": ("STS",), "shared_load": ("LDS", "LDSM"),
          "global_load": ("LDG",), "spill_store": ("STL",), "spill_load": ("LDL",), "shuffle": ("SHFL",),
          "barrier": ("BAR",), "mufu": ("MUFU",), "fp32": ("FMUL", "FFMA", "FADD", "FMNMX")}
+PTX_KINDS = {"prmt": ("prmt",), "mma": ("mma.sync", "wgmma.mma_async"), "shared_store": ("st.shared",),
+             "shared_load": ("ld.shared", "ldmatrix"), "barrier": ("bar.sync", "barrier.sync")}
 # (impl, q_len, keys per tile, warps): the shipped tiles (None: decode_block_n / decode_num_warps) and the
-# candidates' tiles: the transposed kernel's that compile without spills or nearly so on sm_90; the 3-bit PRMT
-# decoder (3-bit presets only) at the shipped K4V3 tiles and at K4V4's (64 keys; 2 warps at q_len 1)
-TILES = [("shipped", 1, None, None), ("swap", 1, 64, 4), ("prmt3", 1, None, None), ("prmt3", 1, 64, 2),
-         ("shipped", 3, None, None), ("swap", 3, 16, 4), ("swap", 3, 64, 8), ("prmt3", 3, None, None),
-         ("prmt3", 3, 64, 4)]
-CANDIDATES = {"swap": turboquant_swap.decode_attention_swap, "prmt3": turboquant_prmt3.decode_attention_prmt3}
+# candidates' tiles: the transposed kernel's that compile without spills or nearly so on sm_90; the decoders
+# (turboquant_decoders.py) at the shipped tiles, and prmt3 (3-bit presets only) also at K4V4's sm_90 tiles
+TILES = [("shipped", 1, None, None), ("swap", 1, 64, 4), ("once", 1, None, None), ("prmt3", 1, None, None),
+         ("prmt3", 1, 64, 2), ("shipped", 3, None, None), ("swap", 3, 16, 4), ("swap", 3, 64, 8),
+         ("once", 3, None, None), ("prmt3", 3, None, None), ("prmt3", 3, 64, 4)]
+CANDIDATES = {"swap": turboquant_swap.decode_attention_swap,
+              "prmt3": lambda *a, **kw: turboquant_decoders.decode_attention("prmt3", *a, **kw),
+              "once": lambda *a, **kw: turboquant_decoders.decode_attention("once", *a, **kw)}
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
@@ -61,6 +67,23 @@ def loop_body(sass: str) -> list[str]:
             body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
             best = max(best, body, key=len)
     return best
+
+
+def ptx_loop_body(ptx: str) -> list[str]:
+    """PTX instruction lines of the largest loop: from a backward branch's label to the branch."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\$L__\w+):", line))}
+    best: list[str] = []
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
+        if m and labels.get(m.group(1), i) < i:
+            body = [x.strip() for x in lines[labels[m.group(1)]:i + 1]]
+            best = max(best, [x for x in body if x and not x.startswith(("$", "//", "."))], key=len)
+    return best
+
+
+def ptx_opcode(line: str) -> str:
+    return re.sub(r"^@!?%p\d+\s+", "", line).split()[0]
 
 
 def launch_of(impl: str, preset: str, T: int, block_n, num_warps):
@@ -79,15 +102,18 @@ def row(impl: str, preset: str, T: int, block_n, num_warps, arch: int = 90) -> d
     launch = launch_of(impl, preset, T, block_n, num_warps)
     c = compile_for(launch, arch, PRMT=True)
     keys, warps = launch.kwargs["BLOCK_N"], launch.kwargs["num_warps"]
+    scale = warps * 64 / keys
+    ptx = [ptx_opcode(x) for x in ptx_loop_body(c.ptx)]
     out = dict(impl=impl, preset=preset, q_len=T, block_n=keys, num_warps=warps, registers=c.registers,
-               spill_bytes_per_thread=c.spill_stack, shared_bytes=c.shared, loop_instructions=None, per_64_keys=None)
+               spill_bytes_per_thread=c.spill_stack, shared_bytes=c.shared, loop_instructions=None, per_64_keys=None,
+               ptx_per_64_keys={k: round(sum(o.startswith(kinds) for o in ptx) * scale) for k, kinds in PTX_KINDS.items()}
+               | {"all": round(len(ptx) * scale)})
     if arch == 121:  # no disassembler for it here (module docstring)
         return out
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.cubin)
         f.flush()
         body = loop_body(subprocess.run([CUOBJDUMP, "-sass", f.name], capture_output=True, text=True, check=True).stdout)
-    scale = warps * 64 / keys
     return out | dict(loop_instructions=len(body),
                       per_64_keys={k: round(sum(body.count(o) for o in ops) * scale) for k, ops in KINDS.items()}
                       | {"all": round(len(body) * scale)})
@@ -108,10 +134,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # the shipped kernel as it stands
             rows.append(row(impl, preset, T, block_n, num_warps, a.arch))
             r = rows[-1]
-            counts = r["per_64_keys"] and f"; per 64 keys {r['per_64_keys']['all']} warp instructions, " \
-                                          f"{r['per_64_keys']['prmt']} PRMT"
+            sass = r["per_64_keys"] and f"{r['per_64_keys']['all']} warp instructions, "
             print(f"sm_{a.arch} {preset} {impl:7s} q_len {T} {r['block_n']:3d} keys x {r['num_warps']} warps: "
-                  f"{r['registers']} registers, {r['spill_bytes_per_thread']} B spilled{counts or ''}", flush=True)
+                  f"{r['registers']} registers, {r['spill_bytes_per_thread']} B spilled; per 64 keys {sass or ''}"
+                  f"PTX {r['ptx_per_64_keys']['all']} ({r['ptx_per_64_keys']['prmt']} prmt)", flush=True)
     harness.write_result(a.out, harness.header(a.git_sha, argv=argv, gpu=False) | dict(arch=f"sm_{a.arch}", triton=triton.__version__,
                                                                                rows=rows))
     return 0

@@ -1,7 +1,7 @@
-"""The candidate 3-bit PRMT decoder (bench/lab/turboquant_prmt3.py): its PTX, executed op by op against the
-reference packing and codebook, and the decode kernel that uses it against the float64 reference and the shipped
-kernel. The kernel cases run with CUDA in this process (the PRMT path) and, without it, in Triton's interpreter in
-a child pytest (the interpreter has no inline PTX: there they check that the rebound kernel is the shipped one)."""
+"""The candidate decoders (bench/lab/turboquant_decoders.py): the 3-bit PRMT decoder's PTX, executed op by op against
+the reference packing and codebook, and both candidate kernels against the float64 reference and the shipped
+kernel. The kernel cases run with CUDA in this process (the PRMT paths) and, without it, in Triton's interpreter in
+a child pytest (the interpreter has no inline PTX: there they check that the rebound kernels are the shipped one)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from tests._interpreter import run_interpreter_lane
 from tests.test_turboquant_triton import DECODE_CASES, _run_ptx, assert_rel, decode_case
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "lab"))
-import turboquant_prmt3  # noqa: E402  (a lab module)
+import turboquant_decoders as dec  # noqa: E402  (a lab module)
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -35,7 +35,7 @@ def test_byte3_ptx_decodes_every_code_in_every_position(chunk):
     scores, 4 tokens of one column for the values), comes out as the fp16 bits of codebook[code]; every code is
     seen in every byte position, for columns whose high bit sits at bit 2 * chunk and at 2 * chunk + 1."""
     want = tq.codebook(3).levels.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
-    asm = turboquant_prmt3._byte3_asm(tq.codebook(3).levels, chunk)
+    asm = dec._byte3_asm(tq.codebook(3).levels, chunk)
     g = torch.Generator().manual_seed(chunk)
     codes = torch.randint(0, 8, (64, 256), generator=g)
     packed = tq.pack(codes, 3).to(torch.int64)
@@ -63,30 +63,35 @@ def test_byte3_tables_hold_the_codebook():
     import re
 
     lev = tq.codebook(3).levels.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
-    words = [int(x, 16) for x in re.findall(r"mov\.b32 t\d, (0x[0-9a-f]+);", turboquant_prmt3._byte3_asm(
+    words = [int(x, 16) for x in re.findall(r"mov\.b32 t\d, (0x[0-9a-f]+);", dec._byte3_asm(
         tq.codebook(3).levels, 0))]
     got = [((words[2 + c // 4] >> (8 * (c % 4))) & 0xFF) << 8 | ((words[c // 4] >> (8 * (c % 4))) & 0xFF) for c in range(8)]
     assert got == lev.tolist()
     with pytest.raises(AssertionError, match="8-entry"):
-        turboquant_prmt3._byte3_asm(tq.codebook(4).levels, 0)
+        dec._byte3_asm(tq.codebook(4).levels, 0)
+
+
+# (impl, preset, tile): prmt3 on K4V3 at the shipped tile and K4V4's sm_90 one; once on every preset
+CANDIDATE_CASES = [("prmt3", "turboquant_k4v3", None), ("prmt3", "turboquant_k4v3", (64, 2))] + [
+    ("once", name, None) for name in tq.PRESETS]
 
 
 @kernel_case
-@pytest.mark.parametrize("tile", [None, (64, 2)], ids=["shipped-tile", "64x2"])
+@pytest.mark.parametrize("impl,name,tile", CANDIDATE_CASES)
 @pytest.mark.parametrize("B,Hq,H,T,lens,page,splits", DECODE_CASES)
-def test_prmt3_decode_matches_reference_and_the_shipped_kernel(B, Hq, H, T, lens, page, splits, tile):
-    if INTERPRET and tile:
-        pytest.skip("the interpreter runs the shipped gathers: one tile checks the rebinding")
-    args, ref = decode_case("turboquant_k4v3", B, Hq, H, T, lens, page)
+def test_candidate_decode_matches_reference_and_the_shipped_kernel(B, Hq, H, T, lens, page, splits, impl, name, tile):
+    if INTERPRET and (tile or name != "turboquant_k4v3"):
+        pytest.skip("the interpreter runs the shipped decoders: K4V3 at one tile checks each rebinding")
+    args, ref = decode_case(name, B, Hq, H, T, lens, page)
     kw = dict(block_n=tile[0], num_warps=tile[1]) if tile else {}
-    out = turboquant_prmt3.decode_attention_prmt3(*args, num_splits=splits, **kw)
-    assert_rel(out.float(), ref, 3e-3, "K4V3 decode, 3-bit PRMT decoder")
+    out = dec.decode_attention(impl, *args, num_splits=splits, **kw)
+    assert_rel(out.float(), ref, 3e-3, f"{name} decode, candidate {impl}")
     shipped = tt.decode_attention(*args, num_splits=splits)
-    assert_rel(out.float(), shipped.float(), 2e-3, "PRMT vs gather decoder")  # the same values, other op order
-    assert tt._tq_decode_kernel is not turboquant_prmt3._KERNEL, "the shipped kernel is back after the call"
+    assert_rel(out.float(), shipped.float(), 2e-3, f"{impl} vs shipped")  # the same values, other op order
+    assert tt._tq_decode_kernel not in dec.KERNELS.values(), "the shipped kernel is back after the call"
 
 
 @pytest.mark.skipif(CUDA or INTERPRET, reason="kernel cases run in this process")
 def test_interpreter_lane():
     out = run_interpreter_lane(__file__, timeout_s=900)
-    assert f"{len(DECODE_CASES)} passed" in out.splitlines()[-1], out[-2000:]
+    assert f"{2 * len(DECODE_CASES)} passed" in out.splitlines()[-1], out[-2000:]
