@@ -270,12 +270,14 @@ SWEEP = {  # decode_attention keyword sets tried per q_len ({} = the library def
     # q_len 1: {} is 64 keys x 2 warps on sm_90 since the sweep at c207b19; 32 x 4 was the default before it
     # impl="swap": the transposed candidate kernel (turboquant_swap.py, not shipped), at its tiles without spills on
     # sm_90 (tests/_aot.py's compile: 64 keys x 4 warps at q_len 1; at q_len 3 16 x 4, and 64 x 8 with 8 B);
-    # impl="once": the decoders not pure (turboquant_decoders.py: each code decoded once per tile), shipped tiles
+    # impl="once": the decoders not pure (turboquant_decoders.py: each code decoded once per tile), at the shipped
+    # tiles and, for q_len 1, at two that need fewer registers (sm_90 compiles, K4V4: 64 x 2 192 registers, 128 x 4
+    # 138 and 64 x 4 113, none spilling; 4,236 / 4,232 / 4,924 warp instructions per 64 keys)
     1: [dict(), dict(block_n=32, num_warps=4), dict(block_n=32, num_warps=2), dict(num_warps=4), dict(waves=8),
         dict(decoder="gather"), dict(impl="swap", block_n=64, num_warps=4), dict(impl="once"),
-        dict(impl="once", block_n=32, num_warps=4)],
+        dict(impl="once", block_n=128, num_warps=4), dict(impl="once", block_n=64, num_warps=4)],
     3: [dict(), dict(block_n=32), dict(impl="swap", block_n=16, num_warps=4), dict(impl="swap", block_n=64, num_warps=8),
-        dict(impl="once")],
+        dict(impl="once"), dict(impl="once", block_n=32)],
 }
 # Other presets' candidates, logged beside their shipped defaults (not in sweep_best, which is the default
 # preset's): K4V3 with the 3-bit PRMT decoder (turboquant_decoders.py, not shipped) at the shipped K4V3 tile and
