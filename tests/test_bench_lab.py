@@ -243,6 +243,28 @@ def test_sass_loop_body_is_the_largest_backward_branch():
     assert turboquant_sass.loop_body(sass.replace("BRA 0x10", "BRA 0x40")) == []  # no backward branch: no loop
 
 
+def test_ptx_loop_body_is_the_largest_backward_branch():
+    """The PTX count takes the same loop: from a backward bra's label to the bra, labels, directives and comments
+    left out, predicates stripped from the opcode."""
+    import turboquant_sass
+
+    ptx = """
+    mov.u32 %r1, 0;
+$L__BB0_2:                              // %.lr.ph
+    .loc 1 2 3
+    prmt.b32 %r2, %r3, %r4, %r5;
+    @%p1 mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%f1}, {%r1}, {%r2}, {%f1};
+    @!%p2 bra $L__BB0_2;
+    bra.uni $L__BB0_4;
+$L__BB0_4:
+    ret;
+"""
+    body = turboquant_sass.ptx_loop_body(ptx)
+    assert [turboquant_sass.ptx_opcode(x) for x in body] == ["prmt.b32", "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32",
+                                                             "bra"]
+    assert turboquant_sass.ptx_loop_body(ptx.replace("bra $L__BB0_2", "bra $L__BB0_4")) == []
+
+
 def test_sass_counts_the_candidate_decoders_below_the_shipped_ones():
     """Compiled as the host code launches them (no GPU). prmt3: the K4V3 loop on sm_90 has no gathers left (global
     loads: the code rows only) and fewer instructions, without spilling. once: on the Spark's sm_121 verify tile each

@@ -21,6 +21,7 @@ trips sit in the loop; bench/lab/turboquant.py times the same tiles on the H200.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import subprocess
 import sys
@@ -51,9 +52,8 @@ PTX_KINDS = {"prmt": ("prmt",), "mma": ("mma.sync", "wgmma.mma_async"), "shared_
 TILES = [("shipped", 1, None, None), ("swap", 1, 64, 4), ("once", 1, None, None), ("prmt3", 1, None, None),
          ("prmt3", 1, 64, 2), ("shipped", 3, None, None), ("swap", 3, 16, 4), ("swap", 3, 64, 8),
          ("once", 3, None, None), ("prmt3", 3, None, None), ("prmt3", 3, 64, 4)]
-CANDIDATES = {"swap": turboquant_swap.decode_attention_swap,
-              "prmt3": lambda *a, **kw: turboquant_decoders.decode_attention("prmt3", *a, **kw),
-              "once": lambda *a, **kw: turboquant_decoders.decode_attention("once", *a, **kw)}
+CANDIDATES = {"swap": turboquant_swap.decode_attention_swap} | {
+    impl: functools.partial(turboquant_decoders.decode_attention, impl) for impl in turboquant_decoders.KERNELS}
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
