@@ -182,6 +182,7 @@ def _capacity_table(s: dict, result: dict) -> Table:
         rows.append([str(ld["context"]), f"peak use {use}",
                      str(ld["users_at_context_measured"] or "-"),
                      f"measured: {ld['streams']} streams, peak {ld['peak_running']} running"
+                     + (f", run {ld['attempts']} times" if ld.get("attempts", 1) > 1 else "")
                      + (f" ({ld['note']})" if ld.get("note") else "")])
     return ("capacity: KV cache and concurrent users per context length", headers, rows)
 

@@ -482,3 +482,13 @@ def test_error_cause_names_the_first_exception_not_the_engines_closing_line():
     assert error_cause(log) == "ValueError: Unknown TurboQuant cache dtype: 'auto'"
     assert error_cause("RuntimeError: Engine core initialization failed.\n") is None
     assert error_cause("INFO all fine\n") is None
+
+
+def test_capacity_table_says_when_the_load_ran_again():
+    load = {"streams": 4, "context": 300, "peak_kv_usage": 0.04, "peak_running": 4, "users_at_context_measured": 100,
+            "attempts": 2, "note": None}
+    suite = {"estimates": [], "server_log": {}, "load": load}
+    _, _, rows = report._capacity_table(suite, {})
+    assert rows[-1][-1] == "measured: 4 streams, peak 4 running, run 2 times"
+    _, _, rows = report._capacity_table({**suite, "load": {**load, "attempts": 1}}, {})
+    assert rows[-1][-1] == "measured: 4 streams, peak 4 running"
