@@ -7,11 +7,11 @@ bench/results/turboquant_sass.json (sm_90) and turboquant_sass_sm121.json (the S
 
 `prmt3`: 3-bit codes by PRMT byte lookups in registers. The shipped kernel gathers each 3-bit value from the
 8-entry fp16 table: a load per value, in the load's layout, which Triton then takes through shared memory into the
-mma operand layout (K4V3 takes 1.7-2.5x K4V4's time on an H200 for 12% fewer bytes). The 8 fp16 levels fit one
-PRMT table pair and a 3-bit code is a PRMT selector as it stands, so no sign trick is needed. Per 4 values (one
-32-bit word of each plane): 2 ops take the low 2 bits, 6 the high bit (it sits one place up for coordinates 32-63
-of each 64: a per-byte mask, loop-invariant, picks it), 3 make the selector, 4 PRMT look up and pair: 15 ops, no
-memory access.
+mma operand layout (K4V3 takes 1.6-3.0x K4V4's time at 32K-256K on an H200 for 12% fewer bytes:
+turboquant_h200.json at e81c79e). The 8 fp16 levels fit one PRMT table pair and a 3-bit code is a PRMT selector as
+it stands, so no sign trick is needed. Per 4 values (one 32-bit word of each plane): 2 ops take the low 2 bits, 6
+the high bit (it sits one place up for coordinates 32-63 of each 64: a per-byte mask, loop-invariant, picks it), 3
+make the selector, 4 PRMT look up and pair: 15 ops, no memory access.
 
 `once`: every code decoded once per tile. The shipped decoders are marked pure, so Triton may recompute them in
 the mma operand layout of each warp that needs the value: with the warps split over the tile's query rows, every
