@@ -58,6 +58,20 @@ def test_byte3_ptx_decodes_every_code_in_every_position(chunk):
 
 
 @pytest.mark.skipif(INTERPRET, reason="pure Python: runs in the parent")
+def test_u8_ptx_is_the_shipped_centred_code_for_every_byte_in_every_position():
+    """The 8-bit asm turns byte k of its input into the fp16 bits of code - 127.5 (what the shipped _u8_centred
+    computes, exactly), for all 256 codes in each of the 4 positions beside random neighbours."""
+    want = (torch.arange(256, dtype=torch.float64) - 127.5).to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    g = torch.Generator().manual_seed(8)
+    for pos in range(4):
+        for code in range(256):
+            bs = torch.randint(0, 256, (4,), generator=g).tolist()
+            bs[pos] = code
+            o0, o1 = _run_ptx(dec._U8_ASM.value, sum(b << (8 * k) for k, b in enumerate(bs)))
+            assert [o0 & 0xFFFF, o0 >> 16, o1 & 0xFFFF, o1 >> 16] == [int(want[b]) for b in bs], f"bytes {bs}"
+
+
+@pytest.mark.skipif(INTERPRET, reason="pure Python: runs in the parent")
 def test_byte3_tables_hold_the_codebook():
     """The four table words are the low and high bytes of the 8 fp16 levels, in code order."""
     import re

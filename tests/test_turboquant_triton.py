@@ -13,6 +13,7 @@ from __future__ import annotations
 import operator
 import os
 
+import numpy as np
 import pytest
 import torch
 import triton
@@ -202,7 +203,11 @@ def _run_ptx(asm: str, *inputs: int) -> tuple[int, int]:
         op, rest = line.split(None, 1)
         d, *a = [t.strip() for t in rest.split(",")]
         a = [val(t) for t in a]
-        if op == "prmt.b32":
+        if op.startswith("sub") and op.endswith(".f16x2"):  # half by half, rounded to fp16 (exact here)
+            half = lambda v, k: np.array([(v >> (16 * k)) & 0xFFFF], np.uint16).view(np.float16)[0]  # noqa: E731
+            r = sum(int(np.array([half(a[0], k) - half(a[1], k)], np.float16).view(np.uint16)[0]) << (16 * k)
+                    for k in range(2))
+        elif op == "prmt.b32":
             src = a[0] | (a[1] << 32)
             out = 0
             for i in range(4):

@@ -18,7 +18,8 @@ the mma operand layout of each warp that needs the value: with the warps split o
 warp decodes every key. That is the Spark's verify tile (mma.sync, 64 rows x 16 keys, 4 warps over the rows: each
 key decoded 4 times) and, less so, the H200's 16-row tile (2 warps). Marked not pure, the decode stays where the
 bytes are loaded, once per value, and Triton moves the fp16 values into the operand layout through shared memory.
-The asm is the same; only what the compiler may do with it changes. It applies to `prmt3`'s 3-bit decoder too.
+The asm is the same; only what the compiler may do with it changes. It applies to `prmt3`'s 3-bit decoder too, and
+8-bit codes (plain Triton arithmetic as shipped, recomputed per warp the same way) get an asm of the same math.
 
 Each kernel is the shipped @triton.jit source compiled with some of its globals swapped (`_rebind`), so the rest
 is the shipped code, not a copy of it.
@@ -76,6 +77,20 @@ def _byte3_asm(levels: torch.Tensor, chunk: int) -> str:
     }}"""
 
 
+# 8-bit codes: code - 127.5 in fp16, as the shipped _u8_centred computes it (fp16 bits 0x6000 | (b << 1) are
+# 512 + b, and 512 + b - 639.5 is exact), as two byte spreads, a shift, an OR and a half-pair subtract per 2 values.
+_U8_ASM = tl.constexpr("""{
+    .reg .b32 x, y, c;
+    mov.b32 c, 0x60ff60ff;
+    prmt.b32 x, $2, 0, 0x4140;
+    shl.b32 x, x, 1;
+    or.b32 x, x, 0x60006000;
+    sub.rn.f16x2 $0, x, c;
+    prmt.b32 y, $2, 0, 0x4342;
+    shl.b32 y, y, 1;
+    or.b32 y, y, 0x60006000;
+    sub.rn.f16x2 $1, y, c;
+    }""")
 _B3_0 = tl.constexpr(_byte3_asm(tq.codebook(3).levels, 0))
 _B3_1 = tl.constexpr(_byte3_asm(tq.codebook(3).levels, 1))
 _B3_2 = tl.constexpr(_byte3_asm(tq.codebook(3).levels, 2))
@@ -124,6 +139,17 @@ def _nibbles_once(CACHE, ptr, nmask, HALF: tl.constexpr):
 
 
 @triton.jit
+def _codes8_once(CACHE, ptr, nmask):
+    """8-bit codes of BLOCK_N rows, code - 127.5, decoded once where loaded: four fp16 [BLOCK_N, 64] chunks."""
+    row = CACHE + ptr[:, None] + tl.arange(0, 64)[None, :]
+    c0 = _asm1(_U8_ASM, tl.load(row, mask=nmask[:, None], other=0), False)
+    c1 = _asm1(_U8_ASM, tl.load(row + 64, mask=nmask[:, None], other=0), False)
+    c2 = _asm1(_U8_ASM, tl.load(row + 128, mask=nmask[:, None], other=0), False)
+    c3 = _asm1(_U8_ASM, tl.load(row + 192, mask=nmask[:, None], other=0), False)
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def _codes_prmt3(CACHE, ptr, nmask, TAB, BITS: tl.constexpr, PRMT: tl.constexpr, D: tl.constexpr):
     """The shipped _codes, with 3-bit codes decoded by PRMT on the GPU (the interpreter keeps the gathers)."""
     if BITS == 3 and PRMT:
@@ -135,12 +161,14 @@ def _codes_prmt3(CACHE, ptr, nmask, TAB, BITS: tl.constexpr, PRMT: tl.constexpr,
 
 @triton.jit
 def _codes_once(CACHE, ptr, nmask, TAB, BITS: tl.constexpr, PRMT: tl.constexpr, D: tl.constexpr):
-    """_codes_prmt3 with the 4-bit and 3-bit PRMT decoders not pure (8-bit codes are a shift and an add: as shipped)."""
+    """_codes_prmt3 with every decoder an asm that is not pure: each code decoded once per tile."""
     if BITS == 3 and PRMT:
         c0, c1, c2, c3 = _codes3(CACHE, ptr, nmask, D, False)
     elif BITS == 4 and PRMT:
         c0, c2 = _nibbles_once(CACHE, ptr, nmask, 0)
         c1, c3 = _nibbles_once(CACHE, ptr, nmask, 1)
+    elif BITS == 8 and PRMT:
+        c0, c1, c2, c3 = _codes8_once(CACHE, ptr, nmask)
     else:
         c0, c1, c2, c3 = tt._codes(CACHE, ptr, nmask, TAB, BITS, PRMT, D)
     return c0, c1, c2, c3
