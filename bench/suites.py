@@ -416,21 +416,22 @@ class Runner:
         v1/engine/async_llm.py) awaits an asyncio.Queue that returns at once while engine outputs wait in it, so it
         does not yield to the event loop when the engine outpaces the API process (CI's busy 2-core machine, the
         tiny model). Another run usually lands; every attempt's rows are kept."""
-        rows: list[dict] = []
-        for attempt in range(self.LOAD_ATTEMPTS):
-            more, load = await self._load_once(streams, context, attempt)
-            rows += more
-            if load["samples_under_load"]:
-                break
-        return rows, {**load, "attempts": attempt + 1}
-
-    async def _load_once(self, streams: int, context: int, attempt: int) -> tuple[list[dict], dict]:
-        """`streams` concurrent requests of `context` tokens; /metrics sampled while they run."""
         max_tokens = self._cap(self.s.capacity_max_tokens)
         if self.max_model_len is not None and context + max_tokens > self.max_model_len:
             raise UserError(f"--capacity-context {context} + {max_tokens} new tokens exceeds the server's "
                             f"max_model_len {self.max_model_len}: lower it")
         filler, _ = await self._filler_prompt(context, self.s.seed + 7)
+        rows: list[dict] = []
+        for attempt in range(self.LOAD_ATTEMPTS):
+            more, load = await self._load_once(streams, context, max_tokens, filler, attempt)
+            rows += more
+            if load["samples_under_load"]:
+                break
+        return rows, {**load, "attempts": attempt + 1}
+
+    async def _load_once(self, streams: int, context: int, max_tokens: int, filler: str,
+                         attempt: int) -> tuple[list[dict], dict]:
+        """`streams` concurrent requests of `context` tokens (`filler`); /metrics sampled while they run."""
         samples: list[dict] = []
         done, all_started = asyncio.Event(), asyncio.Event()
         started = 0
