@@ -5,10 +5,10 @@ Decode attention, one program per (sequence, KV head, split):
   * the G = Hq/H query heads of the KV head times the T query positions (16 x 3 for an MTP-2 verify
     step on Qwen3.5-122B) form ONE [BLOCK_M, d] tile, so each compressed K/V tile is read once for
     all of them and every product is a tl.dot (tensor cores);
-  * every code byte is loaded once, 16 bytes per load, and decoded in registers: 4-bit codes by PRMT
-    byte lookups (below; `decoder="gather"` gathers from the 16-entry fp16 table in L1 instead),
-    3-bit codes by gathers from the 8-entry table, 8-bit codes are their own fp16 value
-    (code - 127.5 is exact; the grid step joins the per-token scale);
+  * every code byte is loaded once, 16 bytes per load, and decoded in registers: 4-bit and 3-bit codes
+    by PRMT byte lookups (below; `decoder="gather"` gathers from the fp16 table in L1 instead), 8-bit
+    codes are their own fp16 value (code - 127.5 is exact; the grid step joins the per-token scale);
+    per GPU, preset and q_len, decoded once per tile or in each warp that needs them (decode_once);
   * scores are scaled per key by its stored scale (q . x_hat = scale * (Rq) . c), probabilities per
     value by its scale; online softmax in base 2;
   * a merge kernel, one program per output row, weighs all splits at once (vector loads over the
@@ -106,6 +106,101 @@ def _byte_asm(levels: torch.Tensor, high: bool) -> str:
 
 _BYTE_LO = tl.constexpr(_byte_asm(tq.codebook(4).levels, high=False))
 _BYTE_HI = tl.constexpr(_byte_asm(tq.codebook(4).levels, high=True))
+
+
+# 3-bit decode in registers (GPU). The 8 fp16 levels fit one PRMT table pair, and a 3-bit code is a PRMT selector
+# as it stands. The code's 2 low bits are in the low plane (byte j of the row holds coordinates j, 64 + j, 128 + j,
+# 192 + j), its high bit in the high plane (byte j % 32 holds bit pairs for coordinates j and j + 32 of each 64:
+# tq.pack). Per 4 values: 2 ops take the low bits, 6 the high bit (a per-byte mask, loop-invariant, picks bit
+# 2 chunk + 1 for coordinates 32-63 of a chunk), 3 make the selector, 4 PRMT look up and pair: 15 ops, no memory
+# access. The gathers this replaced (one L1 load per value from the 8-entry table, `decoder="gather"`) made K4V3
+# 1.2-3.1x the folded BF16 time on an H200 (bench/results/turboquant_h200_8b2d5ec_candidates.json).
+
+
+def _byte3_asm(levels: torch.Tensor, chunk: int) -> str:
+    """PTX for 4 bytes of the low plane ($2), the 4 matching bytes of the high plane ($3) and a mask ($4: 0xff in
+    bytes whose coordinate's high bit is bit 2 * chunk + 1 of its byte, 0 where it is bit 2 * chunk) -> the fp16
+    values of coordinates 64 * chunk + j as pairs (v_0, v_1), (v_2, v_3) in $0, $1 (element k = byte k)."""
+    lev = levels.to(torch.float16)
+    if len(lev) != 8:
+        raise AssertionError("the 3-bit decoder needs an 8-entry codebook")
+    bits = [int(b) & 0xFFFF for b in lev.view(torch.int16)]
+    word = lambda vals: sum((v & 0xFF) << (8 * i) for i, v in enumerate(vals))  # noqa: E731
+    t0, t1 = word(bits[:4]), word(bits[4:])
+    t2, t3 = word([b >> 8 for b in bits[:4]]), word([b >> 8 for b in bits[4:]])
+    s = 2 * chunk
+    return f"""{{
+    .reg .b32 c, h, h1, x, sel, lo, hi, t0, t1, t2, t3;
+    mov.b32 t0, {t0:#010x};
+    mov.b32 t1, {t1:#010x};
+    mov.b32 t2, {t2:#010x};
+    mov.b32 t3, {t3:#010x};
+    shr.b32 c, $2, {s};
+    and.b32 c, c, 0x03030303;
+    shr.b32 h, $3, {s};
+    shr.b32 h1, h, 1;
+    xor.b32 x, h, h1;
+    and.b32 x, x, $4;
+    xor.b32 h, h, x;
+    shl.b32 h, h, 2;
+    and.b32 h, h, 0x04040404;
+    or.b32 c, c, h;
+    shr.b32 x, c, 4;
+    or.b32 sel, c, x;
+    prmt.b32 sel, sel, 0, 0x0020;
+    prmt.b32 lo, t0, t1, sel;
+    prmt.b32 hi, t2, t3, sel;
+    prmt.b32 $0, lo, hi, 0x5140;
+    prmt.b32 $1, lo, hi, 0x7362;
+    }}"""
+
+
+_B3_0 = tl.constexpr(_byte3_asm(tq.codebook(3).levels, 0))
+_B3_1 = tl.constexpr(_byte3_asm(tq.codebook(3).levels, 1))
+_B3_2 = tl.constexpr(_byte3_asm(tq.codebook(3).levels, 2))
+_B3_3 = tl.constexpr(_byte3_asm(tq.codebook(3).levels, 3))
+
+# 8-bit codes, as an asm for the decode-once path (below): code - 127.5 in fp16, _u8_centred's arithmetic (fp16
+# bits 0x6000 | (b << 1) are 512 + b, and 512 + b - 639.5 is exact), as two byte spreads, a shift, an OR and a
+# half-pair subtract per 2 values.
+_U8_ASM = tl.constexpr("""{
+    .reg .b32 x, y, c;
+    mov.b32 c, 0x60ff60ff;
+    prmt.b32 x, $2, 0, 0x4140;
+    shl.b32 x, x, 1;
+    or.b32 x, x, 0x60006000;
+    sub.rn.f16x2 $0, x, c;
+    prmt.b32 y, $2, 0, 0x4342;
+    shl.b32 y, y, 1;
+    or.b32 y, y, 0x60006000;
+    sub.rn.f16x2 $1, y, c;
+    }""")
+
+# Decode once or per warp (ONCE). A decoder asm marked pure may be recomputed by Triton in the mma operand layout
+# of every warp that needs the value: no shared-memory round trip, but with the warps split over the tile's query
+# rows each warp decodes every key. Not pure, the decode stays where the bytes are loaded, once per value, and the
+# fp16 values reach the operand layout through shared memory. Which wins is measured per GPU, preset and q_len:
+# decode_once.
+
+
+@triton.jit
+def _asm1(src: tl.constexpr, a, ONCE: tl.constexpr):
+    """A decoder asm over pack=4 bytes of `a` -> fp16 (pure unless ONCE)."""
+    if ONCE:
+        out = tl.inline_asm_elementwise(src, "=r,=r,r", [a], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        out = tl.inline_asm_elementwise(src, "=r,=r,r", [a], dtype=tl.float16, is_pure=True, pack=4)
+    return out
+
+
+@triton.jit
+def _asm3(src: tl.constexpr, a, b, c, ONCE: tl.constexpr):
+    """_asm1 for a decoder of three byte inputs."""
+    if ONCE:
+        out = tl.inline_asm_elementwise(src, "=r,=r,r,r,r", [a, b, c], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        out = tl.inline_asm_elementwise(src, "=r,=r,r,r,r", [a, b, c], dtype=tl.float16, is_pure=True, pack=4)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,13 +403,13 @@ def encode(k, v, slot_mapping, cache, layout: tq.CacheLayout, seed: int, block_t
 
 
 @triton.jit
-def _nibbles(CACHE, ptr, nmask, TAB, HALF: tl.constexpr, PRMT: tl.constexpr):
+def _nibbles(CACHE, ptr, nmask, TAB, HALF: tl.constexpr, PRMT: tl.constexpr, ONCE: tl.constexpr):
     """4-bit: bytes [64 HALF, 64 HALF + 64) of BLOCK_N code rows -> fp16 values of coordinates 64 HALF + j (A)
     and 128 + 64 HALF + j (B), each [BLOCK_N, 64]."""
     b = tl.load(CACHE + ptr[:, None] + (HALF * 64 + tl.arange(0, 64))[None, :], mask=nmask[:, None], other=0)
     if PRMT:
-        lo = tl.inline_asm_elementwise(_BYTE_LO, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
-        hi = tl.inline_asm_elementwise(_BYTE_HI, "=r,=r,r", [b], dtype=tl.float16, is_pure=True, pack=4)
+        lo = _asm1(_BYTE_LO, b, ONCE)
+        hi = _asm1(_BYTE_HI, b, ONCE)
     else:
         b = b.to(tl.int32)
         lo = tl.load(TAB + _sm_code(b & 7, b >> 7))
@@ -338,26 +433,39 @@ def _u8_centred(b):
 
 
 @triton.jit
-def _codes(CACHE, ptr, nmask, TAB, BITS: tl.constexpr, PRMT: tl.constexpr, D: tl.constexpr):
+def _codes(CACHE, ptr, nmask, TAB, BITS: tl.constexpr, PRMT: tl.constexpr, ONCE: tl.constexpr, D: tl.constexpr):
     """Codebook values of one code row per token: four fp16 [BLOCK_N, 64] chunks (coordinates 64a + j)."""
     j = tl.arange(0, 64)
     if BITS == 4:
-        c0, c2 = _nibbles(CACHE, ptr, nmask, TAB, 0, PRMT)
-        c1, c3 = _nibbles(CACHE, ptr, nmask, TAB, 1, PRMT)
+        c0, c2 = _nibbles(CACHE, ptr, nmask, TAB, 0, PRMT, ONCE)
+        c1, c3 = _nibbles(CACHE, ptr, nmask, TAB, 1, PRMT, ONCE)
     elif BITS == 8:  # code - 127.5, exactly, in the grid's units (the step joins the token's scale)
         row = CACHE + ptr[:, None] + j[None, :]
-        c0 = _u8_centred(tl.load(row, mask=nmask[:, None], other=0))
-        c1 = _u8_centred(tl.load(row + 64, mask=nmask[:, None], other=0))
-        c2 = _u8_centred(tl.load(row + 128, mask=nmask[:, None], other=0))
-        c3 = _u8_centred(tl.load(row + 192, mask=nmask[:, None], other=0))
+        b0 = tl.load(row, mask=nmask[:, None], other=0)
+        b1 = tl.load(row + 64, mask=nmask[:, None], other=0)
+        b2 = tl.load(row + 128, mask=nmask[:, None], other=0)
+        b3 = tl.load(row + 192, mask=nmask[:, None], other=0)
+        if PRMT and ONCE:
+            c0, c1, c2, c3 = _asm1(_U8_ASM, b0, ONCE), _asm1(_U8_ASM, b1, ONCE), _asm1(_U8_ASM, b2, ONCE), _asm1(_U8_ASM, b3, ONCE)
+        else:
+            c0, c1, c2, c3 = _u8_centred(b0), _u8_centred(b1), _u8_centred(b2), _u8_centred(b3)
     else:  # 3 bit: both planes loaded once, the high plane broadcast to 64 columns (byte j % 32)
-        lo = tl.load(CACHE + ptr[:, None] + j[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-        hb = tl.load(CACHE + ptr[:, None] + D // 4 + (j % 32)[None, :], mask=nmask[:, None], other=0).to(tl.int32)
-        sh = (j // 32)[None, :]
-        c0 = tl.load(TAB + ((lo & 3) | (((hb >> sh) & 1) << 2)))
-        c1 = tl.load(TAB + (((lo >> 2) & 3) | (((hb >> (2 + sh)) & 1) << 2)))
-        c2 = tl.load(TAB + (((lo >> 4) & 3) | (((hb >> (4 + sh)) & 1) << 2)))
-        c3 = tl.load(TAB + (((lo >> 6) & 3) | (((hb >> (6 + sh)) & 1) << 2)))
+        lo = tl.load(CACHE + ptr[:, None] + j[None, :], mask=nmask[:, None], other=0)
+        hb = tl.load(CACHE + ptr[:, None] + D // 4 + (j % 32)[None, :], mask=nmask[:, None], other=0)
+        if PRMT:
+            up = tl.broadcast_to(tl.where(j >= 32, 255, 0).to(tl.uint8)[None, :], lo.shape)
+            c0 = _asm3(_B3_0, lo, hb, up, ONCE)
+            c1 = _asm3(_B3_1, lo, hb, up, ONCE)
+            c2 = _asm3(_B3_2, lo, hb, up, ONCE)
+            c3 = _asm3(_B3_3, lo, hb, up, ONCE)
+        else:
+            lo = lo.to(tl.int32)
+            hb = hb.to(tl.int32)
+            sh = (j // 32)[None, :]
+            c0 = tl.load(TAB + ((lo & 3) | (((hb >> sh) & 1) << 2)))
+            c1 = tl.load(TAB + (((lo >> 2) & 3) | (((hb >> (2 + sh)) & 1) << 2)))
+            c2 = tl.load(TAB + (((lo >> 4) & 3) | (((hb >> (4 + sh)) & 1) << 2)))
+            c3 = tl.load(TAB + (((lo >> 6) & 3) | (((hb >> (6 + sh)) & 1) << 2)))
     return c0, c1, c2, c3
 
 
@@ -384,7 +492,7 @@ def _attend_tile(
     CACHE, CACHE_F32, bt_row, n0, end, last, h, q0, q1, q2, q3, m_i, l_i, acc0, acc1, acc2, acc3,
     KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
     H: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, PRMT: tl.constexpr,
-    D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONCE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One step of online softmax over keys [n0, n0 + BLOCK_N) of KV head h (those < end, and for each
     tile row those <= last[row]): codes decoded in registers, every product a tl.dot. Returns the
@@ -402,7 +510,7 @@ def _attend_tile(
     ks = tl.load(CACHE_F32 + sidx, mask=nmask, other=0.0) * k_mul
     vs = tl.load(CACHE_F32 + sidx + 1, mask=nmask, other=0.0) * v_mul
 
-    k0, k1, k2, k3 = _codes(CACHE, krow, nmask, KTAB, K_BITS, PRMT, D)
+    k0, k1, k2, k3 = _codes(CACHE, krow, nmask, KTAB, K_BITS, PRMT, ONCE, D)
     s = tl.dot(q0, tl.trans(k0))
     s = tl.dot(q1, tl.trans(k1), s)
     s = tl.dot(q2, tl.trans(k2), s)
@@ -416,7 +524,7 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     pv = (p * vs[None, :]).to(tl.float16)
-    v0, v1, v2, v3 = _codes(CACHE, vrow, nmask, VTAB, V_BITS, PRMT, D)
+    v0, v1, v2, v3 = _codes(CACHE, vrow, nmask, VTAB, V_BITS, PRMT, ONCE, D)
     acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
     acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
     acc2 = tl.dot(pv, v2, acc2 * alpha[:, None])
@@ -429,7 +537,7 @@ def _tq_decode_kernel(
     Q, stride_qb, stride_qh, stride_qt, CACHE, CACHE_F32, BLOCK_TABLE, stride_bt, SEQ_LENS,
     KTAB, VTAB, WS_ACC, WS_ML, num_splits, block_bytes, v_offset, s_offset, k_mul, v_mul,
     H: tl.constexpr, G: tl.constexpr, T: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    PRMT: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRMT: tl.constexpr, ONCE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     tl.static_assert(D == 256)  # four 64-column chunks
     bh = tl.program_id(0)
@@ -456,7 +564,7 @@ def _tq_decode_kernel(
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
             CACHE, CACHE_F32, bt_row, n0, end, last, h, q0, q1, q2, q3, m_i, l_i, acc0, acc1, acc2, acc3,
             KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
-            H, PAGE, K_BITS, V_BITS, PRMT, D, BLOCK_N)
+            H, PAGE, K_BITS, V_BITS, PRMT, ONCE, D, BLOCK_N)
 
     ws = (bh.to(tl.int64) * num_splits + split) * BLOCK_M + r
     wrow = ws[:, None] * D + c64[None, :]
@@ -532,22 +640,37 @@ def _mma_sync_only(capability: tuple[int, int] | None) -> bool:
 
 
 def decode_block_n(T: int, capability: tuple[int, int] | None, v_bits: int = 4) -> int:
-    """Keys per tile. sm_90, from the H200 sweep (bench/results/turboquant_h200.json, `sweep`, K4V4): 64, for
-    T = 1 with 2 warps (decode_num_warps: 8-9% faster than 32 keys x 4 warps at 128K batch 1 and 64K batch 8);
-    but 32 for 3-bit values, whose gathers hold more registers: with Triton 3.6.0 their 64-key tile spills 728
-    bytes per thread at T = 1 (2 warps) and 632 in a verify step when swept, 32 keys 112 (tests/
-    test_kernels_compile.py prints them). mma.sync-only parts: 32 for T = 1, 16 for verify steps, the largest
-    tile that ptxas fits in 255 registers without spilling at the 64-row tile of T = 3, 16 query heads (64 keys
-    spill 960 bytes per thread on sm_121; tests/test_kernels_compile.py checks it). Not timed on a Spark."""
+    """Keys per tile. sm_90, from the H200 timings (bench/results/turboquant_h200.json `sweep`, and
+    turboquant_h200_8b2d5ec_candidates.json): 64, with 2 warps at T = 1 (decode_num_warps: 8-9% faster than 32
+    keys x 4 warps at 128K batch 1 and 64K batch 8), and for 3-bit values at a verify step too (7-8% faster than
+    32 keys, which the gathers' registers needed before the PRMT decoder); 3-bit values at T = 1: 128 keys x 4
+    warps, decoded once (decode_once; 4-9% faster than 32 x 4 and 0-20% than 64 x 4 at 32K and 256K, batch 1 and
+    8). mma.sync-only parts: 32 for T = 1, 16 for verify steps, the largest tile that ptxas fits in 255 registers
+    without spilling at the 64-row tile of T = 3, 16 query heads (64 keys spill 960 bytes per thread on sm_121;
+    tests/test_kernels_compile.py checks it). Not timed on a Spark."""
     if _mma_sync_only(capability):
         return 32 if T == 1 else 16
-    return 32 if v_bits == 3 else 64
+    return 128 if v_bits == 3 and T == 1 else 64
 
 
 def decode_num_warps(T: int, capability: tuple[int, int] | None, v_bits: int = 4) -> int:
     """Warps per decode program: 2 with decode_block_n's 64 keys at T = 1 on sm_90 (the sweep's best: a
     16-row tile leaves 4 warps little to share), otherwise 4."""
     return 2 if T == 1 and decode_block_n(T, capability, v_bits) == 64 else 4
+
+
+def decode_once(T: int, capability: tuple[int, int] | None, preset: tq.Preset) -> bool:
+    """Whether the decode kernel decodes each code once per tile (ONCE: the decoder asm not pure). sm_90, from
+    the H200 timings at 8b2d5ec (bench/results/turboquant_h200_8b2d5ec_candidates.json, against the same kernel
+    with pure decoders): 3-bit values at T = 1 (K4V3 at 128 x 4: 0.69-0.87x folded BF16 at 32K and 256K, batch 1
+    and 8, against 0.84-1.16x pure at 32 x 4 and 1.17-2.13x with the gathers the PRMT decoder replaced), and 8-bit
+    keys at a verify step (K8V4: 1-6% faster). Not for K4V4: no faster at a verify step (its wgmma already takes
+    the values from shared memory) and slower at T = 1 with batch 8 (1.00-1.02x against 0.75-0.78x). mma.sync-only parts: pure, as before; the Spark's verify
+    tile decodes each key in all 4 warps (bench/results/turboquant_sass_sm121.json counts half the work decoded
+    once) but nothing has timed either there."""
+    if _mma_sync_only(capability) or capability is None:
+        return False
+    return (preset.v_bits == 3 and T == 1) or (preset.k_bits == 8 and T > 1)
 
 
 def prefill_tile(G: int, capability: tuple[int, int] | None) -> tuple[int, int]:
@@ -575,10 +698,12 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int
 def decode_attention(
     q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float, max_seq_len: int,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
-    decoder: str = "prmt", waves: int = 4, out=None,
+    decoder: str = "prmt", waves: int = 4, once: bool | None = None, out=None,
 ):
     """q [B, Hq, T, d] -> out [B, Hq, T, d] (q's dtype). seq_lens [B] int32 on the device (no sync);
-    max_seq_len: a host-side upper bound that sizes the split grid."""
+    max_seq_len: a host-side upper bound that sizes the split grid. block_n, num_warps, once: None picks the
+    measured choice for this GPU (decode_block_n, decode_num_warps, decode_once); decoder="gather" is the
+    previous decoder (L1 gathers from the codebook), kept selectable."""
     B, Hq, T, d = q.shape
     H = layout.num_kv_heads
     _check_attention(Hq, d, cache, layout, "decode_attention")
@@ -596,6 +721,8 @@ def decode_attention(
         block_n = decode_block_n(T, _capability(q.device), layout.preset.v_bits)
     if num_warps is None:
         num_warps = decode_num_warps(T, _capability(q.device), layout.preset.v_bits)
+    if once is None:
+        once = decode_once(T, _capability(q.device), layout.preset)
     t = _tables(layout.preset, seed, q.device, d)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
@@ -612,7 +739,8 @@ def decode_attention(
         seq_lens, t["kcb"], t["vcb"], ws_acc, ws_ml, num_splits,
         layout.block_bytes, layout.v_offset, layout.s_offset, k_mul, v_mul,
         H=H, G=G, T=T, PAGE=layout.page, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
-        PRMT=decoder == "prmt" and q.is_cuda, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages,
+        PRMT=decoder == "prmt" and q.is_cuda, ONCE=once, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if out is None:
         out = torch.empty_like(q)
@@ -632,7 +760,8 @@ def _tq_prefill_kernel(
     Q, stride_qt, stride_qh, O, stride_ot, stride_oh, CACHE, CACHE_F32, BLOCK_TABLE, stride_bt, SEQ_LENS, Q_START,
     KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
     H: tl.constexpr, G: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    PRMT: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRMT: tl.constexpr, ONCE: tl.constexpr, D: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One program per (block of BLOCK_P query positions, KV head, request): the G query heads of the
     KV head at those positions form the tile (row = position * G + g), which attends to every cached
@@ -662,7 +791,7 @@ def _tq_prefill_kernel(
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
                 CACHE, CACHE_F32, bt_row, n0, end, last, h, q0, q1, q2, q3, m_i, l_i, acc0, acc1, acc2, acc3,
                 KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
-                H, PAGE, K_BITS, V_BITS, PRMT, D, BLOCK_N)
+                H, PAGE, K_BITS, V_BITS, PRMT, ONCE, D, BLOCK_N)
 
         inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # every valid row sees key 0 at least: l > 0
         c64 = tl.arange(0, 64)
@@ -712,7 +841,7 @@ def prefill_attention(
             layout.block_bytes, layout.v_offset, layout.s_offset, sm_scale * LOG2E * (t["kdelta"] or 1.0),
             t["vdelta"] or 1.0,
             H=H, G=G, PAGE=layout.page, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
-            PRMT=decoder == "prmt" and q.is_cuda, D=d, BLOCK_P=block_p, BLOCK_M=block_m, BLOCK_N=block_n,
+            PRMT=decoder == "prmt" and q.is_cuda, ONCE=False, D=d, BLOCK_P=block_p, BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=num_warps, num_stages=num_stages,
         )
     return torch.matmul(o_rot, t["r"]).to(q.dtype)  # back from the rotated basis: o = o_rot @ R
@@ -750,13 +879,13 @@ def _tq_dequant_kernel(
     vs = tl.load(CACHE_F32 + sidx + 1, mask=nmask, other=0.0) * v_mul
     c64 = tl.arange(0, 64)
     out = h.to(tl.int64) * stride_oh + i.to(tl.int64)[:, None] * D + c64[None, :]
-    k0, k1, k2, k3 = _codes(CACHE, tl.multiple_of(base + row * KB, 16), nmask, KTAB, K_BITS, PRMT, D)
+    k0, k1, k2, k3 = _codes(CACHE, tl.multiple_of(base + row * KB, 16), nmask, KTAB, K_BITS, PRMT, False, D)
     ty = K_OUT.dtype.element_ty
     tl.store(K_OUT + out, (k0 * ks[:, None]).to(ty), mask=nmask[:, None])
     tl.store(K_OUT + out + 64, (k1 * ks[:, None]).to(ty), mask=nmask[:, None])
     tl.store(K_OUT + out + 128, (k2 * ks[:, None]).to(ty), mask=nmask[:, None])
     tl.store(K_OUT + out + 192, (k3 * ks[:, None]).to(ty), mask=nmask[:, None])
-    v0, v1, v2, v3 = _codes(CACHE, tl.multiple_of(base + v_offset + row * VB, 16), nmask, VTAB, V_BITS, PRMT, D)
+    v0, v1, v2, v3 = _codes(CACHE, tl.multiple_of(base + v_offset + row * VB, 16), nmask, VTAB, V_BITS, PRMT, False, D)
     tl.store(V_OUT + out, (v0 * vs[:, None]).to(ty), mask=nmask[:, None])
     tl.store(V_OUT + out + 64, (v1 * vs[:, None]).to(ty), mask=nmask[:, None])
     tl.store(V_OUT + out + 128, (v2 * vs[:, None]).to(ty), mask=nmask[:, None])

@@ -16,7 +16,7 @@ LAB = Path(__file__).resolve().parents[1] / "bench" / "lab"
 sys.path.insert(0, str(LAB))  # the harness is a lab module, imported here as the lab scripts import it
 import harness
 
-MODULES = {"harness.py", "turboquant_decoders.py", "turboquant_swap.py", "turboquant_upstream.py"}  # imported by the scripts, not run
+MODULES = {"harness.py", "turboquant_swap.py", "turboquant_upstream.py"}  # imported by the scripts, not run
 SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name not in MODULES)
 
 
@@ -265,12 +265,13 @@ $L__BB0_4:
     assert turboquant_sass.ptx_loop_body(ptx.replace("bra $L__BB0_2", "bra $L__BB0_4")) == []
 
 
-def test_sass_counts_the_candidate_decoders_below_the_shipped_ones():
-    """Compiled as the host code launches them (no GPU). prmt3: the K4V3 loop on sm_90 has no gathers left (global
-    loads: the code rows only) and fewer instructions, without spilling. once: on the Spark's sm_121 verify tile each
-    key is decoded once (PRMT at the 1,280 per 64 keys 4-bit K and V need: 32,768 values x 10 PRMT per 8 / 32
-    lanes) where the shipped tile decodes it in every warp; on sm_90's q_len-1 tile, fewer instructions. sm_121 rows
-    carry PTX counts and no machine-code ones (no disassembler for it here)."""
+def test_sass_counts_the_decoders_against_the_ones_they_replace():
+    """Compiled as the host code launches them (no GPU). K4V3 on sm_90: its shipped loop (3-bit PRMT, decoded once,
+    128 keys x 4 warps) has no gathers left (global loads: the code rows only) and far fewer instructions per key
+    than the gathers at the tile they had, without spilling. Decoded once: on the Spark's sm_121 verify tile each key
+    is decoded once (PRMT at the 1,280 per 64 keys 4-bit K and V need: 32,768 values x 10 PRMT per 8 / 32 lanes)
+    where the pure decoders (shipped there) decode it in every warp; on sm_90's K4V4 q_len-1 tile, fewer
+    instructions (yet not faster: decode_once). sm_121 rows carry PTX counts and no machine-code ones."""
     import turboquant_sass
 
     from onespark.kernels import turboquant_triton as tt
@@ -278,17 +279,18 @@ def test_sass_counts_the_candidate_decoders_below_the_shipped_ones():
     real = tt._capability
     try:
         tt._capability = lambda device: (9, 0)
-        gathers = turboquant_sass.row("shipped", "turboquant_k4v3", 1, None, None)
-        prmt3 = turboquant_sass.row("prmt3", "turboquant_k4v3", 1, None, None)
-        h200 = {impl: turboquant_sass.row(impl, "turboquant_k4v4", 1, None, None) for impl in ("shipped", "once")}
+        gathers = turboquant_sass.row("gather", "turboquant_k4v3", 1, 32, 4)
+        k4v3 = turboquant_sass.row("shipped", "turboquant_k4v3", 1, None, None)
+        h200 = {impl: turboquant_sass.row(impl, "turboquant_k4v4", 1, None, None) for impl in ("pure", "once")}
         tt._capability = lambda device: (12, 1)
-        spark = {impl: turboquant_sass.row(impl, "turboquant_k4v4", 3, None, None, arch=121) for impl in ("shipped", "once")}
+        spark = {impl: turboquant_sass.row(impl, "turboquant_k4v4", 3, None, None, arch=121)
+                 for impl in ("shipped", "once")}
     finally:
         tt._capability = real
-    assert (gathers["block_n"], prmt3["block_n"]) == (32, 32) and prmt3["spill_bytes_per_thread"] == 0
-    assert prmt3["per_64_keys"]["all"] < 0.7 * gathers["per_64_keys"]["all"]
-    assert prmt3["per_64_keys"]["global_load"] < gathers["per_64_keys"]["global_load"] / 4
-    assert h200["once"]["per_64_keys"]["all"] < 0.9 * h200["shipped"]["per_64_keys"]["all"]
-    assert h200["once"]["per_64_keys"]["prmt"] == 1280 < h200["shipped"]["per_64_keys"]["prmt"]
+    assert (k4v3["block_n"], k4v3["num_warps"], k4v3["spill_bytes_per_thread"]) == (128, 4, 0)
+    assert k4v3["per_64_keys"]["all"] < 0.7 * gathers["per_64_keys"]["all"]
+    assert k4v3["per_64_keys"]["global_load"] < gathers["per_64_keys"]["global_load"] / 4
+    assert h200["once"]["per_64_keys"]["all"] < 0.9 * h200["pure"]["per_64_keys"]["all"]
+    assert h200["once"]["per_64_keys"]["prmt"] == 1280 < h200["pure"]["per_64_keys"]["prmt"]
     assert all(r["per_64_keys"] is None and r["spill_bytes_per_thread"] == 0 for r in spark.values())
     assert spark["once"]["ptx_per_64_keys"]["prmt"] == 1280 and spark["shipped"]["ptx_per_64_keys"]["prmt"] >= 4 * 1280

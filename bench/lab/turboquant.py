@@ -30,7 +30,6 @@ timed out of the 60 MB L2. BF16 floor = BF16 K+V bytes / measured device-to-devi
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 import sys
 import time
@@ -38,7 +37,6 @@ import time
 import harness
 import torch
 import torch.nn.functional as F
-import turboquant_decoders
 import turboquant_swap
 import turboquant_upstream as up
 
@@ -187,13 +185,7 @@ def bench_config(pools, name, depth, T, B, copies_cap=32, **kcfg):
     outs = [torch.empty_like(q) for _ in range(copies)]
     seed = tq.rotation_seed(0)
 
-    impl = kcfg.pop("impl", None)
-    if impl == "swap":
-        decode = turboquant_swap.decode_attention_swap
-    elif impl in turboquant_decoders.KERNELS:
-        decode = functools.partial(turboquant_decoders.decode_attention, impl)
-    else:
-        decode = tt.decode_attention
+    decode = turboquant_swap.decode_attention_swap if kcfg.pop("impl", None) == "swap" else tt.decode_attention
 
     def run_tq():
         for c in range(copies):
@@ -270,24 +262,21 @@ SWEEP = {  # decode_attention keyword sets tried per q_len ({} = the library def
     # q_len 1: {} is 64 keys x 2 warps on sm_90 since the sweep at c207b19; 32 x 4 was the default before it
     # impl="swap": the transposed candidate kernel (turboquant_swap.py, not shipped), at its tiles without spills on
     # sm_90 (tests/_aot.py's compile: 64 keys x 4 warps at q_len 1; at q_len 3 16 x 4, and 64 x 8 with 8 B);
-    # impl="once": the decoders not pure (turboquant_decoders.py: each code decoded once per tile), at the shipped
-    # tiles and, for q_len 1, at two that need fewer registers (sm_90 compiles, K4V4: 64 x 2 192 registers, 128 x 4
-    # 138 and 64 x 4 113, none spilling; 4,236 / 4,232 / 4,924 warp instructions per 64 keys)
-    1: [dict(), dict(block_n=32, num_warps=4), dict(block_n=32, num_warps=2), dict(num_warps=4), dict(waves=8),
-        dict(decoder="gather"), dict(impl="swap", block_n=64, num_warps=4), dict(impl="once"),
-        dict(impl="once", block_n=128, num_warps=4), dict(impl="once", block_n=64, num_warps=4)],
-    3: [dict(), dict(block_n=32), dict(impl="swap", block_n=16, num_warps=4), dict(impl="swap", block_n=64, num_warps=8),
-        dict(impl="once"), dict(impl="once", block_n=32)],
+    # once=True: each code decoded once per tile (turboquant_triton.decode_once), at the shipped tile and at the
+    # one K4V3 ships with it (turboquant_h200_8b2d5ec_candidates.json: for K4V4 no faster, slower at batch 8)
+    1: [dict(), dict(block_n=32, num_warps=4), dict(num_warps=4), dict(waves=8), dict(decoder="gather"),
+        dict(impl="swap", block_n=64, num_warps=4), dict(once=True), dict(once=True, block_n=128, num_warps=4)],
+    3: [dict(), dict(block_n=32), dict(impl="swap", block_n=16, num_warps=4), dict(once=True)],
 }
-# Other presets' candidates, logged beside their shipped defaults (not in sweep_best, which is the default
-# preset's): K4V3 with the 3-bit PRMT decoder (turboquant_decoders.py, not shipped) at the shipped K4V3 tile and
-# at K4V4's (it compiles without spills at 64 keys x 2 warps for q_len 1 on sm_90: turboquant_sass.json), and with
-# both decoders decoded once per tile; K8V4 once.
+# Other presets' choices, logged beside their shipped defaults (not in sweep_best, which is the default preset's):
+# K4V3 (3-bit PRMT values since 8b2d5ec) decoded once at T = 1 against pure (the shipped 128 x 4 and 64 x 2), and
+# at T = 3 the 64-key tile against the 32 it had for the gathers; the gathers it replaced; K8V4 once (shipped at
+# T = 3) against pure.
 PRESET_SWEEP = {
-    "turboquant_k4v3": {1: [dict(), dict(impl="prmt3"), dict(impl="prmt3", block_n=64, num_warps=2), dict(impl="once"),
-                            dict(impl="once", block_n=64, num_warps=2)],
-                        3: [dict(), dict(impl="prmt3"), dict(impl="prmt3", block_n=64, num_warps=4), dict(impl="once")]},
-    "turboquant_k8v4": {1: [dict(), dict(impl="once")], 3: [dict(), dict(impl="once")]},
+    "turboquant_k4v3": {1: [dict(), dict(once=False), dict(once=False, block_n=64, num_warps=2),
+                            dict(decoder="gather", block_n=32, num_warps=4)],
+                        3: [dict(), dict(block_n=32), dict(once=True), dict(decoder="gather", block_n=32)]},
+    "turboquant_k8v4": {1: [dict(), dict(once=True)], 3: [dict(), dict(once=False)]},
 }
 
 

@@ -1,4 +1,5 @@
-"""The TurboQuant decode kernels' key loop as machine code, the shipped kernel beside the lab's candidates.
+"""The TurboQuant decode kernels' key loop as machine code: the shipped kernel, its decode-once choice both ways,
+and the lab's transposed candidate.
 
     .venv/bin/python bench/lab/turboquant_sass.py --out bench/results/turboquant_sass.json
     .venv/bin/python bench/lab/turboquant_sass.py --arch 121 --out bench/results/turboquant_sass_sm121.json
@@ -31,7 +32,6 @@ from pathlib import Path
 import harness
 import torch
 import triton
-import turboquant_decoders
 import turboquant_swap
 
 from onespark.kernels import turboquant as tq
@@ -46,14 +46,16 @@ KINDS = {"prmt": ("PRMT",), "mma": ("HMMA", "HGMMA"), "shared_store": ("STS",), 
          "barrier": ("BAR",), "mufu": ("MUFU",), "fp32": ("FMUL", "FFMA", "FADD", "FMNMX")}
 PTX_KINDS = {"prmt": ("prmt",), "mma": ("mma.sync", "wgmma.mma_async"), "shared_store": ("st.shared",),
              "shared_load": ("ld.shared", "ldmatrix"), "barrier": ("bar.sync", "barrier.sync")}
-# (impl, q_len, keys per tile, warps): the shipped tiles (None: decode_block_n / decode_num_warps) and the
-# candidates' tiles: the transposed kernel's that compile without spills or nearly so on sm_90; the decoders
-# (turboquant_decoders.py) at the shipped tiles, and prmt3 (3-bit presets only) also at K4V4's sm_90 tiles
-TILES = [("shipped", 1, None, None), ("swap", 1, 64, 4), ("once", 1, None, None), ("prmt3", 1, None, None),
-         ("prmt3", 1, 64, 2), ("shipped", 3, None, None), ("swap", 3, 16, 4), ("swap", 3, 64, 8),
-         ("once", 3, None, None), ("prmt3", 3, None, None), ("prmt3", 3, 64, 4)]
-CANDIDATES = {"swap": turboquant_swap.decode_attention_swap} | {
-    impl: functools.partial(turboquant_decoders.decode_attention, impl) for impl in turboquant_decoders.KERNELS}
+# (impl, q_len, keys per tile, warps): the shipped kernel at its tiles (None: decode_block_n / decode_num_warps)
+# with its choices (shipped: decode_once's) and with the decoders pure or decoded once (ONCE) on every preset; the
+# previous decoder (decoder="gather": L1 gathers from the codebook) at the tile 3-bit values had with it; the
+# transposed candidate (turboquant_swap.py) at its tiles that compile without spills or nearly so on sm_90
+TILES = [("shipped", 1, None, None), ("pure", 1, None, None), ("once", 1, None, None), ("gather", 1, 32, 4),
+         ("swap", 1, 64, 4), ("shipped", 3, None, None), ("pure", 3, None, None), ("once", 3, None, None),
+         ("gather", 3, 32, 4), ("swap", 3, 16, 4), ("swap", 3, 64, 8)]
+CANDIDATES = {"swap": turboquant_swap.decode_attention_swap, "pure": functools.partial(tt.decode_attention, once=False),
+              "once": functools.partial(tt.decode_attention, once=True),
+              "gather": functools.partial(tt.decode_attention, decoder="gather")}
 INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
 
 
@@ -100,7 +102,7 @@ def launch_of(impl: str, preset: str, T: int, block_n, num_warps):
 
 def row(impl: str, preset: str, T: int, block_n, num_warps, arch: int = 90) -> dict:
     launch = launch_of(impl, preset, T, block_n, num_warps)
-    c = compile_for(launch, arch, PRMT=True)
+    c = compile_for(launch, arch, PRMT=impl != "gather")  # the host ran on CPU tensors: PRMT as on a GPU
     keys, warps = launch.kwargs["BLOCK_N"], launch.kwargs["num_warps"]
     scale = warps * 64 / keys
     ptx = [ptx_opcode(x) for x in ptx_loop_body(c.ptx)]
@@ -130,8 +132,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for preset in a.presets.split(","):
         for impl, T, block_n, num_warps in TILES:
-            if impl == "prmt3" and 3 not in (tq.PRESETS[preset].k_bits, tq.PRESETS[preset].v_bits):
-                continue  # the shipped kernel as it stands
             rows.append(row(impl, preset, T, block_n, num_warps, a.arch))
             r = rows[-1]
             sass = r["per_64_keys"] and f"{r['per_64_keys']['all']} warp instructions, "

@@ -114,7 +114,7 @@ def _tq_decode_swap_kernel(
         ks = tl.load(CACHE_F32 + sidx, mask=nmask, other=0.0) * k_mul
         vs = tl.load(CACHE_F32 + sidx + 1, mask=nmask, other=0.0) * v_mul
 
-        k0, k1, k2, k3 = tt._codes(CACHE, krow, nmask, KTAB, K_BITS, PRMT, D)  # [BLOCK_N, 64] each
+        k0, k1, k2, k3 = tt._codes(CACHE, krow, nmask, KTAB, K_BITS, PRMT, False, D)  # [BLOCK_N, 64] each
         s = tl.dot(k0, qt0)
         s = tl.dot(k1, qt1, s)
         s = tl.dot(k2, qt2, s)
