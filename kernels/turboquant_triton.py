@@ -662,9 +662,10 @@ def decode_num_warps(T: int, capability: tuple[int, int] | None, v_bits: int = 4
 def decode_once(T: int, capability: tuple[int, int] | None, preset: tq.Preset) -> bool:
     """Whether the decode kernel decodes each code once per tile (ONCE: the decoder asm not pure). sm_90, from
     the H200 timings at 8b2d5ec (bench/results/turboquant_h200_8b2d5ec_candidates.json, against the same kernel
-    with pure decoders): 3-bit values at T = 1 (K4V3 at 128 x 4: 0.69-0.87x folded BF16 at 32K and 256K, batch 1
-    and 8, against 0.84-1.16x pure at 32 x 4 and 1.17-2.13x with the gathers the PRMT decoder replaced), and 8-bit
-    keys at a verify step (K8V4: 1-6% faster). Not for K4V4: no faster at a verify step (its wgmma already takes
+    with pure decoders): 3-bit values at T = 1 (K4V3, with decode_block_n's 128 x 4 tile: 0.69-0.87x folded BF16
+    at 32K and 256K, batch 1 and 8, against 0.84-1.16x pure at the 32 x 4 tile it had and 1.17-2.13x with the
+    gathers the PRMT decoder replaced; at 128 x 4 itself once is 1-3% faster than pure, bench/results/
+    turboquant_h200.json `sweep` at 5e77e93), and 8-bit keys at a verify step (K8V4: 1-6% faster). Not for K4V4: no faster at a verify step (its wgmma already takes
     the values from shared memory) and slower at T = 1 with batch 8 (1.00-1.02x against 0.75-0.78x). mma.sync-only parts: pure, as before; the Spark's verify
     tile decodes each key in all 4 warps (bench/results/turboquant_sass_sm121.json counts half the work decoded
     once) but nothing has timed either there."""
