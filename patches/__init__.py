@@ -43,6 +43,13 @@ An entry: `NAME=DEFAULT`, what it does, then `Speed/memory:` what it costs and g
       plain torch; e.g. `onespark serve --tq --env ONESPARK_TQ_PREFILL=triton`.
       Speed/memory: on an H200, `flash` 1.02-1.07x BF16 flash, `triton` 1.8x, `torch` 20x at 128K
       (docs/concepts/turboquant.md).
+  ONESPARK_TQ_DECODE=auto
+      (read by the TurboQuant backend, not a 1/0 switch) how the decode kernel decodes codes on CUDA: `auto` the
+      measured choice per GPU, preset and q_len (`turboquant_triton.decode_once`), `once` each code once per
+      tile, `pure` in each warp that needs it; e.g. `onespark serve --tq --env ONESPARK_TQ_DECODE=once` to time
+      it on a Spark, where `auto` is `pure` and nothing has timed either.
+      Speed/memory: on an H200, K4V3 at one query position 1-3% faster once, K4V4 up to 1.3x slower once at
+      batch 8 (docs/concepts/turboquant.md).
   ONESPARK_DRAFT_VOCAB=1
       MTP draft head over a vocabulary subset: where the checkpoint directory holds `onespark-draft-vocab.json`
       (`onespark draft-vocab DIR`, written by step 2), the draft's logits come from a contiguous INT8 copy of

@@ -12,7 +12,8 @@ What runs where (one layer, one step):
                   (CUDA: `turboquant_triton.encode`; CPU: `turboquant.encode_reference`).
   decode batches  the leading requests with the same query length T <= 8 (1, or 1 + draft tokens in an MTP
                   verify step; the builder asks vLLM to put decodes first): ONE `decode_attention` call
-                  (CPU: the float64 reference).
+                  (CPU: the float64 reference); ONESPARK_TQ_DECODE=once|pure overrides its measured choice of
+                  decoding each code once per tile or in each warp (`turboquant_triton.decode_once`).
   the rest        (prefill, chunked-prefill continuation, whatever follows the decodes): per request,
                   `turboquant_triton.prefill_attention_flash` (the cached sequence, the chunk itself included:
                   it was just written, decoded into BF16 32K keys at a time and attended by FlashAttention-2,
@@ -86,6 +87,20 @@ def _prefill_choice() -> str:
     if choice not in PREFILL_PATHS:
         raise ValueError(f"ONESPARK_TQ_PREFILL={choice!r}: use flash (the default), triton or torch")
     return choice
+
+
+DECODE_CHOICES = {"auto": None, "once": True, "pure": False}
+
+
+def _decode_choice() -> bool | None:
+    """ONESPARK_TQ_DECODE, how the decode kernel decodes codes on CUDA: "auto" (default: turboquant_triton.decode_once,
+    the H200-timed choice per GPU, preset and q_len; pure on the Spark, untimed there), "once" (each code decoded once
+    per tile, values to the mma operands through shared memory) or "pure" (decoded in each warp that needs it). For
+    timing both on a GPU where nothing has: `onespark serve --tq --env ONESPARK_TQ_DECODE=once`, then the bench."""
+    choice = os.environ.get("ONESPARK_TQ_DECODE", "auto")
+    if choice not in DECODE_CHOICES:
+        raise ValueError(f"ONESPARK_TQ_DECODE={choice!r}: use auto (the default), once or pure")
+    return DECODE_CHOICES[choice]
 
 
 def _vllm_release() -> str | None:
@@ -261,6 +276,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         self.num_kv_heads = num_kv_heads or num_heads
         self.attn_type = attn_type
         self._prefill_path = _prefill_choice()
+        self._decode_once = _decode_choice()
         self._seed: int | None = None
         self._rotation: dict[str, torch.Tensor] = {}
         self._codebooks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -336,7 +352,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
             from onespark.kernels import turboquant_triton as tt
 
             o = tt.decode_attention(q, kv_cache, layout, md.block_table[:B], md.seq_lens[:B], seed, self.scale,
-                                    md.max_seq_len)
+                                    md.max_seq_len, once=self._decode_once)
         else:
             o = tq.decode_attention_reference(q, kv_cache, layout, md.block_table[:B], md.seq_lens[:B],
                                               self._r(seed, kv_cache.device), self.scale)

@@ -323,6 +323,39 @@ def test_prefill_switch_is_validated(monkeypatch):
     assert tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")._prefill_path == "flash"
 
 
+def test_decode_switch_is_validated_and_reaches_the_kernel(monkeypatch):
+    """ONESPARK_TQ_DECODE: auto (the kernel's own choice: once=None), once, pure; anything else refused naming the
+    variable. The CUDA decode call gets the choice (the kernel is replaced by a recorder: no GPU here)."""
+    from types import SimpleNamespace
+
+    from onespark.kernels import turboquant_triton as tt
+
+    tb = _tb()
+    calls = []
+
+    def recorder(q, *args, **kwargs):
+        calls.append(kwargs)
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(tt, "decode_attention", recorder)
+    B, T = 2, 3
+    md = SimpleNamespace(num_decodes=B, decode_query_len=T, block_table=torch.zeros(B, 4, dtype=torch.int32),
+                         seq_lens=torch.ones(B, dtype=torch.int32), max_seq_len=64)
+    cuda_cache = SimpleNamespace(is_cuda=True)  # all _decode reads of the cache before the kernel call
+    for value, once in (("auto", None), ("once", True), ("pure", False), (None, None)):
+        if value is None:
+            monkeypatch.delenv("ONESPARK_TQ_DECODE")
+        else:
+            monkeypatch.setenv("ONESPARK_TQ_DECODE", value)
+        impl = tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")
+        out = torch.full((B * T, HQ, D), 7.0)
+        impl._decode(torch.randn(B * T, HQ, D), cuda_cache, None, 0, md, out)
+        assert calls[-1] == {"once": once} and not out.any(), value
+    monkeypatch.setenv("ONESPARK_TQ_DECODE", "1")
+    with pytest.raises(ValueError, match="ONESPARK_TQ_DECODE='1': use auto"):
+        tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")
+
+
 def test_wrong_cache_dtype_and_layer_name_are_refused():
     tb = _tb()
     with pytest.raises(ValueError, match="needs --kv-cache-dtype turboquant_k4v4 | turboquant_k4v3"):
