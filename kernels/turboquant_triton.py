@@ -665,13 +665,18 @@ def decode_once(T: int, capability: tuple[int, int] | None, preset: tq.Preset) -
     with pure decoders): 3-bit values at T = 1 (K4V3, with decode_block_n's 128 x 4 tile: 0.69-0.87x folded BF16
     at 32K and 256K, batch 1 and 8, against 0.84-1.16x pure at the 32 x 4 tile it had and 1.17-2.13x with the
     gathers the PRMT decoder replaced; at 128 x 4 itself once is 1-3% faster than pure, bench/results/
-    turboquant_h200.json `sweep` at 5e77e93), and 8-bit keys at a verify step (K8V4: 1-6% faster). Not for K4V4: no faster at a verify step (its wgmma already takes
-    the values from shared memory) and slower at T = 1 with batch 8 (1.00-1.02x against 0.75-0.78x). mma.sync-only parts: pure, as before; the Spark's verify
-    tile decodes each key in all 4 warps (bench/results/turboquant_sass_sm121.json counts half the work decoded
-    once) but nothing has timed either there."""
-    if _mma_sync_only(capability) or capability is None:
+    turboquant_h200.json `sweep` at 5e77e93), and 8-bit keys at a verify step (K8V4: 1-6% faster). Not for K4V4:
+    no faster at a verify step (its wgmma already takes the values from shared memory) and slower at T = 1 with
+    batch 8 (1.00-1.02x against 0.75-0.78x). mma.sync-only parts: once for 3-bit values at T = 1 too, where the
+    pure decoder spills 8 B per thread on sm_121 with Triton 3.7.1 (the 0.32.0 track) at the 32-key tile and once
+    does not, for the same PTX count (bench/results/turboquant_sass_sm121.json; tests/test_kernels_compile.py
+    checks both Tritons); otherwise pure, as before. The Spark's verify tile decodes each key in all 4 warps
+    (decoded once, the PTX counts half the work), but nothing has timed either there."""
+    if capability is None:
         return False
-    return (preset.v_bits == 3 and T == 1) or (preset.k_bits == 8 and T > 1)
+    if preset.v_bits == 3 and T == 1:
+        return True
+    return not _mma_sync_only(capability) and preset.k_bits == 8 and T > 1
 
 
 def prefill_tile(G: int, capability: tuple[int, int] | None) -> tuple[int, int]:

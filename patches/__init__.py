@@ -47,7 +47,8 @@ An entry: `NAME=DEFAULT`, what it does, then `Speed/memory:` what it costs and g
       (read by the TurboQuant backend, not a 1/0 switch) how the decode kernel decodes codes on CUDA: `auto` the
       measured choice per GPU, preset and q_len (`turboquant_triton.decode_once`), `once` each code once per
       tile, `pure` in each warp that needs it; e.g. `onespark serve --tq --env ONESPARK_TQ_DECODE=once` to time
-      it on a Spark, where `auto` is `pure` and nothing has timed either.
+      it on a Spark, where `auto` is `pure` except for 3-bit values at one query position and nothing has
+      timed either.
       Speed/memory: on an H200, K4V3 at one query position 1-3% faster once, K4V4 up to 1.3x slower once at
       batch 8 (docs/concepts/turboquant.md).
   ONESPARK_DRAFT_VOCAB=1

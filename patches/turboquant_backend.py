@@ -94,7 +94,7 @@ DECODE_CHOICES = {"auto": None, "once": True, "pure": False}
 
 def _decode_choice() -> bool | None:
     """ONESPARK_TQ_DECODE, how the decode kernel decodes codes on CUDA: "auto" (default: turboquant_triton.decode_once,
-    the H200-timed choice per GPU, preset and q_len; pure on the Spark, untimed there), "once" (each code decoded once
+    the H200-timed choice per GPU, preset and q_len; on the Spark pure but for 3-bit values at q_len 1, untimed there), "once" (each code decoded once
     per tile, values to the mma operands through shared memory) or "pure" (decoded in each warp that needs it). For
     timing both on a GPU where nothing has: `onespark serve --tq --env ONESPARK_TQ_DECODE=once`, then the bench."""
     choice = os.environ.get("ONESPARK_TQ_DECODE", "auto")
