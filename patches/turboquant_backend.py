@@ -75,32 +75,27 @@ def install() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
 
 
-PREFILL_PATHS = ("flash", "triton", "torch")
+def _switch(name: str, values: dict):
+    """The value of environment variable `name` mapped through `values` (its first key is the default); any other
+    value is refused in one line that names the variable and the choices."""
+    default = next(iter(values))
+    choice = os.environ.get(name, default)
+    if choice not in values:
+        others = list(values)[1:]
+        raise ValueError(f"{name}={choice!r}: use {default} (the default), {', '.join(others[:-1])} or {others[-1]}")
+    return values[choice]
 
 
-def _prefill_choice() -> str:
-    """ONESPARK_TQ_PREFILL, the prefill path on CUDA: "flash" (default: Triton decodes the cache into BF16 32K keys
-    at a time, torch's FlashAttention attends, pieces merged by log-sum-exp), "triton" (the fused kernel that
-    attends straight from the codes) or "torch" (plain torch: dequantize, then SDPA in blocks of rows).
-    docs/concepts/turboquant.md has their H200 times."""
-    choice = os.environ.get("ONESPARK_TQ_PREFILL", "flash")
-    if choice not in PREFILL_PATHS:
-        raise ValueError(f"ONESPARK_TQ_PREFILL={choice!r}: use flash (the default), triton or torch")
-    return choice
-
-
+# ONESPARK_TQ_PREFILL, the prefill path on CUDA: "flash" (Triton decodes the cache into BF16 32K keys at a time,
+# torch's FlashAttention attends, pieces merged by log-sum-exp), "triton" (the fused kernel that attends straight
+# from the codes) or "torch" (plain torch: dequantize, then SDPA in blocks of rows). docs/concepts/turboquant.md has
+# their H200 times.
+PREFILL_PATHS = {"flash": "flash", "triton": "triton", "torch": "torch"}
+# ONESPARK_TQ_DECODE, how the decode kernel decodes codes on CUDA: "auto" (turboquant_triton.decode_once, the
+# H200-timed choice per GPU, preset and q_len; on a Spark pure but for 3-bit values at q_len 1, untimed there),
+# "once" (each code decoded once per tile, values to the mma operands through shared memory) or "pure" (decoded in
+# each warp that needs it). To time both where nothing has: `onespark serve --tq --env ONESPARK_TQ_DECODE=once`.
 DECODE_CHOICES = {"auto": None, "once": True, "pure": False}
-
-
-def _decode_choice() -> bool | None:
-    """ONESPARK_TQ_DECODE, how the decode kernel decodes codes on CUDA: "auto" (default: turboquant_triton.decode_once,
-    the H200-timed choice per GPU, preset and q_len; on the Spark pure but for 3-bit values at q_len 1, untimed there), "once" (each code decoded once
-    per tile, values to the mma operands through shared memory) or "pure" (decoded in each warp that needs it). For
-    timing both on a GPU where nothing has: `onespark serve --tq --env ONESPARK_TQ_DECODE=once`, then the bench."""
-    choice = os.environ.get("ONESPARK_TQ_DECODE", "auto")
-    if choice not in DECODE_CHOICES:
-        raise ValueError(f"ONESPARK_TQ_DECODE={choice!r}: use auto (the default), once or pure")
-    return DECODE_CHOICES[choice]
 
 
 def _vllm_release() -> str | None:
@@ -275,8 +270,8 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.attn_type = attn_type
-        self._prefill_path = _prefill_choice()
-        self._decode_once = _decode_choice()
+        self._prefill_path = _switch("ONESPARK_TQ_PREFILL", PREFILL_PATHS)
+        self._decode_once = _switch("ONESPARK_TQ_DECODE", DECODE_CHOICES)
         self._seed: int | None = None
         self._rotation: dict[str, torch.Tensor] = {}
         self._codebooks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
