@@ -41,6 +41,7 @@ import triton.language as tl
 from . import turboquant as tq
 
 LOG2E = 1.4426950408889634
+LAZY_STEP: tl.constexpr = tl.constexpr(4.0)  # _attend_tile's LAZY: the running max moves by more than 2^4 or not at all
 
 
 # ---------------------------------------------------------------------------------------------
@@ -492,11 +493,14 @@ def _attend_tile(
     CACHE, CACHE_F32, bt_row, n0, end, last, h, q0, q1, q2, q3, m_i, l_i, acc0, acc1, acc2, acc3,
     KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
     H: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, PRMT: tl.constexpr,
-    ONCE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+    ONCE: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, LAZY: tl.constexpr,
 ):
     """One step of online softmax over keys [n0, n0 + BLOCK_N) of KV head h (those < end, and for each
     tile row those <= last[row]): codes decoded in registers, every product a tl.dot. Returns the
-    updated (m, l, acc0..acc3); used by the decode and the prefill kernels alike."""
+    updated (m, l, acc0..acc3); used by the decode and the prefill kernels alike.
+    LAZY: the running max moves only when some row's grows by more than LAZY_STEP (base 2), and the
+    accumulators are rescaled only then (FlashAttention-4's conditional rescale). Exact either way: the
+    max is only a shift; with it p <= 2^LAZY_STEP = 16, so p * v_scale stays within fp16 while |v| does."""
     tok = n0 + tl.arange(0, BLOCK_N)
     nmask = tok < end
     blk = tl.load(bt_row + tok // PAGE, mask=nmask, other=0).to(tl.int64)
@@ -519,16 +523,27 @@ def _attend_tile(
     s = tl.where(nmask[None, :] & (tok[None, :] <= last[:, None]), s, float("-inf"))
 
     m_new = tl.maximum(m_i, tl.max(s, 1))
+    if LAZY:
+        moved = tl.max((m_new > m_i + LAZY_STEP).to(tl.int32), 0) > 0  # -inf + step is -inf: a first max moves
+        m_new = tl.where(moved, m_new, m_i)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     pv = (p * vs[None, :]).to(tl.float16)
     v0, v1, v2, v3 = _codes(CACHE, vrow, nmask, VTAB, V_BITS, PRMT, ONCE, D)
-    acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
-    acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
-    acc2 = tl.dot(pv, v2, acc2 * alpha[:, None])
-    acc3 = tl.dot(pv, v3, acc3 * alpha[:, None])
+    if LAZY:
+        if moved:
+            acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
+        acc0 = tl.dot(pv, v0, acc0)
+        acc1 = tl.dot(pv, v1, acc1)
+        acc2 = tl.dot(pv, v2, acc2)
+        acc3 = tl.dot(pv, v3, acc3)
+    else:
+        acc0 = tl.dot(pv, v0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pv, v1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pv, v2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pv, v3, acc3 * alpha[:, None])
     return m_new, l_i, acc0, acc1, acc2, acc3
 
 
@@ -538,9 +553,11 @@ def _tq_decode_kernel(
     KTAB, VTAB, WS_ACC, WS_ML, num_splits, block_bytes, v_offset, s_offset, k_mul, v_mul,
     H: tl.constexpr, G: tl.constexpr, T: tl.constexpr, PAGE: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     PRMT: tl.constexpr, ONCE: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ROW_TILES: tl.constexpr, LAZY: tl.constexpr,
 ):
     tl.static_assert(D == 256)  # four 64-column chunks
-    bh = tl.program_id(0)
+    bh = tl.program_id(0) // ROW_TILES  # the G * T rows of a KV head in ROW_TILES tiles of BLOCK_M
+    rt = tl.program_id(0) % ROW_TILES
     split = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -550,7 +567,7 @@ def _tq_decode_kernel(
     end = tl.minimum(L, start + per)
 
     # tile rows: r = g * T + t (query head h*G + g, position t)
-    r = tl.arange(0, BLOCK_M)
+    r = rt * BLOCK_M + tl.arange(0, BLOCK_M)
     rvalid = r < G * T
     t = r % T
     qrow = Q + b.to(tl.int64) * stride_qb + (h * G + r // T) * stride_qh + t * stride_qt
@@ -564,9 +581,9 @@ def _tq_decode_kernel(
         m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
             CACHE, CACHE_F32, bt_row, n0, end, last, h, q0, q1, q2, q3, m_i, l_i, acc0, acc1, acc2, acc3,
             KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
-            H, PAGE, K_BITS, V_BITS, PRMT, ONCE, D, BLOCK_N)
+            H, PAGE, K_BITS, V_BITS, PRMT, ONCE, D, BLOCK_N, LAZY)
 
-    ws = (bh.to(tl.int64) * num_splits + split) * BLOCK_M + r
+    ws = (bh.to(tl.int64) * num_splits + split) * (ROW_TILES * BLOCK_M) + r
     wrow = ws[:, None] * D + c64[None, :]
     # An empty split (start >= L: a short sequence in a grid sized for max_seq_len, as a CUDA graph captured at
     # max_model_len is, or a padded request with L = 0) writes only m = -inf and l = 0; the merge weighs it 0 and
@@ -583,21 +600,21 @@ def _tq_decode_kernel(
 @triton.jit
 def _tq_merge_kernel(
     WS_ACC, WS_ML, R, OUT, stride_ob, stride_oh, stride_ot, num_splits,
-    H: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, S_BLOCK: tl.constexpr,
+    H: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, S_BLOCK: tl.constexpr,
 ):
     """One program per (sequence, KV head, tile row r): weigh the splits' partial sums, S_BLOCK splits
-    per vector load, normalise, and write out = o_rot @ R for that row."""
+    per vector load, normalise, and write out = o_rot @ R for that row. ROWS: workspace rows per split."""
     bh = tl.program_id(0)
     r = tl.program_id(1)
     b = bh // H
     h = bh % H
     sv = tl.arange(0, S_BLOCK)
     cols = tl.arange(0, D)
-    first = bh.to(tl.int64) * num_splits * BLOCK_M + r  # workspace row of split 0
+    first = bh.to(tl.int64) * num_splits * ROWS + r  # workspace row of split 0
     mv = tl.full([S_BLOCK], float("-inf"), tl.float32)
     for s0 in range(0, num_splits, S_BLOCK):
         s = s0 + sv
-        mv = tl.maximum(mv, tl.load(WS_ML + (first + s * BLOCK_M) * 2, mask=s < num_splits, other=float("-inf")))
+        mv = tl.maximum(mv, tl.load(WS_ML + (first + s * ROWS) * 2, mask=s < num_splits, other=float("-inf")))
     m_all = tl.max(mv, 0)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     o = tl.zeros([D], tl.float32)
@@ -605,7 +622,7 @@ def _tq_merge_kernel(
     for s0 in range(0, num_splits, S_BLOCK):
         s = s0 + sv
         smask = s < num_splits
-        row = first + s * BLOCK_M
+        row = first + s * ROWS
         w = tl.exp2(tl.load(WS_ML + row * 2, mask=smask, other=float("-inf")) - m_safe)  # empty split: m = -inf, w = 0
         lv += w * tl.load(WS_ML + row * 2 + 1, mask=smask, other=0.0)
         live = smask & (w > 0)  # an empty split's accumulators were never written (see _tq_decode_kernel)
@@ -704,12 +721,15 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, block_n: int
 def decode_attention(
     q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float, max_seq_len: int,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
-    decoder: str = "prmt", waves: int = 4, once: bool | None = None, out=None,
+    decoder: str = "prmt", waves: int = 4, once: bool | None = None, block_m: int | None = None,
+    lazy: bool = False, out=None,
 ):
     """q [B, Hq, T, d] -> out [B, Hq, T, d] (q's dtype). seq_lens [B] int32 on the device (no sync);
     max_seq_len: a host-side upper bound that sizes the split grid. block_n, num_warps, once: None picks the
     measured choice for this GPU (decode_block_n, decode_num_warps, decode_once); decoder="gather" is the
-    previous decoder (L1 gathers from the codebook), kept selectable."""
+    previous decoder (L1 gathers from the codebook), kept selectable. block_m: query rows per tile (a power
+    of two >= 16); None is all G * T rows of a KV head in one tile, fewer splits them over programs that each
+    read the KV head's codes. lazy: _attend_tile's conditional rescale."""
     B, Hq, T, d = q.shape
     H = layout.num_kv_heads
     _check_attention(Hq, d, cache, layout, "decode_attention")
@@ -722,7 +742,12 @@ def decode_attention(
     if decoder not in ("prmt", "gather"):
         raise ValueError(f"decoder must be 'prmt' or 'gather', got {decoder!r}")
     G = Hq // H
-    block_m = max(16, triton.next_power_of_2(G * T))
+    rows = max(16, triton.next_power_of_2(G * T))
+    if block_m is None:
+        block_m = rows
+    if block_m < 16 or block_m & (block_m - 1) or block_m > rows:
+        raise ValueError(f"block_m must be a power of two in [16, {rows}], got {block_m}")
+    row_tiles = triton.cdiv(G * T, block_m)
     if block_n is None:
         block_n = decode_block_n(T, _capability(q.device), layout.preset.v_bits)
     if num_warps is None:
@@ -738,21 +763,21 @@ def decode_attention(
     qk = sm_scale * LOG2E  # the kernel's softmax is base 2
     k_mul = qk * (t["kdelta"] or 1.0)
     v_mul = t["vdelta"] or 1.0
-    ws_acc = torch.empty(B * H * num_splits * block_m * d, dtype=torch.float32, device=q.device)
-    ws_ml = torch.empty(B * H * num_splits * block_m * 2, dtype=torch.float32, device=q.device)
-    _tq_decode_kernel[(B * H, num_splits)](
+    ws_acc = torch.empty(B * H * num_splits * row_tiles * block_m * d, dtype=torch.float32, device=q.device)
+    ws_ml = torch.empty(B * H * num_splits * row_tiles * block_m * 2, dtype=torch.float32, device=q.device)
+    _tq_decode_kernel[(B * H * row_tiles, num_splits)](
         qr, qr.stride(0), qr.stride(1), qr.stride(2), cache, cache.view(torch.float32), block_table, block_table.stride(0),
         seq_lens, t["kcb"], t["vcb"], ws_acc, ws_ml, num_splits,
         layout.block_bytes, layout.v_offset, layout.s_offset, k_mul, v_mul,
         H=H, G=G, T=T, PAGE=layout.page, K_BITS=layout.preset.k_bits, V_BITS=layout.preset.v_bits,
-        PRMT=decoder == "prmt" and q.is_cuda, ONCE=once, D=d, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-        num_stages=num_stages,
+        PRMT=decoder == "prmt" and q.is_cuda, ONCE=once, D=d, BLOCK_M=block_m, BLOCK_N=block_n, ROW_TILES=row_tiles,
+        LAZY=lazy, num_warps=num_warps, num_stages=num_stages,
     )
     if out is None:
         out = torch.empty_like(q)
     _tq_merge_kernel[(B * H, G * T)](
         ws_acc, ws_ml, t["r"], out, out.stride(0), out.stride(1), out.stride(2), num_splits,
-        H=H, G=G, T=T, D=d, BLOCK_M=block_m, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), num_warps=4,
+        H=H, G=G, T=T, D=d, ROWS=row_tiles * block_m, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), num_warps=4,
     )
     return out
 
@@ -797,7 +822,7 @@ def _tq_prefill_kernel(
             m_i, l_i, acc0, acc1, acc2, acc3 = _attend_tile(
                 CACHE, CACHE_F32, bt_row, n0, end, last, h, q0, q1, q2, q3, m_i, l_i, acc0, acc1, acc2, acc3,
                 KTAB, VTAB, block_bytes, v_offset, s_offset, k_mul, v_mul,
-                H, PAGE, K_BITS, V_BITS, PRMT, ONCE, D, BLOCK_N)
+                H, PAGE, K_BITS, V_BITS, PRMT, ONCE, D, BLOCK_N, False)
 
         inv = 1.0 / tl.where(l_i > 0, l_i, 1.0)  # every valid row sees key 0 at least: l > 0
         c64 = tl.arange(0, 64)

@@ -5,7 +5,8 @@
 #   tests/gpu.sh [--tests-only | --bench-only] [--bench NAME,...] [--quick]
 #
 # Benchmarks (NAME): turboquant (decode), turboquant_prefill, lm_head, lm_head_glue, draft_head; all by default
-# (the lab scripts in bench/lab/, which share bench/lab/harness.py).
+# (the lab scripts in bench/lab/, which share bench/lab/harness.py). On request only: turboquant_tiles and
+# turboquant_tiles_mma_sync (the decode tile candidates, on this GPU's code and on the Spark's).
 #
 # Needs: python3 with torch (CUDA) + Triton + pytest-xdist; the vLLM stand-in the TurboQuant backend test
 # imports (`.venv/bin/python tests/gpu_lane_stub.py .gpustub` on a machine with the test venv; carried to the
@@ -16,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
 argv="$*"
 tests=1 bench=1 quick=() names=turboquant,turboquant_prefill,lm_head,lm_head_glue,draft_head
 while (($#)); do
@@ -91,11 +92,13 @@ if ((bench)); then
     [turboquant_prefill]="bench/lab/turboquant.py --prefill --out $out/turboquant_prefill_$gpu.json ${quick[*]}"
     [lm_head]="bench/lab/lm_head.py --out $out/lm_head_$gpu.json"
     [lm_head_glue]="bench/lab/lm_head_glue.py --out $out/lm_head_glue_$gpu.json"
-    [draft_head]="bench/lab/draft_head.py --out $out/draft_head_$gpu.json")
+    [draft_head]="bench/lab/draft_head.py --out $out/draft_head_$gpu.json"
+    [turboquant_tiles]="bench/lab/turboquant_tiles.py --out $out/turboquant_tiles_$gpu.json"
+    [turboquant_tiles_mma_sync]="bench/lab/turboquant_tiles.py --mma-sync --out $out/turboquant_tiles_${gpu}_mma_sync.json")
   IFS=, read -ra picked <<<"$names"
   for name in "${picked[@]}"; do
     cmd=${cmds[$name]:-}
-    [[ -n $cmd ]] || { echo "tests/gpu.sh: unknown benchmark '$name' (turboquant, turboquant_prefill, lm_head, lm_head_glue, draft_head)" >&2; exit 2; }
+    [[ -n $cmd ]] || { echo "tests/gpu.sh: unknown benchmark '$name' (${!cmds[*]})" >&2; exit 2; }
     echo "== $cmd"
     # No -P here: a script's own folder (bench/lab/, the harness) must be on sys.path; the checkout root is not.
     # shellcheck disable=SC2086  # word splitting wanted: the command's arguments

@@ -89,6 +89,21 @@ def test_the_h200_verify_tile_spills_on_the_spark(monkeypatch):
     assert c.spill_stack > 0
 
 
+def test_the_spark_code_compiles_for_the_h200_with_wgmma_off(monkeypatch):
+    """bench/lab/turboquant_tiles.py --mma-sync times the Spark's decode code on an H200: with Triton's
+    DISABLE_MMA_V3=1 (part of its cache key) the sm_90 build of the Spark's verify tile has no wgmma and the
+    same mma.sync and PRMT counts as the sm_121 build; without it, sm_90 takes wgmma."""
+    launches = _turboquant_launches(tq.DEFAULT_PRESET, SPARK, monkeypatch)
+    verify = [launch for launch in launches if launch.kernel.fn.__name__ == "_tq_decode_kernel"][1]
+    spark = compile_for(verify, SPARK, PRMT=True).ptx
+    monkeypatch.setenv("DISABLE_MMA_V3", "1")
+    h200 = compile_for(verify, H200, PRMT=True).ptx
+    assert "wgmma" not in h200
+    assert [h200.count(op) for op in ("mma.sync", "prmt")] == [spark.count(op) for op in ("mma.sync", "prmt")]
+    monkeypatch.delenv("DISABLE_MMA_V3")
+    assert "wgmma" in compile_for(verify, H200, PRMT=True).ptx
+
+
 LM_HEAD_BUCKETS = [(kind, b) for kind in ("int8", "int4") for b in (16, 32, 64, 128, 512, 8192)]
 
 

@@ -188,6 +188,41 @@ def test_decode_4bit_decoders_match_reference(block_n):
         assert_rel(out.float(), ref, 3e-3, f"decoder={decoder} block_n={block_n}")
 
 
+@kernel_case
+@pytest.mark.parametrize("block_m,lazy", [(16, False), (32, True), (None, True), (16, True)])
+def test_decode_row_tiles_and_lazy_rescale_match_reference(block_m, lazy):
+    """A verify step's 48 rows split over 16- or 32-row tiles (programs that each read the KV head's codes),
+    and the conditional rescale, against float64. Key 70 of request 0 leans towards KV head 0's queries: its
+    tile raises most rows' running max by ~7 in base 2 (10.6 against 3.6 on average), past the rescale's step
+    of 4 (the rescale branch), and the tiles after it raise it by little (the skip branch)."""
+    lay = tq.CacheLayout(tq.PRESETS["turboquant_k4v4"], num_kv_heads=2, page=16)
+    lens = [100, 37]
+    bt, nb = paged(lens, 16, seed=5)
+    cache = lay.empty(nb)
+    r = tq.rotation(SEED)
+    g = torch.Generator().manual_seed(21)
+    q = torch.randn(2, 32, 3, 256, generator=g)
+    for b, n in enumerate(lens):
+        k, v = torch.randn(n, 2, 256, generator=g), torch.randn(n, 2, 256, generator=g)
+        if b == 0:
+            k[70] = q[0, :16].mean((0, 1)) * 24
+        tq.encode_reference(k, v, tq.seq_slots(bt[b], n, 16), cache, lay, r)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    ref = tq.decode_attention_reference(q, cache, lay, bt, seq_lens, r, 1 / 16)
+    out = tt.decode_attention(q.to(DEV, torch.float16), cache.to(DEV), lay, bt.to(DEV), seq_lens.to(DEV), SEED,
+                              1 / 16, max(lens), num_splits=1, block_n=16, block_m=block_m, lazy=lazy)
+    assert_rel(out.float(), ref, 3e-3, f"block_m={block_m} lazy={lazy}")
+
+
+def test_decode_refuses_a_bad_row_tile():
+    lay = tq.CacheLayout(tq.PRESETS[tq.DEFAULT_PRESET], num_kv_heads=2, page=16)
+    q = torch.randn(1, 32, 3, 256)
+    args = (lay.empty(1), lay, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), SEED, 1 / 16, 1)
+    for bad in (8, 24, 128):
+        with pytest.raises(ValueError, match=r"block_m must be a power of two in \[16, 64\]"):
+            tt.decode_attention(q, *args, block_m=bad)
+
+
 _PTX_ALU = {"and.b32": operator.and_, "or.b32": operator.or_, "xor.b32": operator.xor, "shr.b32": operator.rshift,
             "shl.b32": operator.lshift}  # the two-operand PTX ops the decoders use
 
