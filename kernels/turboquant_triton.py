@@ -687,13 +687,18 @@ def decode_once(T: int, capability: tuple[int, int] | None, preset: tq.Preset) -
     batch 8 (1.00-1.02x against 0.75-0.78x). mma.sync-only parts: once for 3-bit values at T = 1 too, where the
     pure decoder spills 8 B per thread on sm_121 with Triton 3.7.1 (the 0.32.0 track) at the 32-key tile and once
     does not, for the same PTX count (bench/results/turboquant_sass_sm121.json; tests/test_kernels_compile.py
-    checks both Tritons); otherwise pure, as before. The Spark's verify tile decodes each key in all 4 warps
-    (decoded once, the PTX counts half the work), but nothing has timed either there."""
+    checks both Tritons), and at every verify step: the Spark's verify tile puts its 4 warps over the 64 rows,
+    so a pure decoder decodes each key in every warp. The Spark's code timed on an H200 with wgmma off
+    (bench/results/turboquant_tiles_h200_mma_sync.json at b1cf961: a ranking, not a Spark time), once is 12-21%
+    faster at a verify step for every preset at 32K and 256K, batch 1 and 8 (K4V4 1.95-2.36x folded BF16 on
+    that GPU against 2.28-2.81x pure), and slower at T = 1 for 4-bit values (K4V4 0.83-0.91x against 0.75-0.82x)."""
     if capability is None:
         return False
     if preset.v_bits == 3 and T == 1:
         return True
-    return not _mma_sync_only(capability) and preset.k_bits == 8 and T > 1
+    if _mma_sync_only(capability):
+        return T > 1
+    return preset.k_bits == 8 and T > 1
 
 
 def prefill_tile(G: int, capability: tuple[int, int] | None) -> tuple[int, int]:
