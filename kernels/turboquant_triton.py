@@ -41,6 +41,7 @@ import triton.language as tl
 from . import turboquant as tq
 
 LOG2E = 1.4426950408889634
+_CONSTRAINTS: tl.constexpr = tl.constexpr({1: "=r,=r,r", 3: "=r,=r,r,r,r"})  # _asm's, by the decoder's inputs
 LAZY_STEP: tl.constexpr = tl.constexpr(4.0)  # _attend_tile's LAZY: the running max moves by more than 2^4 or not at all
 
 
@@ -185,22 +186,13 @@ _U8_ASM = tl.constexpr("""{
 
 
 @triton.jit
-def _asm1(src: tl.constexpr, a, ONCE: tl.constexpr):
-    """A decoder asm over pack=4 bytes of `a` -> fp16 (pure unless ONCE)."""
+def _asm(src: tl.constexpr, inputs, ONCE: tl.constexpr):
+    """A decoder asm over pack=4 bytes of each tensor in `inputs` (a tuple) -> fp16 (pure unless ONCE). Triton
+    takes is_pure as a literal, hence the two calls."""
     if ONCE:
-        out = tl.inline_asm_elementwise(src, "=r,=r,r", [a], dtype=tl.float16, is_pure=False, pack=4)
+        out = tl.inline_asm_elementwise(src, _CONSTRAINTS[len(inputs)], inputs, dtype=tl.float16, is_pure=False, pack=4)
     else:
-        out = tl.inline_asm_elementwise(src, "=r,=r,r", [a], dtype=tl.float16, is_pure=True, pack=4)
-    return out
-
-
-@triton.jit
-def _asm3(src: tl.constexpr, a, b, c, ONCE: tl.constexpr):
-    """_asm1 for a decoder of three byte inputs."""
-    if ONCE:
-        out = tl.inline_asm_elementwise(src, "=r,=r,r,r,r", [a, b, c], dtype=tl.float16, is_pure=False, pack=4)
-    else:
-        out = tl.inline_asm_elementwise(src, "=r,=r,r,r,r", [a, b, c], dtype=tl.float16, is_pure=True, pack=4)
+        out = tl.inline_asm_elementwise(src, _CONSTRAINTS[len(inputs)], inputs, dtype=tl.float16, is_pure=True, pack=4)
     return out
 
 
@@ -409,8 +401,8 @@ def _nibbles(CACHE, ptr, nmask, TAB, HALF: tl.constexpr, PRMT: tl.constexpr, ONC
     and 128 + 64 HALF + j (B), each [BLOCK_N, 64]."""
     b = tl.load(CACHE + ptr[:, None] + (HALF * 64 + tl.arange(0, 64))[None, :], mask=nmask[:, None], other=0)
     if PRMT:
-        lo = _asm1(_BYTE_LO, b, ONCE)
-        hi = _asm1(_BYTE_HI, b, ONCE)
+        lo = _asm(_BYTE_LO, (b,), ONCE)
+        hi = _asm(_BYTE_HI, (b,), ONCE)
     else:
         b = b.to(tl.int32)
         lo = tl.load(TAB + _sm_code(b & 7, b >> 7))
@@ -447,7 +439,10 @@ def _codes(CACHE, ptr, nmask, TAB, BITS: tl.constexpr, PRMT: tl.constexpr, ONCE:
         b2 = tl.load(row + 128, mask=nmask[:, None], other=0)
         b3 = tl.load(row + 192, mask=nmask[:, None], other=0)
         if PRMT and ONCE:
-            c0, c1, c2, c3 = _asm1(_U8_ASM, b0, ONCE), _asm1(_U8_ASM, b1, ONCE), _asm1(_U8_ASM, b2, ONCE), _asm1(_U8_ASM, b3, ONCE)
+            c0 = _asm(_U8_ASM, (b0,), True)
+            c1 = _asm(_U8_ASM, (b1,), True)
+            c2 = _asm(_U8_ASM, (b2,), True)
+            c3 = _asm(_U8_ASM, (b3,), True)
         else:
             c0, c1, c2, c3 = _u8_centred(b0), _u8_centred(b1), _u8_centred(b2), _u8_centred(b3)
     else:  # 3 bit: both planes loaded once, the high plane broadcast to 64 columns (byte j % 32)
@@ -455,10 +450,10 @@ def _codes(CACHE, ptr, nmask, TAB, BITS: tl.constexpr, PRMT: tl.constexpr, ONCE:
         hb = tl.load(CACHE + ptr[:, None] + D // 4 + (j % 32)[None, :], mask=nmask[:, None], other=0)
         if PRMT:
             up = tl.broadcast_to(tl.where(j >= 32, 255, 0).to(tl.uint8)[None, :], lo.shape)
-            c0 = _asm3(_B3_0, lo, hb, up, ONCE)
-            c1 = _asm3(_B3_1, lo, hb, up, ONCE)
-            c2 = _asm3(_B3_2, lo, hb, up, ONCE)
-            c3 = _asm3(_B3_3, lo, hb, up, ONCE)
+            c0 = _asm(_B3_0, (lo, hb, up), ONCE)
+            c1 = _asm(_B3_1, (lo, hb, up), ONCE)
+            c2 = _asm(_B3_2, (lo, hb, up), ONCE)
+            c3 = _asm(_B3_3, (lo, hb, up), ONCE)
         else:
             lo = lo.to(tl.int32)
             hb = hb.to(tl.int32)
@@ -534,7 +529,10 @@ def _attend_tile(
     v0, v1, v2, v3 = _codes(CACHE, vrow, nmask, VTAB, V_BITS, PRMT, ONCE, D)
     if LAZY:
         if moved:
-            acc0, acc1, acc2, acc3 = acc0 * alpha[:, None], acc1 * alpha[:, None], acc2 * alpha[:, None], acc3 * alpha[:, None]
+            acc0 = acc0 * alpha[:, None]
+            acc1 = acc1 * alpha[:, None]
+            acc2 = acc2 * alpha[:, None]
+            acc3 = acc3 * alpha[:, None]
         acc0 = tl.dot(pv, v0, acc0)
         acc1 = tl.dot(pv, v1, acc1)
         acc2 = tl.dot(pv, v2, acc2)

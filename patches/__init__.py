@@ -46,11 +46,11 @@ An entry: `NAME=DEFAULT`, what it does, then `Speed/memory:` what it costs and g
   ONESPARK_TQ_DECODE=auto
       (read by the TurboQuant backend, not a 1/0 switch) how the decode kernel decodes codes on CUDA: `auto` the
       measured choice per GPU, preset and q_len (`turboquant_triton.decode_once`), `once` each code once per
-      tile, `pure` in each warp that needs it; e.g. `onespark serve --tq --env ONESPARK_TQ_DECODE=once` to time
-      it on a Spark, where `auto` is `pure` except for 3-bit values at one query position and nothing has
-      timed either.
+      tile, `pure` in each warp that needs it; e.g. `onespark serve --tq --env ONESPARK_TQ_DECODE=pure` to time
+      the other choice on a Spark, where `auto` is `once` at a verify step and for 3-bit values, from the
+      Spark's code timed on an H200 with wgmma off; no Spark has timed either.
       Speed/memory: on an H200, K4V3 at one query position 1-3% faster once, K4V4 up to 1.3x slower once at
-      batch 8 (docs/concepts/turboquant.md).
+      batch 8; the Spark's code on an H200, once 12-21% faster at a verify step (docs/concepts/turboquant.md).
   ONESPARK_DRAFT_VOCAB=1
       MTP draft head over a vocabulary subset: where the checkpoint directory holds `onespark-draft-vocab.json`
       (`onespark draft-vocab DIR`, written by step 2), the draft's logits come from a contiguous INT8 copy of

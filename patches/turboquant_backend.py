@@ -92,9 +92,10 @@ def _switch(name: str, values: dict):
 # their H200 times.
 PREFILL_PATHS = {"flash": "flash", "triton": "triton", "torch": "torch"}
 # ONESPARK_TQ_DECODE, how the decode kernel decodes codes on CUDA: "auto" (turboquant_triton.decode_once, the
-# H200-timed choice per GPU, preset and q_len; on a Spark pure but for 3-bit values at q_len 1, untimed there),
+# H200-timed choice per GPU, preset and q_len; on a Spark once at verify steps and for 3-bit values at q_len 1, as
+# the Spark's code ranked on an H200 with wgmma off: no Spark has timed it),
 # "once" (each code decoded once per tile, values to the mma operands through shared memory) or "pure" (decoded in
-# each warp that needs it). To time both where nothing has: `onespark serve --tq --env ONESPARK_TQ_DECODE=once`.
+# each warp that needs it). To time the other choice on a Spark: `onespark serve --tq --env ONESPARK_TQ_DECODE=pure`.
 DECODE_CHOICES = {"auto": None, "once": True, "pure": False}
 
 
