@@ -687,9 +687,10 @@ def decode_once(T: int, capability: tuple[int, int] | None, preset: tq.Preset) -
     does not, for the same PTX count (bench/results/turboquant_sass_sm121.json; tests/test_kernels_compile.py
     checks both Tritons), and at every verify step: the Spark's verify tile puts its 4 warps over the 64 rows,
     so a pure decoder decodes each key in every warp. The Spark's code timed on an H200 with wgmma off
-    (bench/results/turboquant_tiles_h200_mma_sync.json at b1cf961: a ranking, not a Spark time), once is 12-21%
-    faster at a verify step for every preset at 32K and 256K, batch 1 and 8 (K4V4 1.95-2.36x folded BF16 on
-    that GPU against 2.28-2.81x pure), and slower at T = 1 for 4-bit values (K4V4 0.83-0.91x against 0.75-0.82x)."""
+    (bench/results/turboquant_tiles_h200_mma_sync.json at b1cf961: a ranking, not a Spark time), once takes 5-22%
+    less time at a verify step for every preset at 32K and 256K, batch 1 and 8 (K4V4 9-16%, K4V3 5-9%, K8V4
+    13-22%; K4V4 1.30-2.36x folded BF16 on that GPU against 1.43-2.81x pure), and 4-11% more at T = 1 for 4-bit
+    values."""
     if capability is None:
         return False
     if preset.v_bits == 3 and T == 1:

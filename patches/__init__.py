@@ -50,7 +50,7 @@ An entry: `NAME=DEFAULT`, what it does, then `Speed/memory:` what it costs and g
       the other choice on a Spark, where `auto` is `once` at a verify step and for 3-bit values, from the
       Spark's code timed on an H200 with wgmma off; no Spark has timed either.
       Speed/memory: on an H200, K4V3 at one query position 1-3% faster once, K4V4 up to 1.3x slower once at
-      batch 8; the Spark's code on an H200, once 12-21% faster at a verify step (docs/concepts/turboquant.md).
+      batch 8; the Spark's code on an H200, once 5-22% less time at a verify step (docs/concepts/turboquant.md).
   ONESPARK_DRAFT_VOCAB=1
       MTP draft head over a vocabulary subset: where the checkpoint directory holds `onespark-draft-vocab.json`
       (`onespark draft-vocab DIR`, written by step 2), the draft's logits come from a contiguous INT8 copy of
