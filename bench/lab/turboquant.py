@@ -62,6 +62,19 @@ def eager_ms(fn, samples):
 # ---------------------------------------------------------------------------------------------
 
 
+def scattered_table(lens, nb, g):
+    """A block table [len(lens), max blocks] int32 on g's device: each sequence's blocks drawn from a permutation of
+    nb >= the blocks needed, so no sequence's blocks are contiguous."""
+    need = [-(-n // PAGE) for n in lens]
+    perm = torch.randperm(nb, device=g.device, generator=g).to(torch.int32)
+    bt = torch.zeros(len(lens), max(need), dtype=torch.int32, device=g.device)
+    i = 0
+    for b, n in enumerate(need):
+        bt[b, :n] = perm[i : i + n]
+        i += n
+    return bt
+
+
 def check_correctness(out_rows):
     """Kernels vs reference on the real shape at 4096 keys (and odd lengths), per preset."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -69,12 +82,7 @@ def check_correctness(out_rows):
         lay = tq.CacheLayout(p, HKV, PAGE)
         lens = [4096, 1001]
         nb = sum(-(-n // PAGE) for n in lens) + 5
-        perm = torch.randperm(nb, device="cuda", generator=g).to(torch.int32)
-        bt = torch.zeros(2, -(-max(lens) // PAGE), dtype=torch.int32, device="cuda")
-        i = 0
-        for b, n in enumerate(lens):
-            bt[b, : -(-n // PAGE)] = perm[i : i + -(-n // PAGE)]
-            i += -(-n // PAGE)
+        bt = scattered_table(lens, nb, g)
         cache_k = lay.empty(nb, "cuda")
         cache_r = lay.empty(nb, "cuda")
         seed = tq.rotation_seed(3)

@@ -61,12 +61,7 @@ def check(name: str, T: int, cfg: dict) -> float:
     lay = tq.CacheLayout(tq.PRESETS[name], num_kv_heads=lab.HKV, page=lab.PAGE)
     lens = [300, 77]
     nb = sum(-(-n // lab.PAGE) for n in lens)
-    bt = torch.zeros(len(lens), -(-max(lens) // lab.PAGE), dtype=torch.int32)
-    perm, used = torch.randperm(nb, generator=torch.Generator().manual_seed(1)).to(torch.int32), 0
-    for b, n in enumerate(lens):
-        k = -(-n // lab.PAGE)
-        bt[b, :k] = perm[used:used + k]
-        used += k
+    bt = lab.scattered_table(lens, nb, torch.Generator().manual_seed(1))
     cache = lay.empty(nb)
     r = tq.rotation(tq.rotation_seed(0))
     g = torch.Generator().manual_seed(2)
