@@ -60,18 +60,23 @@ LAZY_STEP: tl.constexpr = tl.constexpr(4.0)  # _attend_tile's LAZY: the running 
 # 139 us against 90 us for the nibble decoder (H200, at 222ae6e, bench/results/turboquant_h200.json, sweep).
 
 
-def _byte_asm(levels: torch.Tensor, high: bool) -> str:
-    """PTX for 4 code bytes ($2) -> fp16 pairs (A_0, A_1), (A_2, A_3) in $0, $1, or with high=True (B_0, B_1),
-    (B_2, B_3) (element k of Triton's pack=4 group is byte k). Two calls rather than one with four outputs:
-    fewer registers live at once (one asm for both spilled 8 B per thread in the sm_121 prefill tile with
-    Triton 3.7.1)."""
+def prmt_tables(levels: torch.Tensor) -> tuple[int, int, int, int]:
+    """The 4-bit decoder's PRMT tables: low bytes of fp16 |level[8 + m]| for m = 0..3 and 4..7, then the high
+    bytes, as 32-bit words (byte k of a word = entry k). Shared with the CUDA decoder (turboquant_decode.cuh)."""
     lev = levels.to(torch.float16)
     if not torch.equal(lev[:8], -lev[8:].flip(0)):
         raise AssertionError("the 4-bit codebook is not symmetric in fp16: the PRMT decoder needs it")
     bits = [int(b) & 0xFFFF for b in lev[8:].view(torch.int16)]
     word = lambda vals: sum((v & 0xFF) << (8 * i) for i, v in enumerate(vals))  # noqa: E731
-    l0, l1 = word(bits[:4]), word(bits[4:])
-    h0, h1 = word([b >> 8 for b in bits[:4]]), word([b >> 8 for b in bits[4:]])
+    return word(bits[:4]), word(bits[4:]), word([b >> 8 for b in bits[:4]]), word([b >> 8 for b in bits[4:]])
+
+
+def _byte_asm(levels: torch.Tensor, high: bool) -> str:
+    """PTX for 4 code bytes ($2) -> fp16 pairs (A_0, A_1), (A_2, A_3) in $0, $1, or with high=True (B_0, B_1),
+    (B_2, B_3) (element k of Triton's pack=4 group is byte k). Two calls rather than one with four outputs:
+    fewer registers live at once (one asm for both spilled 8 B per thread in the sm_121 prefill tile with
+    Triton 3.7.1)."""
+    l0, l1, h0, h1 = prmt_tables(levels)
 
     def half(mags: str, signs: str, out0: str, out1: str) -> str:
         # mags: the 4 magnitudes at bits 0-2 of bytes 0-3 -> PRMT selector nibbles 0-3 (one shift, one OR, one

@@ -41,6 +41,7 @@ import turboquant_swap
 import turboquant_upstream as up
 
 from onespark.kernels import turboquant as tq
+from onespark.kernels import turboquant_cuda as tq_cuda
 from onespark.kernels import turboquant_triton as tt
 
 HQ, HKV, D = 32, 2, 256
@@ -193,7 +194,8 @@ def bench_config(pools, name, depth, T, B, copies_cap=32, **kcfg):
     outs = [torch.empty_like(q) for _ in range(copies)]
     seed = tq.rotation_seed(0)
 
-    decode = turboquant_swap.decode_attention_swap if kcfg.pop("impl", None) == "swap" else tt.decode_attention
+    impl = kcfg.pop("impl", None)
+    decode = {"swap": turboquant_swap.decode_attention_swap, "cuda": tq_cuda.decode_attention}.get(impl, tt.decode_attention)
 
     def run_tq():
         for c in range(copies):

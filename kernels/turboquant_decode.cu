@@ -1,0 +1,75 @@
+// torch binding of turboquant_decode.cuh (built by turboquant_cuda.py with torch.utils.cpp_extension).
+#include <torch/extension.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "turboquant_decode.cuh"
+
+namespace {
+
+template <int M>
+void launch(const onespark_tq::Params& p, int grid_x, int grid_y, cudaStream_t stream) {
+  constexpr int smem = onespark_tq::smem_bytes<M>();
+  static bool sized = false;  // above 48 KB of shared memory a kernel must ask (once per process and device kind)
+  if (!sized) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(onespark_tq::decode_k4v4<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    sized = true;
+  }
+  onespark_tq::decode_k4v4<M><<<dim3(grid_x, grid_y), onespark_tq::NW * 32, smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void decode_k4v4(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& block_table,
+                 const torch::Tensor& seq_lens, torch::Tensor& ws_acc, torch::Tensor& ws_ml, int64_t block_bytes,
+                 int64_t v_offset, int64_t s_offset, int64_t num_kv_heads, int64_t page, int64_t num_splits,
+                 double k_mul, const std::vector<int64_t>& tab) {
+  TORCH_CHECK(q.is_cuda() && q.scalar_type() == torch::kHalf && q.is_contiguous() && q.dim() == 4 &&
+                  q.size(3) == onespark_tq::D,
+              "q must be contiguous fp16 [B, Hq, T, 256] on the GPU");
+  TORCH_CHECK(cache.scalar_type() == torch::kUInt8 && cache.is_contiguous() && cache.device() == q.device(),
+              "cache must be contiguous uint8 on q's device");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt && block_table.stride(1) == 1 &&
+                  seq_lens.scalar_type() == torch::kInt && seq_lens.is_contiguous(),
+              "block_table and seq_lens must be int32 (block_table rows contiguous)");
+  TORCH_CHECK(ws_acc.scalar_type() == torch::kFloat && ws_ml.scalar_type() == torch::kFloat, "workspaces are fp32");
+  TORCH_CHECK(tab.size() == 4, "tab: 4 words");
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2);
+  TORCH_CHECK(Hq % num_kv_heads == 0, "query heads must divide into KV heads");
+  const int64_t G = Hq / num_kv_heads, M = (G * T + 15) / 16;
+  TORCH_CHECK(M >= 1 && M <= 4, "G x T query rows per KV head must be at most 64, got ", G * T);
+  TORCH_CHECK(ws_acc.numel() >= B * num_kv_heads * num_splits * G * T * onespark_tq::D &&
+                  ws_ml.numel() >= B * num_kv_heads * num_splits * G * T * 2,
+              "workspace too small");
+  const c10::cuda::CUDAGuard guard(q.device());
+  onespark_tq::Params p{};
+  p.q = reinterpret_cast<const half*>(q.data_ptr<at::Half>());
+  p.cache = cache.data_ptr<uint8_t>();
+  p.block_table = block_table.data_ptr<int32_t>();
+  p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.ws_acc = ws_acc.data_ptr<float>();
+  p.ws_ml = ws_ml.data_ptr<float>();
+  p.bt_stride = block_table.stride(0);
+  p.block_bytes = block_bytes;
+  p.v_offset = static_cast<int>(v_offset);
+  p.s_offset = static_cast<int>(s_offset);
+  p.H = static_cast<int>(num_kv_heads);
+  p.G = static_cast<int>(G);
+  p.T = static_cast<int>(T);
+  p.page = static_cast<int>(page);
+  p.num_splits = static_cast<int>(num_splits);
+  p.k_mul = static_cast<float>(k_mul);
+  for (int i = 0; i < 4; ++i) p.tab[i] = static_cast<uint32_t>(tab[i]);
+  const int gx = static_cast<int>(B * num_kv_heads), gy = static_cast<int>(num_splits);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  switch (M) {
+    case 1: launch<1>(p, gx, gy, stream); break;
+    case 2: launch<2>(p, gx, gy, stream); break;
+    case 3: launch<3>(p, gx, gy, stream); break;
+    default: launch<4>(p, gx, gy, stream); break;
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode_k4v4", &decode_k4v4); }

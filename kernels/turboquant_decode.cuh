@@ -1,0 +1,388 @@
+// TurboQuant K4V4 decode attention with mma.sync and fragment-level decoding (CUDA C++, sm_80 and up: the
+// DGX Spark's sm_121 and the H200's sm_90 run the same code). No torch here: tests/test_kernels_compile.py
+// compiles this header alone with ptxas and checks registers and spills for both GPUs.
+//
+// One CTA per (request, KV head, split of the context), 4 warps, all G x T query rows of the KV head in
+// M = ceil(G*T / 16) row tiles of 16 (16 at decode, 48 at an MTP-2 verify step: no padded rows). Keys come
+// in steps of 64 through a 3-stage cp.async pipeline into shared memory, then:
+//   Q @ K^T  warp w takes keys 16w .. 16w+15; each thread turns the 4-bit codes it loaded into the mma B
+//            fragment in registers (PRMT lookups, turboquant_triton._byte_asm's sequence). The dot product is
+//            over coordinates, so their order is free: thread c of a quad takes code bytes 32c .. 32c+31 of its
+//            key (two 16-byte loads), and the rotated query is stored in shared memory in that same order
+//            (coord() below), read with ldmatrix.
+//   softmax  the step's row maximum is shared through shared memory (one barrier), so every warp holds the
+//            same running maximum; each warp sums its own keys' probabilities (summed over warps at the end).
+//   P @ V    warp w owns code bytes 32w .. 32w+31 of every value, i.e. coordinates 32w+j and 128+32w+j
+//            (64 of 256): no decode is repeated across warps and no output is reduced across warps. An mma B
+//            fragment register pairs two keys at one coordinate, so each thread decodes the value words of its
+//            4 keys and pairs them with byte permutes (pair_keys()). P comes from shared memory (ldmatrix).
+// Output: the same fp32 workspace as turboquant_triton's decode kernel (unnormalised sums in the rotated basis,
+// running max and sum per row and split); its merge kernel normalises, weighs the splits and rotates back.
+#pragma once
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace onespark_tq {
+
+constexpr int D = 256;          // head_dim
+constexpr int ROW_BYTES = 128;  // 4-bit codes of one token, one KV head
+constexpr int NW = 4;           // warps; P @ V gives warp w code bytes [32w, 32w + 32)
+constexpr int TILE = 64;        // keys per step: 16 per warp in Q @ K^T
+constexpr int STAGES = 3;
+constexpr int KV_STRIDE = 144;  // bytes per key row in shared memory: 128 + 16 keeps the LDS.128 and LDS.32 reads
+                                // below free of bank conflicts (row r starts at bank 4r mod 32)
+constexpr int Q_STRIDE = D + 8;     // halves: ldmatrix rows 528 B apart, conflict-free
+constexpr int P_STRIDE = TILE + 8;  // halves: 144 B
+
+struct Params {
+  const half* q;  // [B, Hq, T, D], rotated, contiguous
+  const uint8_t* cache;
+  const int32_t* block_table;
+  const int32_t* seq_lens;
+  float* ws_acc;  // [B * H * splits * G*T, D]
+  float* ws_ml;   // [B * H * splits * G*T, 2]
+  int64_t bt_stride, block_bytes;
+  int v_offset, s_offset, H, G, T, page, num_splits;
+  float k_mul;   // sm_scale * log2(e): scores in base 2
+  uint32_t tab[4];  // low bytes of fp16 |level[8 + m]|, m = 0..7 (2 words), then the high bytes (2 words)
+};
+
+template <int M>
+constexpr int smem_bytes() {
+  return STAGES * (2 * TILE * KV_STRIDE + TILE * 8) + M * 16 * (Q_STRIDE + P_STRIDE) * 2 + NW * M * 16 * 4;
+}
+
+// Position p (0..255) of a query row in shared memory holds rotated coordinate coord(p): slice j = p / 16 of the
+// reduction, mma k index kp = p % 16. Thread c of a quad holds B values for k = 2c, 2c+1 (b0) and 2c+8, 2c+9 (b1)
+// from code word w = j / 2 of its 8 (bytes 32c + 4w .. +3): A coordinates for even j, their B (+128) for odd j.
+__host__ __device__ constexpr int coord(int p) {
+  int j = p >> 4, kp = p & 15;
+  return 128 * (j & 1) + 32 * ((kp & 7) >> 1) + 4 * (j >> 1) + 2 * (kp >> 3) + (kp & 1);
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+// 4 code bytes -> low and high bytes of the fp16 levels of their A coordinates (lo, hi: byte k of each belongs to
+// code byte k) and of their B coordinates. A byte holds A's magnitude at bits 0-2, B's sign at bit 3, B's magnitude
+// at bits 4-6, A's sign at bit 7 (turboquant.py's docstring): each magnitude becomes a PRMT selector nibble, each
+// sign lands on bit 7 of its high byte, the fp16 sign bit.
+__device__ __forceinline__ void lookup(uint32_t x, const uint32_t (&t)[4], uint32_t& loA, uint32_t& hiA,
+                                       uint32_t& loB, uint32_t& hiB) {
+  uint32_t a = x & 0x07070707u;
+  uint32_t sa = prmt(a | (a >> 4), 0, 0x0020);
+  loA = prmt(t[0], t[1], sa);
+  hiA = prmt(t[2], t[3], sa) | (x & 0x80808080u);
+  uint32_t b = (x >> 4) & 0x07070707u;
+  uint32_t sb = prmt(b | (b >> 4), 0, 0x0020);
+  loB = prmt(t[0], t[1], sb);
+  hiB = prmt(t[2], t[3], sb) | ((x << 4) & 0x80808080u);
+}
+
+// fp16 pairs of one key: (c0, c1), (c2, c3) of A, then of B
+__device__ __forceinline__ void decode_key(uint32_t x, const uint32_t (&t)[4], uint32_t (&out)[4]) {
+  uint32_t loA, hiA, loB, hiB;
+  lookup(x, t, loA, hiA, loB, hiB);
+  out[0] = prmt(loA, hiA, 0x5140);
+  out[1] = prmt(loA, hiA, 0x7362);
+  out[2] = prmt(loB, hiB, 0x5140);
+  out[3] = prmt(loB, hiB, 0x7362);
+}
+
+// Two keys' words (u first in k) -> out[n] = fp16 pair (u, v) at coordinate n of the word: n = 0..3 for A, 4..7 B.
+__device__ __forceinline__ void pair_keys(uint32_t xu, uint32_t xv, const uint32_t (&t)[4], uint32_t (&out)[8]) {
+  uint32_t lu[2], hu[2], lv[2], hv[2];
+  lookup(xu, t, lu[0], hu[0], lu[1], hu[1]);
+  lookup(xv, t, lv[0], hv[0], lv[1], hv[1]);
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    uint32_t l01 = prmt(lu[s], lv[s], 0x5140), h01 = prmt(hu[s], hv[s], 0x5140);
+    uint32_t l23 = prmt(lu[s], lv[s], 0x7362), h23 = prmt(hu[s], hv[s], 0x7362);
+    out[4 * s + 0] = prmt(l01, h01, 0x5140);
+    out[4 * s + 1] = prmt(l01, h01, 0x7362);
+    out[4 * s + 2] = prmt(l23, h23, 0x5140);
+    out[4 * s + 3] = prmt(l23, h23, 0x7362);
+  }
+}
+
+__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldsm4(uint32_t (&a)[4], const half* p) {
+  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(s) : "memory");
+}
+
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes, bool valid) {
+  uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  int n = valid ? bytes : 0;  // 0: zero-fill, nothing read
+  if (bytes == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(s), "l"(gmem), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Keys [n0, n0 + TILE) of one KV head into a stage: code rows (K, V) and the (K, V) scales. Keys >= end are
+// zero-filled (codes 0 decode to finite levels; their scores are masked, their scale 0).
+__device__ __forceinline__ void load_step(const Params& p, uint8_t* kb, uint8_t* vb, float* sc, const int32_t* bt,
+                                          int n0, int end, int h, int tid) {
+#pragma unroll
+  for (int i = 0; i < TILE * 8 / (NW * 32); ++i) {
+    int idx = tid + i * NW * 32, t = idx >> 3, ch = idx & 7, tok = n0 + t;
+    bool ok = tok < end;
+    const uint8_t* row = p.cache;
+    if (ok) row += bt[tok / p.page] * p.block_bytes + ((tok % p.page) * p.H + h) * ROW_BYTES + ch * 16;
+    cp_async(kb + t * KV_STRIDE + ch * 16, row, 16, ok);
+    cp_async(vb + t * KV_STRIDE + ch * 16, row + (ok ? p.v_offset : 0), 16, ok);
+  }
+  if (tid < TILE) {
+    int tok = n0 + tid;
+    bool ok = tok < end;
+    const uint8_t* s = p.cache;
+    if (ok) s += bt[tok / p.page] * p.block_bytes + p.s_offset + ((tok % p.page) * p.H + h) * 8;
+    cp_async(sc + tid * 2, s, 8, ok);
+  }
+}
+
+template <int M>
+__global__ void __launch_bounds__(NW * 32) decode_k4v4(const Params p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* kbuf = smem;                                   // [STAGES][TILE][KV_STRIDE]
+  uint8_t* vbuf = kbuf + STAGES * TILE * KV_STRIDE;       // [STAGES][TILE][KV_STRIDE]
+  float* sbuf = reinterpret_cast<float*>(vbuf + STAGES * TILE * KV_STRIDE);  // [STAGES][TILE][2]
+  half* qs = reinterpret_cast<half*>(sbuf + STAGES * TILE * 2);              // [M*16][Q_STRIDE]
+  half* ps = qs + M * 16 * Q_STRIDE;                                         // [M*16][P_STRIDE]
+  float* red = reinterpret_cast<float*>(ps + M * 16 * P_STRIDE);             // [NW][M*16]
+
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, c = lane & 3;
+  const int bh = blockIdx.x, split = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const int GT = p.G * p.T, L = p.seq_lens[b];
+  const int per = ((L + p.num_splits - 1) / p.num_splits + TILE - 1) / TILE * TILE;
+  const int start = split * per, end = min(L, start + per);
+  const int64_t ws0 = (static_cast<int64_t>(bh) * p.num_splits + split) * GT;  // workspace row of tile row 0
+
+  if (start >= end) {  // an empty split: m = -inf, l = 0 (the merge weighs it 0 and reads no accumulator)
+    for (int r = tid; r < GT; r += NW * 32) {
+      p.ws_ml[(ws0 + r) * 2] = -INFINITY;
+      p.ws_ml[(ws0 + r) * 2 + 1] = 0.f;
+    }
+    return;
+  }
+  const int32_t* bt = p.block_table + b * p.bt_stride;
+  const int steps = (end - start + TILE - 1) / TILE;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < steps)
+      load_step(p, kbuf + s * TILE * KV_STRIDE, vbuf + s * TILE * KV_STRIDE, sbuf + s * TILE * 2, bt,
+                start + s * TILE, end, h, tid);
+    cp_commit();
+  }
+
+  // query rows r = g*T + t (query head h*G + g, position t) into shared memory in coord() order; rows >= G*T zero
+  for (int i = tid; i < M * 16 * D; i += NW * 32) {
+    int r = i / D, pos = i % D;
+    half v = __float2half(0.f);
+    if (r < GT) v = p.q[((static_cast<int64_t>(b) * p.H * p.G + h * p.G + r / p.T) * p.T + r % p.T) * D + coord(pos)];
+    qs[r * Q_STRIDE + pos] = v;
+  }
+  uint32_t tab[4] = {p.tab[0], p.tab[1], p.tab[2], p.tab[3]};
+
+  float o[M][8][4];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int n = 0; n < 8; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[m][n][e] = 0.f;
+  float m_run[M][2], l_run[M][2];
+  int last[M][2];  // the last key each of this thread's rows may see (causal within a verify step)
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      m_run[m][rh] = -INFINITY;
+      l_run[m][rh] = 0.f;
+      last[m][rh] = L - p.T + (16 * m + g + 8 * rh) % p.T;
+    }
+
+  for (int step = 0; step < steps; ++step) {
+    const int n0 = start + step * TILE, stage = step % STAGES;
+    cp_wait<STAGES - 2>();
+    __syncthreads();  // this step's codes are in; every warp is done with the stage refilled next
+    {
+      int nxt = step + STAGES - 1, ns = nxt % STAGES;
+      if (nxt < steps)
+        load_step(p, kbuf + ns * TILE * KV_STRIDE, vbuf + ns * TILE * KV_STRIDE, sbuf + ns * TILE * 2, bt,
+                  start + nxt * TILE, end, h, tid);
+      cp_commit();
+    }
+    const uint8_t* kb = kbuf + stage * TILE * KV_STRIDE;
+    const uint8_t* vb = vbuf + stage * TILE * KV_STRIDE;
+    const float* sc = sbuf + stage * TILE * 2;
+
+    // S = Q K^T for keys 16w + 8n + g (n = 0, 1) of the step
+    float s[M][2][4];
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[m][n][e] = 0.f;
+#pragma unroll
+    for (int half16 = 0; half16 < 2; ++half16) {
+      uint4 kw[2];
+#pragma unroll
+      for (int n = 0; n < 2; ++n)
+        kw[n] = *reinterpret_cast<const uint4*>(kb + (16 * w + 8 * n + g) * KV_STRIDE + 32 * c + 16 * half16);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int j = 2 * (4 * half16 + i);  // slices j (A coordinates) and j + 1 (B)
+        uint32_t kf[2][4];
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          uint32_t x = i == 0 ? kw[n].x : i == 1 ? kw[n].y : i == 2 ? kw[n].z : kw[n].w;
+          decode_key(x, tab, kf[n]);
+        }
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          uint32_t a[4];
+          ldsm4(a, qs + (16 * m + (lane & 15)) * Q_STRIDE + 16 * j + (lane >> 4) * 8);
+#pragma unroll
+          for (int n = 0; n < 2; ++n) mma(s[m][n], a, kf[n][0], kf[n][1]);
+          ldsm4(a, qs + (16 * m + (lane & 15)) * Q_STRIDE + 16 * (j + 1) + (lane >> 4) * 8);
+#pragma unroll
+          for (int n = 0; n < 2; ++n) mma(s[m][n], a, kf[n][2], kf[n][3]);
+        }
+      }
+    }
+
+    // scale, mask, this warp's row maxima -> red
+    float ks[2][2];
+#pragma unroll
+    for (int n = 0; n < 2; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) ks[n][e] = sc[(16 * w + 8 * n + 2 * c + e) * 2] * p.k_mul;
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            int tok = n0 + 16 * w + 8 * n + 2 * c + e;
+            float v = s[m][n][2 * rh + e] * ks[n][e];
+            v = (tok < end && tok <= last[m][rh]) ? v : -INFINITY;
+            s[m][n][2 * rh + e] = v;
+            mx = fmaxf(mx, v);
+          }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        if (c == 0) red[w * M * 16 + 16 * m + g + 8 * rh] = mx;
+      }
+    __syncthreads();
+
+    // the step's maximum, probabilities (times the value scale, fp16) -> ps, O rescaled
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const int r = 16 * m + g + 8 * rh;
+        float mx = m_run[m][rh];
+#pragma unroll
+        for (int x = 0; x < NW; ++x) mx = fmaxf(mx, red[x * M * 16 + r]);
+        const float safe = mx == -INFINITY ? 0.f : mx;  // a row with nothing visible yet
+        const float alpha = exp2f(m_run[m][rh] - safe);
+        m_run[m][rh] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          float p0 = exp2f(s[m][n][2 * rh] - safe), p1 = exp2f(s[m][n][2 * rh + 1] - safe);
+          sum += p0 + p1;
+          const int k = 16 * w + 8 * n + 2 * c;
+          *reinterpret_cast<half2*>(ps + r * P_STRIDE + k) = __floats2half2_rn(p0 * sc[k * 2 + 1], p1 * sc[k * 2 + 3]);
+        }
+        l_run[m][rh] = l_run[m][rh] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+          o[m][n][2 * rh] *= alpha;
+          o[m][n][2 * rh + 1] *= alpha;
+        }
+      }
+    __syncthreads();
+
+    // O += P V over the step's 4 slices of 16 keys, coordinates of code bytes 32w + 4g .. +3
+#pragma unroll
+    for (int kk = 0; kk < TILE / 16; ++kk) {
+      const uint8_t* vrow = vb + (16 * kk + 2 * c) * KV_STRIDE + 32 * w + 4 * g;
+      uint32_t x0 = *reinterpret_cast<const uint32_t*>(vrow);
+      uint32_t x1 = *reinterpret_cast<const uint32_t*>(vrow + KV_STRIDE);
+      uint32_t x8 = *reinterpret_cast<const uint32_t*>(vrow + 8 * KV_STRIDE);
+      uint32_t x9 = *reinterpret_cast<const uint32_t*>(vrow + 9 * KV_STRIDE);
+      uint32_t b0[8], b1[8];
+      pair_keys(x0, x1, tab, b0);
+      pair_keys(x8, x9, tab, b1);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        uint32_t a[4];
+        ldsm4(a, ps + (16 * m + (lane & 15)) * P_STRIDE + 16 * kk + (lane >> 4) * 8);
+#pragma unroll
+        for (int n = 0; n < 8; ++n) mma(o[m][n], a, b0[n], b1[n]);
+      }
+    }
+  }
+  cp_wait<0>();
+
+  // l summed over warps; each warp writes its own coordinates, warp 0 the (m, l) pairs
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      float l = l_run[m][rh];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      l_run[m][rh] = l;
+    }
+  __syncthreads();  // every warp is past its last read of red
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh)
+      if (c == 0) red[w * M * 16 + 16 * m + g + 8 * rh] = l_run[m][rh];
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      const int r = 16 * m + g + 8 * rh;
+      if (r >= GT) continue;
+      float* acc = p.ws_acc + (ws0 + r) * D;
+#pragma unroll
+      for (int n = 0; n < 8; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int col = 4 * (2 * c + e) + 32 * w + (n & 3) + 128 * (n >> 2);  // value coordinate of (n, 2c + e)
+          acc[col] = o[m][n][2 * rh + e];
+        }
+      if (w == 0 && c == 0) {
+        float l = 0.f;
+#pragma unroll
+        for (int x = 0; x < NW; ++x) l += red[x * M * 16 + r];
+        p.ws_ml[(ws0 + r) * 2] = m_run[m][rh];
+        p.ws_ml[(ws0 + r) * 2 + 1] = l;
+      }
+    }
+}
+
+}  // namespace onespark_tq
