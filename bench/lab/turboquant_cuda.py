@@ -27,7 +27,7 @@ DEPTHS = (32768, 65536, 131072, 262144)
 BATCHES = (1, 8)
 CHECKS = [  # (lens, q_len, num_splits)
     ([300, 77], 1, None), ([300, 77], 3, None), ([300, 77], 3, 1), ([300, 77], 2, 5), ([300, 77], 4, None),
-    ([4096, 1001], 1, None), ([4096, 1001], 3, None), ([4096, 1001], 3, 64), ([65, 1], 3, 3), ([2, 129], 1, 7),
+    ([4096, 1001], 1, None), ([4096, 1001], 3, None), ([4096, 1001], 3, 64), ([65, 3], 3, 3), ([2, 129], 1, 7),
 ]
 
 
@@ -69,8 +69,10 @@ def main() -> int:
         c = check(lens, T, ns)
         result["checks"].append(c)
         print(f"check {c}", flush=True)
-        if not c["rel_err"] < 3e-3:
-            result["errors"].append(f"lens {lens} T={T} splits {ns}: rel err {c['rel_err']:.2e} against float64")
+        # bf16 queries: both kernels round the rotated query to fp16 and the probabilities to fp16 alike
+        if not c["rel_err"] < min(5e-3, 1.02 * c["triton_rel_err"] + 1e-5):
+            result["errors"].append(f"lens {lens} T={T} splits {ns}: rel err {c['rel_err']:.2e} against float64"
+                                    f" (Triton {c['triton_rel_err']:.2e})")
     if result["errors"]:
         print(f"errors: {result['errors']}: nothing timed", flush=True)
     else:
