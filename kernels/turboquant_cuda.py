@@ -43,9 +43,23 @@ def supports(preset: tq.Preset, num_q_heads: int, num_kv_heads: int, q_len: int,
         and num_q_heads // num_kv_heads * q_len <= MAX_ROWS
 
 
+@functools.lru_cache(maxsize=None)
+def _slots(device_index: int, rows: int, stages: int) -> int:
+    """CTAs the GPU holds at once for this row count: SMs x CTAs per SM (registers and shared memory decide)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count * module().ctas_per_sm(rows, stages)
+
+
+def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, slots: int, waves: int) -> int:
+    """Splits per (request, KV head) for `waves` full waves of CTAs, each split >= 4 steps of keys. Host-known sizes
+    only, so a CUDA graph captured for max_seq_len stays valid."""
+    most = max(1, -(-max_seq_len // (4 * TILE)))
+    return max(1, min(256, most, waves * slots // (batch * num_kv_heads)))
+
+
 def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float,
-                     max_seq_len: int, num_splits: int | None = None, waves: int = 4, out=None):
-    """As turboquant_triton.decode_attention (q [B, Hq, T, d] -> out, q's dtype), for K4V4 and G x T <= 64 rows."""
+                     max_seq_len: int, num_splits: int | None = None, waves: int = 1, stages: int = 3, out=None):
+    """As turboquant_triton.decode_attention (q [B, Hq, T, d] -> out, q's dtype), for K4V4 and G x T <= 64 rows.
+    stages: cp.async pipeline depth (2 or 3); waves: full waves of CTAs the splits make (num_splits_for)."""
     B, Hq, T, d = q.shape
     H = layout.num_kv_heads
     tt._check_attention(Hq, d, cache, layout, "turboquant_cuda.decode_attention")
@@ -61,15 +75,14 @@ def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, se
     G = Hq // H
     t = tt._tables(layout.preset, seed, q.device, d)
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = tt.num_splits_for(B, H, max_seq_len, TILE, sms, waves)
+        num_splits = num_splits_for(B, H, max_seq_len, _slots(q.device.index or 0, G * T, stages), waves)
     qr = torch.matmul(q, t["rt"][q.dtype]).to(torch.float16).contiguous()  # as the Triton kernel's _load_q rounds it
     rows = B * H * num_splits * G * T
     ws_acc = torch.empty(rows * d, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(rows * 2, dtype=torch.float32, device=q.device)
     module().decode_k4v4(qr, cache, block_table, seq_lens, ws_acc, ws_ml, layout.block_bytes, layout.v_offset,
                          layout.s_offset, H, layout.page, num_splits, sm_scale * tt.LOG2E,
-                         TABLES)
+                         TABLES, stages)
     if out is None:
         out = torch.empty_like(q)
     tt._tq_merge_kernel[(B * H, G * T)](

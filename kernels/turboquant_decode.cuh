@@ -28,7 +28,6 @@ constexpr int D = 256;          // head_dim
 constexpr int ROW_BYTES = 128;  // 4-bit codes of one token, one KV head
 constexpr int NW = 4;           // warps; P @ V gives warp w code bytes [32w, 32w + 32)
 constexpr int TILE = 64;        // keys per step: 16 per warp in Q @ K^T
-constexpr int STAGES = 3;
 constexpr int KV_STRIDE = 144;  // bytes per key row in shared memory: 128 + 16 keeps the LDS.128 and LDS.32 reads
                                 // below free of bank conflicts (row r starts at bank 4r mod 32)
 constexpr int Q_STRIDE = D + 8;     // halves: ldmatrix rows 528 B apart, conflict-free
@@ -42,12 +41,13 @@ struct Params {
   float* ws_acc;  // [B * H * splits * G*T, D]
   float* ws_ml;   // [B * H * splits * G*T, 2]
   int64_t bt_stride, block_bytes;
-  int v_offset, s_offset, H, G, T, page, num_splits;
+  int v_offset, s_offset, H, G, T, num_splits;
+  uint32_t gpp, gpp_magic;  // 16-key groups per page (pages are multiples of 16 keys); ceil(2^32 / gpp) if gpp > 1
   float k_mul;   // sm_scale * log2(e): scores in base 2
   uint32_t tab[4];  // low bytes of fp16 |level[8 + m]|, m = 0..7 (2 words), then the high bytes (2 words)
 };
 
-template <int M>
+template <int M, int STAGES>
 constexpr int smem_bytes() {
   return STAGES * (2 * TILE * KV_STRIDE + TILE * 8) + M * 16 * (Q_STRIDE + P_STRIDE) * 2 + NW * M * 16 * 4;
 }
@@ -82,7 +82,7 @@ __device__ __forceinline__ void lookup(uint32_t x, const uint32_t (&t)[4], uint3
   hiB = prmt(t[2], t[3], sb) | ((x << 4) & 0x80808080u);
 }
 
-// fp16 pairs of one key: (c0, c1), (c2, c3) of A, then of B
+// 4 code bytes -> fp16 pairs (A_0, A_1), (A_2, A_3), (B_0, B_1), (B_2, B_3), X_k the coordinate X of byte k
 __device__ __forceinline__ void decode_key(uint32_t x, const uint32_t (&t)[4], uint32_t (&out)[4]) {
   uint32_t loA, hiA, loB, hiB;
   lookup(x, t, loA, hiA, loB, hiB);
@@ -92,20 +92,15 @@ __device__ __forceinline__ void decode_key(uint32_t x, const uint32_t (&t)[4], u
   out[3] = prmt(loB, hiB, 0x7362);
 }
 
-// Two keys' words (u first in k) -> out[n] = fp16 pair (u, v) at coordinate n of the word: n = 0..3 for A, 4..7 B.
+// Two keys' code words (u first in k) -> out[n] = fp16 pair (u, v) at coordinate n of the word: n = 0..3 for the A
+// coordinates of bytes 0..3, 4..7 for their B. The bytes are interleaved first (u0 v0 u1 v1, u2 v2 u3 v3), so the
+// decoder's own pairing of neighbouring bytes pairs the two keys.
 __device__ __forceinline__ void pair_keys(uint32_t xu, uint32_t xv, const uint32_t (&t)[4], uint32_t (&out)[8]) {
-  uint32_t lu[2], hu[2], lv[2], hv[2];
-  lookup(xu, t, lu[0], hu[0], lu[1], hu[1]);
-  lookup(xv, t, lv[0], hv[0], lv[1], hv[1]);
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-    uint32_t l01 = prmt(lu[s], lv[s], 0x5140), h01 = prmt(hu[s], hv[s], 0x5140);
-    uint32_t l23 = prmt(lu[s], lv[s], 0x7362), h23 = prmt(hu[s], hv[s], 0x7362);
-    out[4 * s + 0] = prmt(l01, h01, 0x5140);
-    out[4 * s + 1] = prmt(l01, h01, 0x7362);
-    out[4 * s + 2] = prmt(l23, h23, 0x5140);
-    out[4 * s + 3] = prmt(l23, h23, 0x7362);
-  }
+  uint32_t lo[4], hi[4];
+  decode_key(prmt(xu, xv, 0x5140), t, lo);
+  decode_key(prmt(xu, xv, 0x7362), t, hi);
+  out[0] = lo[0], out[1] = lo[1], out[4] = lo[2], out[5] = lo[3];
+  out[2] = hi[0], out[3] = hi[1], out[6] = hi[2], out[7] = hi[3];
 }
 
 __device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -132,29 +127,45 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
-// Keys [n0, n0 + TILE) of one KV head into a stage: code rows (K, V) and the (K, V) scales. Keys >= end are
+// Where a 16-key group of the context lives: its block and its first key's row in it. Steps start at multiples of 64 keys and pages are multiples of 16, so a group never straddles two pages.
+struct Group {
+  const uint8_t* block;  // the group's block
+  uint32_t first;        // the group's first key within the block
+};
+__device__ __forceinline__ Group group(const Params& p, const int32_t* bt, uint32_t grp) {
+  uint32_t pg = p.gpp == 1 ? grp : __umulhi(grp, p.gpp_magic);  // grp / gpp, exact (the host checks the range)
+  return {p.cache + static_cast<int64_t>(bt[pg]) * p.block_bytes, (grp - pg * p.gpp) * 16};
+}
+
+// Keys [n0, n0 + TILE) of KV head h into a stage: code rows (K, V) and the (K, V) scales. Keys >= end are
 // zero-filled (codes 0 decode to finite levels; their scores are masked, their scale 0).
 __device__ __forceinline__ void load_step(const Params& p, uint8_t* kb, uint8_t* vb, float* sc, const int32_t* bt,
                                           int n0, int end, int h, int tid) {
+  const int key = tid >> 3, ch = tid & 7;  // thread: key `key` of each of the 4 groups, 16-byte chunk ch of its rows
 #pragma unroll
-  for (int i = 0; i < TILE * 8 / (NW * 32); ++i) {
-    int idx = tid + i * NW * 32, t = idx >> 3, ch = idx & 7, tok = n0 + t;
-    bool ok = tok < end;
+  for (int i = 0; i < TILE / 16; ++i) {
+    const int t = 16 * i + key;
+    const bool ok = n0 + t < end;
     const uint8_t* row = p.cache;
-    if (ok) row += bt[tok / p.page] * p.block_bytes + ((tok % p.page) * p.H + h) * ROW_BYTES + ch * 16;
+    if (ok) {
+      Group gr = group(p, bt, (n0 >> 4) + i);
+      row = gr.block + ((gr.first + key) * p.H + h) * ROW_BYTES + ch * 16;
+    }
     cp_async(kb + t * KV_STRIDE + ch * 16, row, 16, ok);
     cp_async(vb + t * KV_STRIDE + ch * 16, row + (ok ? p.v_offset : 0), 16, ok);
   }
   if (tid < TILE) {
-    int tok = n0 + tid;
-    bool ok = tok < end;
+    const bool ok = n0 + tid < end;
     const uint8_t* s = p.cache;
-    if (ok) s += bt[tok / p.page] * p.block_bytes + p.s_offset + ((tok % p.page) * p.H + h) * 8;
+    if (ok) {
+      Group gr = group(p, bt, (n0 >> 4) + (tid >> 4));
+      s = gr.block + p.s_offset + ((gr.first + (tid & 15)) * p.H + h) * 8;
+    }
     cp_async(sc + tid * 2, s, 8, ok);
   }
 }
 
-template <int M>
+template <int M, int STAGES>
 __global__ void __launch_bounds__(NW * 32) decode_k4v4(const Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* kbuf = smem;                                   // [STAGES][TILE][KV_STRIDE]
@@ -230,14 +241,16 @@ __global__ void __launch_bounds__(NW * 32) decode_k4v4(const Params p) {
     const uint8_t* vb = vbuf + stage * TILE * KV_STRIDE;
     const float* sc = sbuf + stage * TILE * 2;
 
-    // S = Q K^T for keys 16w + 8n + g (n = 0, 1) of the step
-    float s[M][2][4];
+    // S = Q K^T for keys 16w + 8n + g (n = 0, 1) of the step. One row tile has 2 accumulators to chain 16 mma
+    // each: A and B slices go to separate ones (ACC = 2), summed after, for twice the independent mma in flight.
+    constexpr int ACC = M == 1 ? 2 : 1;
+    float s[M][2][4], s2[M][2][4];
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
       for (int n = 0; n < 2; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[m][n][e] = 0.f;
+        for (int e = 0; e < 4; ++e) s[m][n][e] = s2[m][n][e] = 0.f;
 #pragma unroll
     for (int half16 = 0; half16 < 2; ++half16) {
       uint4 kw[2];
@@ -261,9 +274,17 @@ __global__ void __launch_bounds__(NW * 32) decode_k4v4(const Params p) {
           for (int n = 0; n < 2; ++n) mma(s[m][n], a, kf[n][0], kf[n][1]);
           ldsm4(a, qs + (16 * m + (lane & 15)) * Q_STRIDE + 16 * (j + 1) + (lane >> 4) * 8);
 #pragma unroll
-          for (int n = 0; n < 2; ++n) mma(s[m][n], a, kf[n][2], kf[n][3]);
+          for (int n = 0; n < 2; ++n) mma(ACC == 2 ? s2[m][n] : s[m][n], a, kf[n][2], kf[n][3]);
         }
       }
+    }
+    if (ACC == 2) {
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int n = 0; n < 2; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[m][n][e] += s2[m][n][e];
     }
 
     // scale, mask, this warp's row maxima -> red
