@@ -35,8 +35,9 @@ int resident() {
 int64_t ctas_per_sm(int64_t rows, int64_t stages) {
   const int M = static_cast<int>((rows + 15) / 16);
   TORCH_CHECK(M >= 1 && M <= 4 && (stages == 2 || stages == 3), "rows 1..64, stages 2 or 3");
-  static const int (*table[2][4])() = {{resident<1, 2>, resident<2, 2>, resident<3, 2>, resident<4, 2>},
-                                       {resident<1, 3>, resident<2, 3>, resident<3, 3>, resident<4, 3>}};
+  using Query = int (*)();
+  static const Query table[2][4] = {{resident<1, 2>, resident<2, 2>, resident<3, 2>, resident<4, 2>},
+                                    {resident<1, 3>, resident<2, 3>, resident<3, 3>, resident<4, 3>}};
   return table[stages - 2][M - 1]();
 }
 
