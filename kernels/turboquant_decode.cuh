@@ -199,12 +199,21 @@ __global__ void __launch_bounds__(NW * 32) decode_k4v4(const Params p) {
     cp_commit();
   }
 
-  // query rows r = g*T + t (query head h*G + g, position t) into shared memory in coord() order; rows >= G*T zero
-  for (int i = tid; i < M * 16 * D; i += NW * 32) {
-    int r = i / D, pos = i % D;
-    half v = __float2half(0.f);
-    if (r < GT) v = p.q[((static_cast<int64_t>(b) * p.H * p.G + h * p.G + r / p.T) * p.T + r % p.T) * D + coord(pos)];
-    qs[r * Q_STRIDE + pos] = v;
+  // query rows r = g*T + t (query head h*G + g, position t) into shared memory in coord() order, rows >= G*T zero:
+  // 16-byte loads of 8 coordinates 8k .. 8k+7, which are 4 pairs of neighbouring positions (coord() keeps pairs)
+  for (int i = tid; i < M * 16 * D / 8; i += NW * 32) {
+    const int r = i / (D / 8), k = i % (D / 8);
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < GT)
+      v = *reinterpret_cast<const uint4*>(
+          p.q + ((static_cast<int64_t>(b) * p.H * p.G + h * p.G + r / p.T) * p.T + r % p.T) * D + 8 * k);
+    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int x = 8 * k + 2 * u;  // coordinates x, x + 1 = coord(pos), coord(pos + 1): the inverse of coord()
+      const int pos = 16 * (2 * ((x >> 2) & 7) + (x >> 7)) + 2 * ((x >> 5) & 3) + 8 * ((x >> 1) & 1);
+      *reinterpret_cast<uint32_t*>(qs + r * Q_STRIDE + pos) = words[u];
+    }
   }
   uint32_t tab[4] = {p.tab[0], p.tab[1], p.tab[2], p.tab[3]};
 

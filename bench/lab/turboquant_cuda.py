@@ -2,6 +2,11 @@
 mma fragments in registers) beside the shipped Triton kernel and BF16 flash with the GQA heads folded, one run.
 
     python bench/lab/turboquant_cuda.py --out bench/results/turboquant_cuda_h200.json --git-sha SHA
+    python bench/lab/turboquant_cuda.py --mma-sync --out bench/results/turboquant_cuda_h200_mma_sync.json --git-sha SHA
+
+--mma-sync: the Triton kernel as the DGX Spark runs it (every tl.dot an mma.sync, the Spark's tiles; see
+turboquant_tiles.py), on this GPU: the CUDA kernel is the same code on both, so this ranks the two on the Spark's
+instruction set (a ranking, not a Spark time).
 
 First every case is checked against float64 attention on reference-encoded codes (`checks`: odd lengths, one split
 and many, q_len 1 to 4); then decode is timed at 32K to 256K keys, batch 1 and 8, q_len 1 and 3 (an MTP-2 verify
@@ -11,21 +16,28 @@ step). Times: medians of CUDA-graph replays over disjoint cache copies (turboqua
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 
-import harness
-import torch
-import turboquant as lab
+MMA_SYNC = "--mma-sync" in sys.argv
+if MMA_SYNC:  # before Triton compiles anything (as in turboquant_tiles.py): every tl.dot an mma.sync, as on sm_121
+    os.environ["DISABLE_MMA_V3"] = "1"
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="tq-mma-sync-")
 
-from onespark.kernels import turboquant as tq
-from onespark.kernels import turboquant_cuda as tq_cuda
-from onespark.kernels import turboquant_triton as tt
+import harness  # noqa: E402
+import torch  # noqa: E402
+import turboquant as lab  # noqa: E402
+
+from onespark.kernels import turboquant as tq  # noqa: E402
+from onespark.kernels import turboquant_cuda as tq_cuda  # noqa: E402
+from onespark.kernels import turboquant_triton as tt  # noqa: E402
 
 NAME = "turboquant_k4v4"
 DEPTHS = (32768, 65536, 131072, 262144)
 BATCHES = (1, 8)
-VARIANTS = [dict(stages=3, waves=1), dict(stages=2, waves=1), dict(stages=3, waves=2), dict(stages=2, waves=2)]
+VARIANTS = [dict(stages=3, waves=1), dict(stages=2, waves=1)]
 DEFAULT = "stages=3,waves=1"  # turboquant_cuda.decode_attention's defaults
 CHECKS = [  # (lens, q_len, num_splits)
     ([300, 77], 1, None), ([300, 77], 3, None), ([300, 77], 3, 1), ([300, 77], 2, 5), ([300, 77], 4, None),
@@ -58,6 +70,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--git-sha", default="unknown")
+    ap.add_argument("--mma-sync", action="store_true",
+                    help="the Triton kernel as the Spark runs it (mma.sync, its tiles; turboquant_tiles.py --mma-sync)")
     ap.add_argument("--one", metavar="DEPTH,BATCH,Q_LEN,IMPL",
                     help="only run that case a few times, untimed (IMPL cuda or triton): for a profiler such as ncu")
     args = ap.parse_args()
@@ -66,9 +80,11 @@ def main() -> int:
         pools = lab.Pools(max_tokens=int(B) * int(depth))
         lab.bench_config(pools, NAME, int(depth), int(T), int(B), copies_cap=1, **({"impl": "cuda"} if impl == "cuda" else {}))
         return 0
+    if args.mma_sync:
+        tt._capability = lambda device: (12, 1)  # the host code picks the Spark's tiles
     t0 = time.time()
     result = harness.header(args.git_sha)
-    result.update(preset=NAME, baseline="BF16 flash (torch SDPA), the 16 query heads of a KV head folded into its rows",
+    result.update(triton_code="the DGX Spark's (mma.sync, sm_121 tiles)" if args.mma_sync else "this GPU's", preset=NAME, baseline="BF16 flash (torch SDPA), the 16 query heads of a KV head folded into its rows",
                   checks=[], rows=[], errors=[])
     print(f"{result['device']}, torch {result['torch']}, triton {result['triton']}", flush=True)
     tb = time.time()
