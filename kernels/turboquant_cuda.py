@@ -1,15 +1,29 @@
-"""TurboQuant K4V4 decode attention in CUDA C++ (turboquant_decode.cuh): mma.sync with the 4-bit codes turned into
-mma fragments in registers, the same cache layout, workspace and merge as the Triton decode kernel
-(turboquant_triton.decode_attention, which stays the default and serves every other preset).
+"""TurboQuant K4V4 decode attention in CUDA C++ (turboquant_decode.cuh): mma.sync with the 4-bit codes turned into mma
+fragments in registers; the same cache layout, workspace and merge kernel as the Triton decode kernel
+(turboquant_triton.decode_attention, which serves every other case).
 
-Built on first use with torch.utils.cpp_extension (nvcc and ninja, as vLLM's images have them) for the GPU it runs
-on, or for TORCH_CUDA_ARCH_LIST when that is set (the v2-tq image builds it for 12.1 at image build time, so a
-container never compiles). The build lands in TORCH_EXTENSIONS_DIR (torch's default: ~/.cache/torch_extensions).
+Where it runs (`chosen`, the TurboQuant backend's ONESPARK_TQ_KERNEL=auto): K4V4 verify steps (q_len > 1, every
+decode step with MTP on) on mma.sync-only GPUs, the DGX Spark's GB10 among them. There the Triton kernel's verify
+tile spreads 4 warps over the 48 query rows, so a key is decoded in every warp that reads it; this kernel decodes
+each code once, straight into the mma operand. Timed on an H200 with the Triton kernel's Spark code beside it
+(bench/results/turboquant_cuda_h200_mma_sync.json): 1.2-2.2x faster at a verify step, 32K-256K keys, batch 1 and
+8; at one query position it is not faster for a single request, so the Triton kernel keeps those. On the H200's own
+code path (wgmma) Triton stays: the CUDA kernel is faster at 7 of 8 verify cases but slower at 32K, batch 1
+(bench/results/turboquant_cuda_h200.json). No Spark has timed either.
+
+Build: torch.utils.cpp_extension (nvcc, ninja) for TORCH_CUDA_ARCH_LIST, or the GPU present, into BUILD_DIR
+(ONESPARK_CUDA_BUILD; the v2-tq image builds it for its 12.1a at image build: `python -m onespark.kernels.turboquant_cuda
+--build`). A server never compiles: `available()` loads a build whose sources match these, else Triton serves.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import hashlib
+import importlib.util
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -18,29 +32,72 @@ from . import turboquant as tq
 from . import turboquant_triton as tt
 
 HERE = Path(__file__).resolve().parent
+SOURCES = ("turboquant_decode.cu", "turboquant_decode.cuh")
+NAME = "onespark_tq_decode"
 TILE = 64  # keys per pipeline step (turboquant_decode.cuh); splits are whole steps
 MAX_ROWS = 64  # G x T query rows of a KV head the kernel takes (4 row tiles of 16)
-NAME = "onespark_tq_decode_v1"  # the build cache's name (torch rebuilds it when the sources change)
+STAGES = 2  # cp.async pipeline depth: 3 was no faster on the H200 and holds more shared memory (the json above)
 TABLES = list(tt.prmt_tables(tq.codebook(4).levels))  # the PRMT decoder's tables, as the Triton kernels use them
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("ONESPARK_CUDA_BUILD") or Path.home() / ".cache" / "onespark" / "cuda-build")
+
+
+def _digest() -> str:
+    """The sources, the torch and the arch list a build is for: a build made for anything else is not loaded."""
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update((HERE / name).read_bytes())
+    h.update(f"{torch.__version__} {torch.version.cuda} {os.environ.get('TORCH_CUDA_ARCH_LIST', '')}".encode())
+    return h.hexdigest()
+
+
+def _built() -> Path | None:
+    so, stamp = build_dir() / f"{NAME}.so", build_dir() / "sources.sha256"
+    fresh = so.is_file() and stamp.is_file() and stamp.read_text().strip() == _digest()
+    return so if fresh else None
+
+
+def build(verbose: bool = False):
+    """Compile (ninja skips what is up to date) and load; stamps the build with _digest()."""
+    from torch.utils.cpp_extension import load
+
+    d = build_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    mod = load(name=NAME, sources=[str(HERE / SOURCES[0])], extra_include_paths=[str(HERE)], build_directory=str(d),
+               extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"], verbose=verbose)
+    tmp = d / "sources.sha256.tmp"
+    tmp.write_text(_digest() + "\n")
+    tmp.replace(d / "sources.sha256")
+    return mod
 
 
 @functools.lru_cache(maxsize=1)
 def module():
-    """The compiled extension (compiles once per source version and GPU arch; later calls load the cached build)."""
-    from torch.utils.cpp_extension import load
+    """The extension: a fresh build in build_dir() is imported as it is; otherwise it is built first."""
+    so = _built()
+    if so is None:
+        return build()
+    spec = importlib.util.spec_from_file_location(NAME, so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
-    return load(
-        name=NAME,
-        sources=[str(HERE / "turboquant_decode.cu")],
-        extra_include_paths=[str(HERE)],
-        extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"],
-        verbose=False,
-    )
+
+def available() -> bool:
+    """A fresh build exists (nothing is compiled to find out)."""
+    return _built() is not None
 
 
 def supports(preset: tq.Preset, num_q_heads: int, num_kv_heads: int, q_len: int, head_dim: int) -> bool:
-    return (preset.k_bits, preset.v_bits) == (4, 4) and head_dim == tq.HEAD_DIM and num_q_heads % num_kv_heads == 0 \
-        and num_q_heads // num_kv_heads * q_len <= MAX_ROWS
+    return ((preset.k_bits, preset.v_bits) == (4, 4) and head_dim == tq.HEAD_DIM and num_q_heads % num_kv_heads == 0
+            and num_q_heads // num_kv_heads * q_len <= MAX_ROWS)
+
+
+def chosen(q_len: int, capability: tuple[int, int] | None, preset: tq.Preset) -> bool:
+    """The measured choice (module docstring): K4V4 verify steps on mma.sync-only GPUs."""
+    return q_len > 1 and (preset.k_bits, preset.v_bits) == (4, 4) and tt._mma_sync_only(capability)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,15 +114,17 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, slots: int, 
 
 
 def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float,
-                     max_seq_len: int, num_splits: int | None = None, waves: int = 1, stages: int = 3, out=None):
-    """As turboquant_triton.decode_attention (q [B, Hq, T, d] -> out, q's dtype), for K4V4 and G x T <= 64 rows.
-    stages: cp.async pipeline depth (2 or 3); waves: full waves of CTAs the splits make (num_splits_for)."""
+                     max_seq_len: int, num_splits: int | None = None, waves: int = 1, stages: int = STAGES, out=None):
+    """As turboquant_triton.decode_attention (q [B, Hq, T, d] fp16/bf16 -> out, q's dtype), for K4V4 and at most
+    MAX_ROWS = G x T rows. stages: cp.async pipeline depth (2 or 3); waves: full waves of CTAs (num_splits_for)."""
     B, Hq, T, d = q.shape
     H = layout.num_kv_heads
     tt._check_attention(Hq, d, cache, layout, "turboquant_cuda.decode_attention")
     if not supports(layout.preset, Hq, H, T, d):
         raise ValueError(f"the CUDA decode kernel takes K4V4 with at most {MAX_ROWS} query rows per KV head; got "
                          f"{layout.preset.name}, {Hq // H} x {T} rows: use turboquant_triton.decode_attention")
+    if layout.page % 16:
+        raise ValueError(f"the CUDA decode kernel needs pages of a multiple of 16 keys, got {layout.page}")
     if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
         raise ValueError(f"block_table must be int32 [{B}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
     if seq_lens.dtype != torch.int32 or seq_lens.shape != (B,):
@@ -76,13 +135,12 @@ def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, se
     t = tt._tables(layout.preset, seed, q.device, d)
     if num_splits is None:
         num_splits = num_splits_for(B, H, max_seq_len, _slots(q.device.index or 0, G * T, stages), waves)
-    qr = torch.matmul(q, t["rt"][q.dtype]).to(torch.float16).contiguous()  # as the Triton kernel's _load_q rounds it
+    qr = torch.matmul(q, t["rt"][q.dtype]).contiguous()  # rounded to fp16 in the kernel, as the Triton kernel does
     rows = B * H * num_splits * G * T
     ws_acc = torch.empty(rows * d, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(rows * 2, dtype=torch.float32, device=q.device)
     module().decode_k4v4(qr, cache, block_table, seq_lens, ws_acc, ws_ml, layout.block_bytes, layout.v_offset,
-                         layout.s_offset, H, layout.page, num_splits, sm_scale * tt.LOG2E,
-                         TABLES, stages)
+                         layout.s_offset, H, layout.page, num_splits, sm_scale * tt.LOG2E, TABLES, stages)
     if out is None:
         out = torch.empty_like(q)
     tt._tq_merge_kernel[(B * H, G * T)](
@@ -90,3 +148,22 @@ def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, se
         H=H, G=G, T=T, D=d, ROWS=G * T, S_BLOCK=min(16, tt.triton.next_power_of_2(num_splits)), num_warps=4,
     )
     return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m onespark.kernels.turboquant_cuda", allow_abbrev=False,
+                                 description="Build the CUDA decode kernel into ONESPARK_CUDA_BUILD (the v2-tq image "
+                                             "does at image build) for TORCH_CUDA_ARCH_LIST, or the GPU present.")
+    ap.add_argument("--build", action="store_true", required=True)
+    ap.parse_args(argv)
+    if torch.version.cuda is None:
+        print("onespark: this torch has no CUDA: the CUDA decode kernel is not built (Triton serves every step)")
+        return 0
+    build(verbose=True)
+    print(f"onespark: the CUDA decode kernel is built in {build_dir()} "
+          f"for {os.environ.get('TORCH_CUDA_ARCH_LIST') or 'this GPU'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -45,9 +45,9 @@ void decode_k4v4(const torch::Tensor& q, const torch::Tensor& cache, const torch
                  const torch::Tensor& seq_lens, torch::Tensor& ws_acc, torch::Tensor& ws_ml, int64_t block_bytes,
                  int64_t v_offset, int64_t s_offset, int64_t num_kv_heads, int64_t page, int64_t num_splits,
                  double k_mul, const std::vector<int64_t>& tab, int64_t stages) {
-  TORCH_CHECK(q.is_cuda() && q.scalar_type() == torch::kHalf && q.is_contiguous() && q.dim() == 4 &&
-                  q.size(3) == onespark_tq::D,
-              "q must be contiguous fp16 [B, Hq, T, 256] on the GPU");
+  TORCH_CHECK(q.is_cuda() && (q.scalar_type() == torch::kHalf || q.scalar_type() == torch::kBFloat16) &&
+                  q.is_contiguous() && q.dim() == 4 && q.size(3) == onespark_tq::D,
+              "q must be contiguous fp16 or bf16 [B, Hq, T, 256] on the GPU");
   TORCH_CHECK(cache.scalar_type() == torch::kUInt8 && cache.is_contiguous() && cache.device() == q.device(),
               "cache must be contiguous uint8 on q's device");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt && block_table.stride(1) == 1 &&
@@ -66,7 +66,8 @@ void decode_k4v4(const torch::Tensor& q, const torch::Tensor& cache, const torch
               "workspace too small");
   const c10::cuda::CUDAGuard guard(q.device());
   onespark_tq::Params p{};
-  p.q = reinterpret_cast<const half*>(q.data_ptr<at::Half>());
+  p.q = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  p.q_bf16 = q.scalar_type() == torch::kBFloat16;
   p.cache = cache.data_ptr<uint8_t>();
   p.block_table = block_table.data_ptr<int32_t>();
   p.seq_lens = seq_lens.data_ptr<int32_t>();

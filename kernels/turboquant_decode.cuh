@@ -19,6 +19,7 @@
 // Output: the same fp32 workspace as turboquant_triton's decode kernel (unnormalised sums in the rotated basis,
 // running max and sum per row and split); its merge kernel normalises, weighs the splits and rotates back.
 #pragma once
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
 
@@ -34,7 +35,7 @@ constexpr int Q_STRIDE = D + 8;     // halves: ldmatrix rows 528 B apart, confli
 constexpr int P_STRIDE = TILE + 8;  // halves: 144 B
 
 struct Params {
-  const half* q;  // [B, Hq, T, D], rotated, contiguous
+  const uint16_t* q;  // [B, Hq, T, D], rotated, contiguous; fp16, or bf16 with q_bf16 (rounded to fp16 on load)
   const uint8_t* cache;
   const int32_t* block_table;
   const int32_t* seq_lens;
@@ -42,7 +43,8 @@ struct Params {
   float* ws_ml;   // [B * H * splits * G*T, 2]
   int64_t bt_stride, block_bytes;
   int v_offset, s_offset, H, G, T, num_splits;
-  uint32_t gpp, gpp_magic;  // 16-key groups per page (pages are multiples of 16 keys); ceil(2^32 / gpp) if gpp > 1
+  uint32_t gpp, gpp_magic;
+  bool q_bf16;  // 16-key groups per page (pages are multiples of 16 keys); ceil(2^32 / gpp) if gpp > 1
   float k_mul;   // sm_scale * log2(e): scores in base 2
   uint32_t tab[4];  // low bytes of fp16 |level[8 + m]|, m = 0..7 (2 words), then the high bytes (2 words)
 };
@@ -207,7 +209,14 @@ __global__ void __launch_bounds__(NW * 32) decode_k4v4(const Params p) {
     if (r < GT)
       v = *reinterpret_cast<const uint4*>(
           p.q + ((static_cast<int64_t>(b) * p.H * p.G + h * p.G + r / p.T) * p.T + r % p.T) * D + 8 * k);
-    const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    if (p.q_bf16) {  // as the Triton kernel's _load_q: the rotated query in its dtype, then fp16
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const __half2 h2 = __float22half2_rn(__bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[u])));
+        words[u] = *reinterpret_cast<const uint32_t*>(&h2);
+      }
+    }
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int x = 8 * k + 2 * u;  // coordinates x, x + 1 = coord(pos), coord(pos + 1): the inverse of coord()

@@ -13,7 +13,9 @@ What runs where (one layer, one step):
   decode batches  the leading requests with the same query length T <= 8 (1, or 1 + draft tokens in an MTP
                   verify step; the builder asks vLLM to put decodes first): ONE `decode_attention` call
                   (CPU: the float64 reference); ONESPARK_TQ_DECODE=once|pure overrides its measured choice of
-                  decoding each code once per tile or in each warp (`turboquant_triton.decode_once`).
+                  decoding each code once per tile or in each warp (`turboquant_triton.decode_once`). K4V4 verify
+                  steps on mma.sync-only GPUs (the Spark) go to the CUDA C++ kernel instead when its build is
+                  there (`turboquant_cuda`; ONESPARK_TQ_KERNEL=auto|triton|cuda).
   the rest        (prefill, chunked-prefill continuation, whatever follows the decodes): per request,
                   `turboquant_triton.prefill_attention_flash` (the cached sequence, the chunk itself included:
                   it was just written, decoded into BF16 32K keys at a time and attended by FlashAttention-2,
@@ -33,6 +35,7 @@ the device, so a graph replays correctly at any length.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -97,6 +100,17 @@ PREFILL_PATHS = {"flash": "flash", "triton": "triton", "torch": "torch"}
 # "once" (each code decoded once per tile, values to the mma operands through shared memory) or "pure" (decoded in
 # each warp that needs it). To time the other choice on a Spark: `onespark serve --tq --env ONESPARK_TQ_DECODE=pure`.
 DECODE_CHOICES = {"auto": None, "once": True, "pure": False}
+# ONESPARK_TQ_KERNEL, which kernel serves decode steps on CUDA: "auto" (turboquant_cuda.chosen: the CUDA C++ kernel at
+# K4V4 verify steps on mma.sync-only GPUs such as the Spark, where it ranked 1.2-2.2x faster than the Triton kernel's
+# Spark code on an H200; Triton elsewhere, and wherever no build of it is found: one warning line says how to build
+# it), "triton" (always Triton) or "cuda" (the CUDA kernel at every K4V4 decode step; built on first use if missing).
+KERNEL_CHOICES = {"auto": "auto", "triton": "triton", "cuda": "cuda"}
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_cuda_build(where: str) -> None:  # once per process and build folder
+    logger.warning("onespark: no build of the CUDA TurboQuant decode kernel in %s for this torch: Triton serves verify "
+                   "steps (build it: python -m onespark.kernels.turboquant_cuda --build)", where)
 
 
 def _vllm_release() -> str | None:
@@ -273,6 +287,10 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         self.attn_type = attn_type
         self._prefill_path = _switch("ONESPARK_TQ_PREFILL", PREFILL_PATHS)
         self._decode_once = _switch("ONESPARK_TQ_DECODE", DECODE_CHOICES)
+        self._kernel = _switch("ONESPARK_TQ_KERNEL", KERNEL_CHOICES)
+        if self._kernel == "cuda" and (self.preset.k_bits, self.preset.v_bits) != (4, 4):
+            raise ValueError(f"ONESPARK_TQ_KERNEL=cuda: the CUDA decode kernel reads turboquant_k4v4 only, not "
+                             f"{kv_cache_dtype}: use ONESPARK_TQ_KERNEL=auto or triton")
         self._seed: int | None = None
         self._rotation: dict[str, torch.Tensor] = {}
         self._codebooks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -344,7 +362,12 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
     def _decode(self, query, kv_cache, layout, seed, md: TurboQuantMetadata, output) -> None:
         B, T = md.num_decodes, md.decode_query_len
         q = query[: B * T].view(B, T, self.num_heads, self.head_size).transpose(1, 2)  # [B, Hq, T, d]
-        if kv_cache.is_cuda:
+        if kv_cache.is_cuda and self._cuda_kernel(T, q.device):
+            from onespark.kernels import turboquant_cuda as tc
+
+            o = tc.decode_attention(q, kv_cache, layout, md.block_table[:B], md.seq_lens[:B], seed, self.scale,
+                                    md.max_seq_len)
+        elif kv_cache.is_cuda:
             from onespark.kernels import turboquant_triton as tt
 
             o = tt.decode_attention(q, kv_cache, layout, md.block_table[:B], md.seq_lens[:B], seed, self.scale,
@@ -353,6 +376,22 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
             o = tq.decode_attention_reference(q, kv_cache, layout, md.block_table[:B], md.seq_lens[:B],
                                               self._r(seed, kv_cache.device), self.scale)
         output[: B * T].copy_(o.transpose(1, 2).reshape(B * T, self.num_heads, self.head_size))
+
+    def _cuda_kernel(self, T: int, device) -> bool:
+        """Whether the CUDA decode kernel serves this decode call (ONESPARK_TQ_KERNEL, KERNEL_CHOICES)."""
+        from onespark.kernels import turboquant_cuda as tc
+        from onespark.kernels import turboquant_triton as tt
+
+        if not tc.supports(self.preset, self.num_heads, self.num_kv_heads, T, self.head_size):
+            return False
+        if self._kernel != "auto":
+            return self._kernel == "cuda"
+        if not tc.chosen(T, tt._capability(device), self.preset):
+            return False
+        if tc.available():
+            return True
+        _warn_no_cuda_build(str(tc.build_dir()))
+        return False
 
     def _prefill(self, query, kv_cache, layout, seed, md: TurboQuantMetadata, output) -> None:
         """Every request after the decodes, in one Triton call straight from the compressed cache."""
