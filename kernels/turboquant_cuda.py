@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 
 from . import turboquant as tq
-from . import turboquant_triton as tt
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ("turboquant_decode.cu", "turboquant_decode.cuh")
@@ -37,7 +36,14 @@ NAME = "onespark_tq_decode"
 TILE = 64  # keys per pipeline step (turboquant_decode.cuh); splits are whole steps
 MAX_ROWS = 64  # G x T query rows of a KV head the kernel takes (4 row tiles of 16)
 STAGES = 2  # cp.async pipeline depth: 3 was no faster on the H200 and holds more shared memory (the json above)
-TABLES = list(tt.prmt_tables(tq.codebook(4).levels))  # the PRMT decoder's tables, as the Triton kernels use them
+
+
+def _tt():
+    """The Triton kernels' module (tables, checks, the merge kernel), imported where needed: `--build` runs in an
+    image build that may have no Triton."""
+    from . import turboquant_triton
+
+    return turboquant_triton
 
 
 def build_dir() -> Path:
@@ -97,7 +103,7 @@ def supports(preset: tq.Preset, num_q_heads: int, num_kv_heads: int, q_len: int,
 
 def chosen(q_len: int, capability: tuple[int, int] | None, preset: tq.Preset) -> bool:
     """The measured choice (module docstring): K4V4 verify steps on mma.sync-only GPUs."""
-    return q_len > 1 and (preset.k_bits, preset.v_bits) == (4, 4) and tt._mma_sync_only(capability)
+    return q_len > 1 and (preset.k_bits, preset.v_bits) == (4, 4) and _tt()._mma_sync_only(capability)
 
 
 @functools.lru_cache(maxsize=None)
@@ -117,6 +123,7 @@ def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, se
                      max_seq_len: int, num_splits: int | None = None, waves: int = 1, stages: int = STAGES, out=None):
     """As turboquant_triton.decode_attention (q [B, Hq, T, d] fp16/bf16 -> out, q's dtype), for K4V4 and at most
     MAX_ROWS = G x T rows. stages: cp.async pipeline depth (2 or 3); waves: full waves of CTAs (num_splits_for)."""
+    tt = _tt()
     B, Hq, T, d = q.shape
     H = layout.num_kv_heads
     tt._check_attention(Hq, d, cache, layout, "turboquant_cuda.decode_attention")
@@ -140,7 +147,8 @@ def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, se
     ws_acc = torch.empty(rows * d, dtype=torch.float32, device=q.device)
     ws_ml = torch.empty(rows * 2, dtype=torch.float32, device=q.device)
     module().decode_k4v4(qr, cache, block_table, seq_lens, ws_acc, ws_ml, layout.block_bytes, layout.v_offset,
-                         layout.s_offset, H, layout.page, num_splits, sm_scale * tt.LOG2E, TABLES, stages)
+                         layout.s_offset, H, layout.page, num_splits, sm_scale * tt.LOG2E,
+                         list(tt.prmt_tables(tq.codebook(4).levels)), stages)
     if out is None:
         out = torch.empty_like(q)
     tt._tq_merge_kernel[(B * H, G * T)](
@@ -156,10 +164,18 @@ def main(argv=None) -> int:
                                              "does at image build) for TORCH_CUDA_ARCH_LIST, or the GPU present.")
     ap.add_argument("--build", action="store_true", required=True)
     ap.parse_args(argv)
-    if torch.version.cuda is None:
-        print("onespark: this torch has no CUDA: the CUDA decode kernel is not built (Triton serves every step)")
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if torch.version.cuda is None or CUDA_HOME is None or not (Path(CUDA_HOME) / "bin" / "nvcc").is_file():
+        why = "this torch has no CUDA" if torch.version.cuda is None else "no CUDA toolkit (nvcc) here"
+        print(f"onespark: {why}: the CUDA decode kernel is not built (Triton serves every step)")
         return 0
-    build(verbose=True)
+    try:
+        build(verbose=True)
+    except Exception as e:  # the compiler's own output is above; one line says what failed
+        print(f"onespark: building the CUDA decode kernel in {build_dir()} failed: {str(e).splitlines()[0][:300]}",
+              file=sys.stderr)
+        return 1
     print(f"onespark: the CUDA decode kernel is built in {build_dir()} "
           f"for {os.environ.get('TORCH_CUDA_ARCH_LIST') or 'this GPU'}")
     return 0

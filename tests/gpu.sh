@@ -6,7 +6,8 @@
 #
 # Benchmarks (NAME): turboquant (decode), turboquant_prefill, lm_head, lm_head_glue, draft_head; all by default
 # (the lab scripts in bench/lab/, which share bench/lab/harness.py). On request only: turboquant_tiles and
-# turboquant_tiles_mma_sync (the decode tile candidates, on this GPU's code and on the Spark's).
+# turboquant_tiles_mma_sync (the decode tile candidates, on this GPU's code and on the Spark's), turboquant_cuda and
+# turboquant_cuda_mma_sync (the CUDA C++ decode kernel beside the Triton kernel's code for this GPU, for the Spark).
 #
 # Needs: python3 with torch (CUDA) + Triton + pytest-xdist; the vLLM stand-in the TurboQuant backend test
 # imports (`.venv/bin/python tests/gpu_lane_stub.py .gpustub` on a machine with the test venv; carried to the
@@ -17,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; }
 argv="$*"
 tests=1 bench=1 quick=() names=turboquant,turboquant_prefill,lm_head,lm_head_glue,draft_head
 while (($#)); do
@@ -50,13 +51,17 @@ trap 'rm -rf "$site"' EXIT
 PKG_PATH=${ONESPARK_WHEEL:-$PWD}  # a wheel built elsewhere (the host's setuptools may be older), or this checkout
 "$py" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" "$PKG_PATH"
 export PYTHONPATH="$site:$PWD/$stub" PYTHONUNBUFFERED=1
+# The CUDA decode kernel is built once, in the scratch folder, for this GPU and the Spark (one build proves both
+# compile with the real torch binding; kernels/turboquant_cuda.py).
+export ONESPARK_CUDA_BUILD="$site/cuda-build" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0;12.1a}"
 gpu=$("$py" -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
 rc=0
 
 if ((tests)); then
   set +e
   "$py" -P -m pytest --import-mode=append -p no:cacheprovider -q -n "${JOBS:-8}" --junitxml "$out/gpu_lane.xml" \
-    tests/test_turboquant_triton.py tests/test_turboquant_swap.py tests/test_turboquant_decoders.py tests/test_kernels_lm_head.py \
+    tests/test_turboquant_triton.py tests/test_turboquant_swap.py tests/test_turboquant_decoders.py tests/test_turboquant_cuda.py \
+    tests/test_kernels_lm_head.py \
     tests/test_draft_head.py::test_draft_logits_match_masked_full_head tests/test_draft_head.py::test_draft_logits_int4_match_reference \
     tests/test_draft_head.py::test_argmax_maps_back_with_a_clear_winner_and_with_ties \
     tests/test_draft_head.py::test_a_better_token_outside_the_subset_is_never_drafted \
@@ -94,7 +99,9 @@ if ((bench)); then
     [lm_head_glue]="bench/lab/lm_head_glue.py --out $out/lm_head_glue_$gpu.json"
     [draft_head]="bench/lab/draft_head.py --out $out/draft_head_$gpu.json"
     [turboquant_tiles]="bench/lab/turboquant_tiles.py --out $out/turboquant_tiles_$gpu.json"
-    [turboquant_tiles_mma_sync]="bench/lab/turboquant_tiles.py --mma-sync --out $out/turboquant_tiles_${gpu}_mma_sync.json")
+    [turboquant_tiles_mma_sync]="bench/lab/turboquant_tiles.py --mma-sync --out $out/turboquant_tiles_${gpu}_mma_sync.json"
+    [turboquant_cuda]="bench/lab/turboquant_cuda.py --out $out/turboquant_cuda_$gpu.json"
+    [turboquant_cuda_mma_sync]="bench/lab/turboquant_cuda.py --mma-sync --out $out/turboquant_cuda_${gpu}_mma_sync.json")
   IFS=, read -ra picked <<<"$names"
   for name in "${picked[@]}"; do
     cmd=${cmds[$name]:-}

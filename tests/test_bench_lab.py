@@ -22,7 +22,8 @@ SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name not in MODULES)
 
 def test_the_lab_holds_the_benchmarks():
     assert SCRIPTS == ["checkpoint.py", "compile_resources.py", "compressor.py", "draft_head.py", "lm_head.py", "lm_head_glue.py", "turboquant.py",
-                       "turboquant_codebooks.py", "turboquant_quality.py", "turboquant_sass.py", "turboquant_tiles.py",
+                       "turboquant_codebooks.py", "turboquant_cuda.py", "turboquant_quality.py", "turboquant_sass.py",
+                       "turboquant_tiles.py",
                        "vllm_step.py"]
 
 

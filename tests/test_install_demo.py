@@ -309,6 +309,7 @@ def test_v2_tq_builds_and_defaults_to_turboquant(track):
     assert r.returncode == 0, f"Dockerfile.v2-tq failed to build:\n{log[-3000:]}"
     diff = "turboquant.diff" if track == "0.19.1" else f"turboquant-{track}.diff"
     assert f"{diff} applied; the TurboQuant backend registered as CUSTOM; pages {{" in log, log[-3000:]
+    assert "the CUDA decode kernel is not built (Triton serves every step)" in log, log[-3000:]  # a CPU image
     # the demo's v2 drops the GPU-only defaults; the image's own extra defaults still apply
     argv = subprocess.run(["docker", "run", "--rm", "-e", "ONESPARK_PRINT_ONLY=1", tag], capture_output=True,
                           text=True, timeout=120).stdout.splitlines()

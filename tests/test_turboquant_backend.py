@@ -229,13 +229,17 @@ def test_cuda_path_triton_kernels(preset, reqs, want_T, want_decodes, prefill, m
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton", "cuda"])
 @pytest.mark.parametrize("T", [1, 3], ids=["decode", "verify"])
-def test_padded_uniform_step_replays_in_a_cuda_graph(T):
+def test_padded_uniform_step_replays_in_a_cuda_graph(T, kernel, monkeypatch):
     """What vLLM's full graph does with the backend: a padded uniform batch's cache write and attention captured
     once (max_seq_len = the block table's width, as vLLM passes max_model_len at capture; sequences 1 key long),
     then replayed after the sequences grew and new queries came: the replay equals attention computed eagerly
-    for the grown sequences (their own max_seq_len, so another split count), and the padded rows are zeros."""
+    for the grown sequences (their own max_seq_len, so another split count), and the padded rows are zeros. With
+    each decode kernel (ONESPARK_TQ_KERNEL)."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    monkeypatch.setenv("ONESPARK_TQ_KERNEL", kernel)
 
     tb, dev, preset = _tb(), "cuda", tq.DEFAULT_PRESET
     B, pad, width = 2, 2, 64  # width blocks of PAGE: a graph sized for 1,024 keys
@@ -354,6 +358,55 @@ def test_decode_switch_is_validated_and_reaches_the_kernel(monkeypatch):
     monkeypatch.setenv("ONESPARK_TQ_DECODE", "1")
     with pytest.raises(ValueError, match="ONESPARK_TQ_DECODE='1': use auto"):
         tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")
+
+
+def test_kernel_switch_sends_verify_steps_to_the_cuda_kernel_where_it_was_measured_to_win(monkeypatch):
+    """ONESPARK_TQ_KERNEL=auto (the default): K4V4 verify steps on an mma.sync-only GPU (the Spark's capability) go to
+    the CUDA kernel when its build is there; without a build Triton serves them and one warning names the build
+    command; q_len 1, sm_90 and K4V3 stay on Triton. triton: never; cuda: every K4V4 step; cuda with K4V3 and any
+    other value are refused when the backend starts. (Both kernels replaced by recorders: no GPU here.)"""
+    from types import SimpleNamespace
+
+    from onespark.kernels import turboquant_cuda as tc
+    from onespark.kernels import turboquant_triton as tt
+
+    tb = _tb()
+    calls = []
+    monkeypatch.setattr(tt, "decode_attention", lambda q, *a, **k: calls.append("triton") or torch.zeros_like(q))
+    monkeypatch.setattr(tc, "decode_attention", lambda q, *a, **k: calls.append("cuda") or torch.zeros_like(q))
+    built = [True]
+    monkeypatch.setattr(tc, "available", lambda: built[0])
+    capability = [(12, 1)]
+    monkeypatch.setattr(tt, "_capability", lambda device: capability[0])
+    cuda_cache = SimpleNamespace(is_cuda=True)
+
+    def kernel(value, T, preset="turboquant_k4v4"):
+        if value is None:
+            monkeypatch.delenv("ONESPARK_TQ_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("ONESPARK_TQ_KERNEL", value)
+        B, hq = 2, 32
+        md = SimpleNamespace(num_decodes=B, decode_query_len=T, block_table=torch.zeros(B, 4, dtype=torch.int32),
+                             seq_lens=torch.ones(B, dtype=torch.int32), max_seq_len=64)
+        impl = tb.TurboQuantImpl(hq, D, SCALE, H, kv_cache_dtype=preset)
+        impl._decode(torch.randn(B * T, hq, D), cuda_cache, None, 0, md, torch.empty(B * T, hq, D))
+        return calls[-1]
+
+    assert kernel(None, 3) == "cuda" and kernel("auto", 3) == "cuda" and kernel("auto", 4) == "cuda"
+    assert kernel("auto", 1) == "triton" and kernel("auto", 3, "turboquant_k4v3") == "triton"
+    assert kernel("triton", 3) == "triton" and kernel("cuda", 1) == "cuda"
+    capability[0] = (9, 0)
+    assert kernel("auto", 3) == "triton" and kernel("cuda", 3) == "cuda"
+    capability[0], built[0] = (12, 1), False
+    tb._warn_no_cuda_build.cache_clear()
+    warned = []
+    monkeypatch.setattr(tb.logger, "warning", lambda msg, *args: warned.append(msg % args))
+    assert kernel("auto", 3) == "triton" and kernel("auto", 3) == "triton"
+    assert len(warned) == 1 and "python -m onespark.kernels.turboquant_cuda --build" in warned[0], warned
+    with pytest.raises(ValueError, match="ONESPARK_TQ_KERNEL=cuda: the CUDA decode kernel reads turboquant_k4v4 only"):
+        kernel("cuda", 3, "turboquant_k4v3")
+    with pytest.raises(ValueError, match="ONESPARK_TQ_KERNEL='fast': use auto"):
+        kernel("fast", 3)
 
 
 def test_wrong_cache_dtype_and_layer_name_are_refused():
