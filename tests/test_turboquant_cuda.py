@@ -54,10 +54,12 @@ def test_cuda_decode_matches_reference_and_the_triton_kernel(Hq, H, T, lens, pag
     args, ref = case(Hq, H, T, lens, page, dtype)
     out = tc.decode_attention(*args, num_splits=splits, stages=stages)
     assert out.dtype == dtype and out.shape == args[0].shape
-    # fp16 queries, probabilities and codebook values in the dots, fp32 accumulation, as the Triton kernel: ~1e-3
-    assert_rel(out.float(), ref, 3e-3, "cuda decode")
+    # fp16 queries, probabilities and codebook values in the dots, fp32 accumulation, as the Triton kernel: ~1e-3;
+    # bf16 queries and outputs add ~2^-8 per element (3.8e-3 and 4.1e-3 seen on an H200 for both kernels)
+    bf16 = dtype == torch.bfloat16
+    assert_rel(out.float(), ref, 8e-3 if bf16 else 3e-3, "cuda decode")
     triton_out = tt.decode_attention(*args, num_splits=splits)
-    assert_rel(out.float(), triton_out.float(), 1e-3, "cuda against triton")
+    assert_rel(out.float(), triton_out.float(), 2e-3 if bf16 else 1e-3, "cuda against triton")
 
 
 def test_an_empty_request_gives_zeros_and_a_graph_replays_other_lengths():
