@@ -6,10 +6,10 @@ Where it runs (`chosen`, the TurboQuant backend's ONESPARK_TQ_KERNEL=auto): K4V4
 decode step with MTP on) on mma.sync-only GPUs, the DGX Spark's GB10 among them. There the Triton kernel's verify
 tile spreads 4 warps over the 48 query rows, so a key is decoded in every warp that reads it; this kernel decodes
 each code once, straight into the mma operand. Timed on an H200 with the Triton kernel's Spark code beside it
-(bench/results/turboquant_cuda_h200_mma_sync.json): 1.2-2.2x faster at a verify step, 32K-256K keys, batch 1 and
-8; at one query position it is not faster for a single request, so the Triton kernel keeps those. On the H200's own
-code path (wgmma) Triton stays: the CUDA kernel is faster at 7 of 8 verify cases but slower at 32K, batch 1
-(bench/results/turboquant_cuda_h200.json). No Spark has timed either.
+(bench/results/turboquant_cuda_h200_mma_sync.json, at 036cf1a): 1.26-2.27x less time at a verify step, 32K-256K
+keys, batch 1 and 8; at one query position 6% slower at 64K, batch 1 (faster elsewhere), so the Triton kernel
+keeps those. On the H200's own code path (wgmma) Triton stays: the CUDA kernel is faster at 7 of 8 verify
+cases but slower at 32K, batch 1 (bench/results/turboquant_cuda_h200.json). No Spark has timed either.
 
 Build: torch.utils.cpp_extension (nvcc, ninja) for TORCH_CUDA_ARCH_LIST, or the GPU present, into BUILD_DIR
 (ONESPARK_CUDA_BUILD; the v2-tq image builds it for its 12.1a at image build: `python -m onespark.kernels.turboquant_cuda
@@ -35,7 +35,9 @@ SOURCES = ("turboquant_decode.cu", "turboquant_decode.cuh")
 NAME = "onespark_tq_decode"
 TILE = 64  # keys per pipeline step (turboquant_decode.cuh); splits are whole steps
 MAX_ROWS = 64  # G x T query rows of a KV head the kernel takes (4 row tiles of 16)
-STAGES = 2  # cp.async pipeline depth: 3 was no faster on the H200 and holds more shared memory (the json above)
+# cp.async pipeline depth. At verify steps, where it serves, 2 and 3 stages were within 1% on the H200 (both in the
+# files above: `cuda`); the Spark holds one CTA per SM either way, so the deeper pipeline keeps more bytes in flight.
+STAGES = 3
 
 
 def _tt():

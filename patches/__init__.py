@@ -33,8 +33,9 @@ An entry: `NAME=DEFAULT`, what it does, then `Speed/memory:` what it costs and g
       TurboQuant attention backend (`patches/turboquant_backend.py`), registered as vLLM's `CUSTOM` backend
       (`register_backend`: a class path, nothing imported); used only by servers started with
       `--attention-backend CUSTOM` and a `turboquant_*` `--kv-cache-dtype`, which exist only in the v2-tq image
-      (`patches/turboquant.diff`). Decode and MTP-verify batches: one Triton decode-attention call; everything
-      else: per request, the cache decoded into BF16 and attended by FlashAttention (`ONESPARK_TQ_PREFILL`).
+      (`patches/turboquant.diff`). Decode and MTP-verify batches: one decode-attention call (Triton, or the
+      CUDA C++ kernel: `ONESPARK_TQ_KERNEL`); everything else: per request, the cache decoded into BF16 and
+      attended by FlashAttention (`ONESPARK_TQ_PREFILL`).
       Speed/memory: 3.9x the KV tokens per GB (K4V4); speed: docs/concepts/turboquant.md. `0`: `CUSTOM` stays
       unregistered.
   ONESPARK_TQ_PREFILL=flash
@@ -51,6 +52,14 @@ An entry: `NAME=DEFAULT`, what it does, then `Speed/memory:` what it costs and g
       Spark's code timed on an H200 with wgmma off; no Spark has timed either.
       Speed/memory: on an H200, K4V3 at one query position 1-3% faster once, K4V4 up to 1.3x slower once at
       batch 8; the Spark's code on an H200, once 5-22% less time at a verify step (docs/concepts/turboquant.md).
+  ONESPARK_TQ_KERNEL=auto
+      (read by the TurboQuant backend, not a 1/0 switch) which kernel serves decode steps on CUDA: `auto` the
+      CUDA C++ kernel (`kernels/turboquant_decode.cuh`) at K4V4 verify steps on mma.sync-only GPUs (the Spark),
+      Triton elsewhere, and Triton with one warning line wherever the image's build of the CUDA kernel is
+      missing; `triton` always Triton; `cuda` the CUDA kernel at every K4V4 decode step (built on first use if
+      missing; K4V3 and K8V4 refused at start).
+      Speed/memory: the Spark's code timed on an H200: 1.26-2.27x less time at an MTP-2 verify step than the
+      Triton kernel (bench/results/turboquant_cuda_h200_mma_sync.json); no Spark has timed it.
   ONESPARK_DRAFT_VOCAB=1
       MTP draft head over a vocabulary subset: where the checkpoint directory holds `onespark-draft-vocab.json`
       (`onespark draft-vocab DIR`, written by step 2), the draft's logits come from a contiguous INT8 copy of

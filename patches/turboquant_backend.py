@@ -101,8 +101,8 @@ PREFILL_PATHS = {"flash": "flash", "triton": "triton", "torch": "torch"}
 # each warp that needs it). To time the other choice on a Spark: `onespark serve --tq --env ONESPARK_TQ_DECODE=pure`.
 DECODE_CHOICES = {"auto": None, "once": True, "pure": False}
 # ONESPARK_TQ_KERNEL, which kernel serves decode steps on CUDA: "auto" (turboquant_cuda.chosen: the CUDA C++ kernel at
-# K4V4 verify steps on mma.sync-only GPUs such as the Spark, where it ranked 1.2-2.2x faster than the Triton kernel's
-# Spark code on an H200; Triton elsewhere, and wherever no build of it is found: one warning line says how to build
+# K4V4 verify steps on mma.sync-only GPUs such as the Spark, where it took 1.26-2.27x less time than the Triton
+# kernel's Spark code on an H200 (bench/results/turboquant_cuda_h200_mma_sync.json); Triton elsewhere, and wherever no build of it is found: one warning line says how to build
 # it), "triton" (always Triton) or "cuda" (the CUDA kernel at every K4V4 decode step; built on first use if missing).
 KERNEL_CHOICES = {"auto": "auto", "triton": "triton", "cuda": "cuda"}
 

@@ -38,7 +38,7 @@ NAME = "turboquant_k4v4"
 DEPTHS = (32768, 65536, 131072, 262144)
 BATCHES = (1, 8)
 VARIANTS = [dict(stages=3, waves=1), dict(stages=2, waves=1)]
-DEFAULT = "stages=3,waves=1"  # turboquant_cuda.decode_attention's defaults
+DEFAULT = f"stages={tq_cuda.STAGES},waves=1"  # turboquant_cuda.decode_attention's defaults: the `cuda_ms` field
 CHECKS = [  # (lens, q_len, num_splits)
     ([300, 77], 1, None), ([300, 77], 3, None), ([300, 77], 3, 1), ([300, 77], 2, 5), ([300, 77], 4, None),
     ([4096, 1001], 1, None), ([4096, 1001], 3, None), ([4096, 1001], 3, 64), ([65, 3], 3, 3), ([2, 129], 1, 7),
