@@ -288,6 +288,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         self._prefill_path = _switch("ONESPARK_TQ_PREFILL", PREFILL_PATHS)
         self._decode_once = _switch("ONESPARK_TQ_DECODE", DECODE_CHOICES)
         self._kernel = _switch("ONESPARK_TQ_KERNEL", KERNEL_CHOICES)
+        self._kernel_for: dict[tuple[int, str], bool] = {}
         if self._kernel == "cuda" and (self.preset.k_bits, self.preset.v_bits) != (4, 4):
             raise ValueError(f"ONESPARK_TQ_KERNEL=cuda: the CUDA decode kernel reads turboquant_k4v4 only, not "
                              f"{kv_cache_dtype}: use ONESPARK_TQ_KERNEL=auto or triton")
@@ -378,7 +379,14 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         output[: B * T].copy_(o.transpose(1, 2).reshape(B * T, self.num_heads, self.head_size))
 
     def _cuda_kernel(self, T: int, device) -> bool:
-        """Whether the CUDA decode kernel serves this decode call (ONESPARK_TQ_KERNEL, KERNEL_CHOICES)."""
+        """Whether the CUDA decode kernel serves this decode call (ONESPARK_TQ_KERNEL, KERNEL_CHOICES): decided once
+        per query length and device (the build check hashes the kernel's sources; not per layer-step)."""
+        key = (T, str(device))
+        if key not in self._kernel_for:
+            self._kernel_for[key] = self._choose_cuda_kernel(T, device)
+        return self._kernel_for[key]
+
+    def _choose_cuda_kernel(self, T: int, device) -> bool:
         from onespark.kernels import turboquant_cuda as tc
         from onespark.kernels import turboquant_triton as tt
 

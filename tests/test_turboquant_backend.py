@@ -407,6 +407,12 @@ def test_kernel_switch_sends_verify_steps_to_the_cuda_kernel_where_it_was_measur
         kernel("cuda", 3, "turboquant_k4v3")
     with pytest.raises(ValueError, match="ONESPARK_TQ_KERNEL='fast': use auto"):
         kernel("fast", 3)
+    # decided once per query length and device, not per call: the build check reads and hashes the sources
+    checks = []
+    monkeypatch.setattr(tc, "available", lambda: checks.append(1) or True)
+    monkeypatch.setenv("ONESPARK_TQ_KERNEL", "auto")
+    impl = tb.TurboQuantImpl(32, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")
+    assert [impl._cuda_kernel(3, "cuda:0") for _ in range(5)] == [True] * 5 and len(checks) == 1
 
 
 def test_wrong_cache_dtype_and_layer_name_are_refused():
