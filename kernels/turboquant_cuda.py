@@ -128,18 +128,12 @@ def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, se
     tt = _tt()
     B, Hq, T, d = q.shape
     H = layout.num_kv_heads
-    tt._check_attention(Hq, d, cache, layout, "turboquant_cuda.decode_attention")
+    tt.check_decode(q, cache, layout, block_table, seq_lens, max_seq_len, "turboquant_cuda.decode_attention")
     if not supports(layout.preset, Hq, H, T, d):
         raise ValueError(f"the CUDA decode kernel takes K4V4 with at most {MAX_ROWS} query rows per KV head; got "
                          f"{layout.preset.name}, {Hq // H} x {T} rows: use turboquant_triton.decode_attention")
     if layout.page % 16:
         raise ValueError(f"the CUDA decode kernel needs pages of a multiple of 16 keys, got {layout.page}")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
-        raise ValueError(f"block_table must be int32 [{B}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
-    if seq_lens.dtype != torch.int32 or seq_lens.shape != (B,):
-        raise ValueError(f"seq_lens must be int32 [{B}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    if block_table.shape[1] * layout.page < max_seq_len:
-        raise ValueError(f"max_seq_len {max_seq_len} exceeds the block table ({block_table.shape[1]} blocks of {layout.page})")
     G = Hq // H
     t = tt._tables(layout.preset, seed, q.device, d)
     if num_splits is None:

@@ -647,6 +647,19 @@ def _check_attention(Hq: int, d: int, cache, layout: tq.CacheLayout, what: str) 
     _check_cache(cache, layout)
 
 
+def check_decode(q, cache, layout: tq.CacheLayout, block_table, seq_lens, max_seq_len: int, what: str) -> None:
+    """A decode call's arguments (both decode kernels'): q [B, Hq, T, d] against the layout and cache, the block
+    table and lengths int32 for B requests, max_seq_len within the block table."""
+    B, Hq, T, d = q.shape
+    _check_attention(Hq, d, cache, layout, what)
+    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"block_table must be int32 [{B}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (B,):
+        raise ValueError(f"seq_lens must be int32 [{B}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    if block_table.shape[1] * layout.page < max_seq_len:
+        raise ValueError(f"max_seq_len {max_seq_len} exceeds the block table ({block_table.shape[1]} blocks of {layout.page})")
+
+
 def _capability(device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device) if torch.device(device).type == "cuda" else None
 
@@ -741,13 +754,7 @@ def decode_attention(
     read the KV head's codes. lazy: _attend_tile's conditional rescale."""
     B, Hq, T, d = q.shape
     H = layout.num_kv_heads
-    _check_attention(Hq, d, cache, layout, "decode_attention")
-    if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != B:
-        raise ValueError(f"block_table must be int32 [{B}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}")
-    if seq_lens.dtype != torch.int32 or seq_lens.shape != (B,):
-        raise ValueError(f"seq_lens must be int32 [{B}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
-    if block_table.shape[1] * layout.page < max_seq_len:
-        raise ValueError(f"max_seq_len {max_seq_len} exceeds the block table ({block_table.shape[1]} blocks of {layout.page})")
+    check_decode(q, cache, layout, block_table, seq_lens, max_seq_len, "decode_attention")
     if decoder not in ("prmt", "gather"):
         raise ValueError(f"decoder must be 'prmt' or 'gather', got {decoder!r}")
     G = Hq // H

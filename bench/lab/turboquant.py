@@ -76,6 +76,24 @@ def scattered_table(lens, nb, g):
     return bt
 
 
+def reference_case(name, lens, T, spare=0):
+    """Requests of `lens` keys in scattered blocks (`spare` blocks more than they need), filled by the reference
+    encoder, and their queries [B, HQ, T, D] (fp32, CPU) -> (q, cache, layout, block_table, seq_lens, the float64
+    reference attention). The decode candidates' correctness check (turboquant_tiles.py, turboquant_cuda.py)."""
+    lay = tq.CacheLayout(tq.PRESETS[name], num_kv_heads=HKV, page=PAGE)
+    nb = sum(-(-n // PAGE) for n in lens) + spare
+    bt = scattered_table(lens, nb, torch.Generator().manual_seed(1))
+    cache = lay.empty(nb)
+    r = tq.rotation(tq.rotation_seed(0))
+    g = torch.Generator().manual_seed(2)
+    for b, n in enumerate(lens):
+        tq.encode_reference(torch.randn(n, HKV, D, generator=g) * 2, torch.randn(n, HKV, D, generator=g),
+                            tq.seq_slots(bt[b], n, PAGE), cache, lay, r)
+    q = torch.randn(len(lens), HQ, T, D, generator=g)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    return q, cache, lay, bt, seq_lens, tq.decode_attention_reference(q, cache, lay, bt, seq_lens, r, SM_SCALE)
+
+
 def check_correctness(out_rows):
     """Kernels vs reference on the real shape at 4096 keys (and odd lengths), per preset."""
     g = torch.Generator(device="cuda").manual_seed(0)

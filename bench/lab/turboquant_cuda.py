@@ -46,18 +46,7 @@ CHECKS = [  # (lens, q_len, num_splits)
 
 
 def check(lens, T, num_splits) -> dict:
-    lay = tq.CacheLayout(tq.PRESETS[NAME], num_kv_heads=lab.HKV, page=lab.PAGE)
-    nb = sum(-(-n // lab.PAGE) for n in lens) + 3
-    bt = lab.scattered_table(lens, nb, torch.Generator().manual_seed(1))
-    cache = lay.empty(nb)
-    r = tq.rotation(tq.rotation_seed(0))
-    g = torch.Generator().manual_seed(2)
-    for b, n in enumerate(lens):
-        tq.encode_reference(torch.randn(n, lab.HKV, lab.D, generator=g) * 2, torch.randn(n, lab.HKV, lab.D, generator=g),
-                            tq.seq_slots(bt[b], n, lab.PAGE), cache, lay, r)
-    q = torch.randn(len(lens), lab.HQ, T, lab.D, generator=g)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    ref = tq.decode_attention_reference(q, cache, lay, bt, seq_lens, r, lab.SM_SCALE)
+    q, cache, lay, bt, seq_lens, ref = lab.reference_case(NAME, lens, T, spare=3)
     args = (q.cuda().to(torch.bfloat16), cache.cuda(), lay, bt.cuda(), seq_lens.cuda(), tq.rotation_seed(0), lab.SM_SCALE,
             max(lens))
     ours = [tq_cuda.decode_attention(*args, num_splits=num_splits, stages=st) for st in (2, 3)]

@@ -35,7 +35,6 @@ if MMA_SYNC:  # before Triton compiles anything; a fresh cache makes the wgmma c
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="tq-mma-sync-")
 
 import harness  # noqa: E402
-import torch  # noqa: E402
 import turboquant as lab  # noqa: E402
 
 from onespark.kernels import turboquant as tq  # noqa: E402
@@ -58,19 +57,8 @@ PRESETS = ("turboquant_k4v4", "turboquant_k4v3", "turboquant_k8v4")
 
 def check(name: str, T: int, cfg: dict) -> float:
     """Relative error against float64 attention on reference-encoded codes: 2 requests, 300 and 77 keys."""
-    lay = tq.CacheLayout(tq.PRESETS[name], num_kv_heads=lab.HKV, page=lab.PAGE)
     lens = [300, 77]
-    nb = sum(-(-n // lab.PAGE) for n in lens)
-    bt = lab.scattered_table(lens, nb, torch.Generator().manual_seed(1))
-    cache = lay.empty(nb)
-    r = tq.rotation(tq.rotation_seed(0))
-    g = torch.Generator().manual_seed(2)
-    for b, n in enumerate(lens):
-        tq.encode_reference(torch.randn(n, lab.HKV, lab.D, generator=g) * 2, torch.randn(n, lab.HKV, lab.D, generator=g),
-                            tq.seq_slots(bt[b], n, lab.PAGE), cache, lay, r)
-    q = torch.randn(len(lens), lab.HQ, T, lab.D, generator=g)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    ref = tq.decode_attention_reference(q, cache, lay, bt, seq_lens, r, lab.SM_SCALE)
+    q, cache, lay, bt, seq_lens, ref = lab.reference_case(name, lens, T)
     out = tt.decode_attention(q.cuda().half(), cache.cuda(), lay, bt.cuda(), seq_lens.cuda(), tq.rotation_seed(0),
                               lab.SM_SCALE, max(lens), **cfg)
     return harness.rel_err(out.double().cpu(), ref)
