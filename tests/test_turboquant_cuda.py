@@ -1,8 +1,8 @@
 """The CUDA C++ TurboQuant decode kernel (kernels/turboquant_decode.cuh, built by kernels/turboquant_cuda.py) against
-the float64 reference and the Triton kernel, on a GPU (tests/gpu.sh runs this file; it builds the extension once, for
-TORCH_CUDA_ARCH_LIST when the lane sets it). tests/test_kernels_compile.py compiles the kernel itself for sm_90 and
-sm_121 on the CPU lane; the build's CLI and the backend's choice of kernel are tested there and in
-tests/test_turboquant_backend.py."""
+the float64 reference and the Triton kernel, on a GPU (tests/gpu.sh runs this file; it builds the extension once,
+for TORCH_CUDA_ARCH_LIST when the lane sets it). tests/test_kernels_compile_cuda.py compiles the kernel itself for
+sm_90 and sm_121 on the CPU lane and tests the build's CLI; tests/test_turboquant_backend.py the backend's choice
+of kernel."""
 
 from __future__ import annotations
 

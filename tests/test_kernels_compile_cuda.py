@@ -1,0 +1,58 @@
+"""The CUDA C++ TurboQuant decode kernel (kernels/turboquant_decode.cuh) built for the DGX Spark's GB10 (sm_121) and the
+H200 (sm_90) without a GPU, with CUDA 13.0's nvcc from the pinned wheels of the test lane (tests/requirements.txt; the
+images and the H200 have CUDA 13.0 too): every instantiation the binding launches compiles with no spill, at most 255
+registers and shared memory within the target's per-block limit. Also the build CLI the v2-tq image runs, where there
+is nothing to build with. Triton-independent, so it runs on the default track only (tests/test_kernels_compile.py,
+which compiles the Triton kernels, runs on both)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.test_kernels_compile import H200, SMEM_LIMIT, SPARK
+
+NVCC = Path(sysconfig.get_paths()["purelib"]) / "nvidia" / "cu13" / "bin" / "nvcc"
+CONFIGS = [(m, s) for m in (1, 2, 3, 4) for s in (2, 3)]  # row tiles x pipeline stages: every launch the binding has
+
+
+@pytest.mark.parametrize("arch", [SPARK, H200])
+def test_the_cuda_decode_kernel_builds_for_the_spark_and_the_h200_without_spills(arch, tmp_path):
+    """Every (row tiles, stages) instantiation compiles for the target with no spill, at most 255 registers, and
+    shared memory within the target's per-block limit (a static_assert in the translation unit)."""
+    if not NVCC.is_file():
+        pytest.fail(f"no nvcc at {NVCC}: tests/requirements.txt installs nvidia-cuda-nvcc into the test venv")
+    header = Path(__file__).resolve().parents[1] / "kernels" / "turboquant_decode.cuh"
+    lines = [f'#include "{header}"']
+    for m, s in CONFIGS:
+        lines += [f"template __global__ void onespark_tq::decode_k4v4<{m}, {s}>(const onespark_tq::Params);",
+                  f"static_assert(onespark_tq::smem_bytes<{m}, {s}>() <= {SMEM_LIMIT[arch]}, \"smem {m},{s}\");"]
+    tu = tmp_path / "tu.cu"
+    tu.write_text("\n".join(lines) + "\n")
+    r = subprocess.run([str(NVCC), "-std=c++17", "-O3", "--use_fast_math", f"-arch=sm_{arch}", "-cubin",
+                        "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"), str(tu)],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "PATH": f"{NVCC.parent}:{os.environ['PATH']}"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    found = re.findall(r"Compiling entry function '(\S+)' for 'sm_\d+'.*?(\d+) bytes spill stores.*?Used (\d+) registers",
+                       r.stderr, re.S)
+    assert len(found) == len(CONFIGS), r.stderr[-3000:]
+    for name, spill, regs in found:
+        print(f"sm_{arch} {name}: {regs} registers, {spill} B spilled")
+        assert int(spill) == 0 and int(regs) <= 255, f"sm_{arch} {name}: {spill} B spilled, {regs} registers"
+
+
+def test_the_build_cli_says_in_one_line_when_there_is_nothing_to_build_with(tmp_path):
+    """`python -m onespark.kernels.turboquant_cuda --build` (Dockerfile.v2-tq) where torch finds no CUDA toolkit (the
+    CI's demo image): one line, exit 0, nothing written; the v2-tq image's torch has CUDA and nvcc, so it builds."""
+    env = {**os.environ, "CUDA_HOME": str(tmp_path / "no-cuda"), "ONESPARK_CUDA_BUILD": str(tmp_path / "build")}
+    r = subprocess.run([sys.executable, "-m", "onespark.kernels.turboquant_cuda", "--build"], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1].endswith("the CUDA decode kernel is not built (Triton serves every step)")
+    assert not (tmp_path / "build").exists()
