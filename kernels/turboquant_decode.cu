@@ -1,5 +1,8 @@
 // torch binding of turboquant_decode.cuh (built by turboquant_cuda.py with torch.utils.cpp_extension).
 #include <torch/extension.h>
+
+#include <atomic>
+#include <cstdint>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -11,11 +14,16 @@ namespace {
 template <int M, int STAGES>
 void launch(const onespark_tq::Params& p, int grid_x, int grid_y, cudaStream_t stream) {
   constexpr int smem = onespark_tq::smem_bytes<M, STAGES>();
-  static bool sized = false;  // above 48 KB of shared memory a kernel must ask (once per process)
-  if (!sized) {
+  // Above 48 KB of shared memory a kernel must ask, once on each device a process launches it on.
+  static std::atomic<uint64_t> sized{0};
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  TORCH_CHECK(device < 64, "the TurboQuant CUDA kernel takes devices 0..63, got ", device);
+  const uint64_t bit = uint64_t{1} << device;
+  if (!(sized.load() & bit)) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(onespark_tq::decode_k4v4<M, STAGES>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    sized = true;
+    sized.fetch_or(bit);
   }
   if (grid_x == 0) return;  // a size query (ctas_per_sm)
   onespark_tq::decode_k4v4<M, STAGES><<<dim3(grid_x, grid_y), onespark_tq::NW * 32, smem, stream>>>(p);

@@ -14,7 +14,7 @@ import torch
 from onespark.kernels import turboquant as tq
 from onespark.kernels import turboquant_cuda as tc
 from onespark.kernels import turboquant_triton as tt
-from tests.test_turboquant_triton import SEED, assert_rel, paged
+from tests.test_turboquant_triton import assert_rel, decode_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 K4V4 = tq.PRESETS["turboquant_k4v4"]
@@ -32,19 +32,8 @@ CASES = [
 
 
 def case(Hq, H, T, lens, page, dtype):
-    lay = tq.CacheLayout(K4V4, num_kv_heads=H, page=page)
-    bt, nb = paged(lens, page, seed=len(lens))
-    cache = lay.empty(nb)
-    r = tq.rotation(SEED)
-    g = torch.Generator().manual_seed(sum(lens))
-    for b, n in enumerate(lens):
-        k, v = torch.randn(n, H, 256, generator=g) * 2, torch.randn(n, H, 256, generator=g)
-        tq.encode_reference(k, v, tq.seq_slots(bt[b], n, page), cache, lay, r)
-    q = torch.randn(len(lens), Hq, T, 256, generator=g)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    ref = tq.decode_attention_reference(q, cache, lay, bt, seq_lens, r, 1 / 16)
-    args = (q.to("cuda", dtype), cache.cuda(), lay, bt.cuda(), seq_lens.cuda(), SEED, 1 / 16, max(lens))
-    return args, ref
+    """One request per length, K4V4 (tests/test_turboquant_triton.decode_case): kernel arguments, float64 reference."""
+    return decode_case("turboquant_k4v4", len(lens), Hq, H, T, lens, page, dtype)
 
 
 @pytest.mark.parametrize("Hq,H,T,lens,page,splits,dtype,stages", CASES)

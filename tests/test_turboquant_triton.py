@@ -140,9 +140,9 @@ DECODE_CASES = [
 ]
 
 
-def decode_case(name, B, Hq, H, T, lens, page):
+def decode_case(name, B, Hq, H, T, lens, page, dtype=torch.float16):
     """A DECODE_CASES shape filled by the reference encoder: (the decode kernels' positional arguments on DEV,
-    fp16 queries; the float64 reference attention)."""
+    queries in `dtype`; the float64 reference attention)."""
     lay = tq.CacheLayout(tq.PRESETS[name], num_kv_heads=H, page=page)
     bt, nb = paged(lens, page, seed=len(lens))
     cache = lay.empty(nb)
@@ -154,7 +154,7 @@ def decode_case(name, B, Hq, H, T, lens, page):
     q = torch.randn(B, Hq, T, 256, generator=g)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     ref = tq.decode_attention_reference(q, cache, lay, bt, seq_lens, r, 1 / 16)
-    args = (q.to(DEV, torch.float16), cache.to(DEV), lay, bt.to(DEV), seq_lens.to(DEV), SEED, 1 / 16, max(lens))
+    args = (q.to(DEV, dtype), cache.to(DEV), lay, bt.to(DEV), seq_lens.to(DEV), SEED, 1 / 16, max(lens))
     return args, ref
 
 
