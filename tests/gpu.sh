@@ -51,9 +51,10 @@ trap 'rm -rf "$site"' EXIT
 PKG_PATH=${ONESPARK_WHEEL:-$PWD}  # a wheel built elsewhere (the host's setuptools may be older), or this checkout
 "$py" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" "$PKG_PATH"
 export PYTHONPATH="$site:$PWD/$stub" PYTHONUNBUFFERED=1
-# The CUDA decode kernel is built once, in the scratch folder, for this GPU and the Spark (one build proves both
-# compile with the real torch binding; kernels/turboquant_cuda.py).
-export ONESPARK_CUDA_BUILD="$site/cuda-build" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0;12.1a}"
+# The CUDA decode kernel is built once, in the scratch folder (or ONESPARK_CUDA_BUILD, kept for a later run such as
+# bench/lab/turboquant_cuda_profile.sh), for this GPU and the Spark (one build proves both compile with the real
+# torch binding; kernels/turboquant_cuda.py).
+export ONESPARK_CUDA_BUILD="${ONESPARK_CUDA_BUILD:-$site/cuda-build}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0;12.1a}"
 gpu=$("$py" -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
 rc=0
 
