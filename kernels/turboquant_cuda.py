@@ -24,6 +24,7 @@ import hashlib
 import importlib.util
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -75,10 +76,17 @@ def build(verbose: bool = False):
     d.mkdir(parents=True, exist_ok=True)
     mod = load(name=NAME, sources=[str(HERE / SOURCES[0])], extra_include_paths=[str(HERE)], build_directory=str(d),
                extra_cuda_cflags=["-O3", "--use_fast_math", "-lineinfo"], verbose=verbose)
-    tmp = d / "sources.sha256.tmp"
-    tmp.write_text(_digest() + "\n")
-    tmp.replace(d / "sources.sha256")
+    _stamp(d)
     return mod
+
+
+def _stamp(d: Path) -> None:
+    """Write d/sources.sha256 atomically. Every process that builds writes it (test workers, servers starting
+    together), so each through its own temp file: a shared one would be moved away under another writer."""
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".sources.sha256.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(_digest() + "\n")
+    os.replace(tmp, d / "sources.sha256")
 
 
 @functools.lru_cache(maxsize=1)

@@ -56,3 +56,17 @@ def test_the_build_cli_says_in_one_line_when_there_is_nothing_to_build_with(tmp_
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1].endswith("the CUDA decode kernel is not built (Triton serves every step)")
     assert not (tmp_path / "build").exists()
+
+
+def test_the_build_stamp_is_written_whole_by_writers_at_once(tmp_path):
+    """Every process that builds stamps the build (xdist workers, servers starting together): writers at once
+    each finish, the stamp is whole and current, no temp file is left behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from onespark.kernels import turboquant_cuda as tc
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: tc._stamp(tmp_path), range(200)))
+    assert (tmp_path / "sources.sha256").read_text() == tc._digest() + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sources.sha256"]
+

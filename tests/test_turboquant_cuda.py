@@ -89,7 +89,8 @@ def test_a_build_is_loaded_only_for_the_sources_torch_and_arch_list_it_was_made_
     stamp is available; with a stamp for other sources, or none, it is not."""
     tc.module()
     copy = tmp_path / "build"
-    shutil.copytree(tc.build_dir(), copy)
+    # the build as it stands; another xdist worker may be writing its stamp's temp file beside it right now
+    shutil.copytree(tc.build_dir(), copy, ignore=shutil.ignore_patterns("*.tmp"))
     monkeypatch.setenv("ONESPARK_CUDA_BUILD", str(copy))
     assert tc.available()
     (copy / "sources.sha256").write_text("0" * 64 + "\n")

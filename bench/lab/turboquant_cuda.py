@@ -57,13 +57,15 @@ def check(lens, T, num_splits) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="the result file (JSON); every run but --one writes one")
     ap.add_argument("--git-sha", default="unknown")
     ap.add_argument("--mma-sync", action="store_true",
                     help="the Triton kernel as the Spark runs it (mma.sync, its tiles; turboquant_tiles.py --mma-sync)")
     ap.add_argument("--one", metavar="DEPTH,BATCH,Q_LEN,IMPL",
                     help="only run that case a few times, untimed (IMPL cuda or triton): for a profiler such as ncu")
     args = ap.parse_args()
+    if not args.one and not args.out:
+        ap.error("--out is required (only --one writes nothing)")
     if args.one:
         depth, B, T, impl = args.one.split(",")
         pools = lab.Pools(max_tokens=int(B) * int(depth))
