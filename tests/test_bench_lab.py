@@ -34,6 +34,13 @@ def test_lab_script_starts(script):
     assert r.returncode == 0 and "usage:" in r.stdout, f"{script} --help failed:\n{r.stdout}{r.stderr[-3000:]}"
 
 
+def test_a_timing_run_needs_a_result_file_and_says_so_in_one_line():
+    """turboquant_cuda.py writes a result file unless --one (the profiler's single case) is given."""
+    r = subprocess.run([sys.executable, str(LAB / "turboquant_cuda.py")], cwd=LAB.parents[1], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--out is required (only --one writes nothing)")
+
+
 def test_compile_resources_reads_the_lines_the_compile_test_prints():
     """What `pytest -q -s tests/test_kernels_compile.py` prints, progress dots included (a dot leads the first
     line a test prints; missing it once dropped 30 of 79 launches), both line shapes; other lines ignored."""
