@@ -69,4 +69,3 @@ def test_the_build_stamp_is_written_whole_by_writers_at_once(tmp_path):
         list(pool.map(lambda _: tc._stamp(tmp_path), range(200)))
     assert (tmp_path / "sources.sha256").read_text() == tc._digest() + "\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sources.sha256"]
-
