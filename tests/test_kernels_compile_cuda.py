@@ -69,3 +69,30 @@ def test_the_build_stamp_is_written_whole_by_writers_at_once(tmp_path):
         list(pool.map(lambda _: tc._stamp(tmp_path), range(200)))
     assert (tmp_path / "sources.sha256").read_text() == tc._digest() + "\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sources.sha256"]
+
+
+DIAGNOSTICS = sorted((Path(__file__).resolve().parents[1] / "bench" / "lab" / "turboquant_cuda_diagnostics").glob("*.diff"))
+
+
+@pytest.mark.parametrize("diff", DIAGNOSTICS, ids=lambda p: p.stem)
+def test_each_diagnostic_variant_applies_to_the_kernel_and_builds(diff, tmp_path):
+    """bench/lab/turboquant_cuda_diagnostics/*.diff (each leaves one stage of the kernel out, or does it twice, for
+    bench/lab/turboquant_cuda_variants.sh) still applies to the header as it is and compiles for sm_90: a GPU
+    call spent on a diff that has rotted is lost."""
+    if not NVCC.is_file():
+        pytest.fail(f"no nvcc at {NVCC}: tests/requirements.txt installs nvidia-cuda-nvcc into the test venv")
+    header = Path(__file__).resolve().parents[1] / "kernels" / "turboquant_decode.cuh"
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / header.name).write_bytes(header.read_bytes())
+    r = subprocess.run(["git", "apply", str(diff)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"{diff.name} does not apply to kernels/{header.name}: {r.stderr}"
+    assert (tmp_path / "kernels" / header.name).read_bytes() != header.read_bytes()
+    tu = tmp_path / "tu.cu"
+    tu.write_text(f'#include "kernels/{header.name}"\n'
+                  + "".join(f"template __global__ void onespark_tq::decode_k4v4<{m}, 3>(const onespark_tq::Params);\n"
+                            for m in (1, 3)))
+    r = subprocess.run([str(NVCC), "-std=c++17", "-O3", "--use_fast_math", f"-arch=sm_{H200}", "-cubin", "-o",
+                        str(tmp_path / "k.cubin"), str(tu)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PATH": f"{NVCC.parent}:{os.environ['PATH']}"})
+    assert r.returncode == 0, r.stderr[-3000:]
+
