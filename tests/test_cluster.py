@@ -648,7 +648,10 @@ def test_two_ray_nodes_in_two_namespaces(tmp_path):
             if pythonpath:
                 base["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, base.get("PYTHONPATH")]))
             ray = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; main()"]
-            common = ["start", "--num-cpus", "1", "--disable-usage-stats"]
+            # Worker and driver ports from the OS (0, 0: as Ray's own tests run): from Ray's pool, a port is checked
+            # free, then bound later, and something else can take it between the two (ray-project/ray#19336; a
+            # driver failed so on port 10003 in a cold CI run, 2026-12-04).
+            common = ["start", "--num-cpus", "1", "--disable-usage-stats", "--min-worker-port", "0", "--max-worker-port", "0"]
             steps = [("head", common + ["--head", "--node-ip-address", nets.ip["head"], "--port", "6379",
                                         "--include-dashboard=false", "--temp-dir", temp]),
                      ("worker", common + ["--address", f"{nets.ip['head']}:6379", "--node-ip-address", nets.ip["worker"]])]
