@@ -71,14 +71,14 @@ def test_the_build_stamp_is_written_whole_by_writers_at_once(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sources.sha256"]
 
 
-DIAGNOSTICS = sorted((Path(__file__).resolve().parents[1] / "bench" / "lab" / "turboquant_cuda_diagnostics").glob("*.diff"))
+LAB = Path(__file__).resolve().parents[1] / "bench" / "lab"
+DIAGNOSTICS = sorted((LAB / "turboquant_cuda_diagnostics").glob("*.diff"))
+CANDIDATES = sorted((LAB / "turboquant_cuda_candidates").glob("*.diff"))
 
 
-@pytest.mark.parametrize("diff", DIAGNOSTICS, ids=lambda p: p.stem)
-def test_each_diagnostic_variant_applies_to_the_kernel_and_builds(diff, tmp_path):
-    """bench/lab/turboquant_cuda_diagnostics/*.diff (each leaves one stage of the kernel out, or does it twice, for
-    bench/lab/turboquant_cuda_variants.sh) still applies to the header as it is and compiles for sm_90: a GPU
-    call spent on a diff that has rotted is lost."""
+def _patched_build(diff: Path, tmp_path: Path, arch: str) -> str:
+    """The header with `diff` applied (git apply, as bench/lab/turboquant_cuda_variants.sh's patch -p1), compiled
+    for sm_<arch> at 1 and 3 row tiles (q_len 1 and an MTP-2 verify step), 3 stages: ptxas's report."""
     if not NVCC.is_file():
         pytest.fail(f"no nvcc at {NVCC}: tests/requirements.txt installs nvidia-cuda-nvcc into the test venv")
     header = Path(__file__).resolve().parents[1] / "kernels" / "turboquant_decode.cuh"
@@ -91,8 +91,28 @@ def test_each_diagnostic_variant_applies_to_the_kernel_and_builds(diff, tmp_path
     tu.write_text(f'#include "kernels/{header.name}"\n'
                   + "".join(f"template __global__ void onespark_tq::decode_k4v4<{m}, 3>(const onespark_tq::Params);\n"
                             for m in (1, 3)))
-    r = subprocess.run([str(NVCC), "-std=c++17", "-O3", "--use_fast_math", f"-arch=sm_{H200}", "-cubin", "-o",
-                        str(tmp_path / "k.cubin"), str(tu)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PATH": f"{NVCC.parent}:{os.environ['PATH']}"})
+    r = subprocess.run([str(NVCC), "-std=c++17", "-O3", "--use_fast_math", f"-arch=sm_{arch}", "-cubin", "-Xptxas",
+                        "-v", "-o", str(tmp_path / "k.cubin"), str(tu)], cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "PATH": f"{NVCC.parent}:{os.environ['PATH']}"})
     assert r.returncode == 0, r.stderr[-3000:]
+    return r.stderr
 
+
+@pytest.mark.parametrize("diff", DIAGNOSTICS, ids=lambda p: p.stem)
+def test_each_diagnostic_variant_applies_to_the_kernel_and_builds(diff, tmp_path):
+    """bench/lab/turboquant_cuda_diagnostics/*.diff (each leaves one stage of the kernel out, or does it twice, for
+    bench/lab/turboquant_cuda_variants.sh) still applies to the header as it is and compiles for sm_90: a GPU
+    call spent on a diff that has rotted is lost."""
+    _patched_build(diff, tmp_path, H200)
+
+
+@pytest.mark.parametrize("arch", [SPARK, H200])
+@pytest.mark.parametrize("diff", CANDIDATES, ids=lambda p: p.stem)
+def test_each_candidate_variant_applies_and_builds_without_spills(diff, arch, tmp_path):
+    """bench/lab/turboquant_cuda_candidates/*.diff (changes made for the Spark's one CTA per SM, timed and checked
+    against float64 by bench/lab/turboquant_cuda_variants.sh) apply to the header as it is and build for the Spark
+    and the H200 with no spill at q_len 1 and 3: a candidate that spills would be timed on its spills."""
+    assert CANDIDATES, "bench/lab/turboquant_cuda_candidates/ holds no diff"
+    found = re.findall(r"(\d+) bytes spill stores.*?Used (\d+) registers", _patched_build(diff, tmp_path, arch), re.S)
+    assert len(found) == 2, "ptxas reported no registers"
+    assert all(int(spill) == 0 for spill, _ in found), f"{diff.name} spills on sm_{arch}: {found}"
