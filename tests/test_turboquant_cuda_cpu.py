@@ -1,0 +1,87 @@
+"""The CUDA TurboQuant decode kernel's source run on the CPU (tests/_cuda_cpu.py: g++, each CTA's threads as fibers,
+mma.sync / ldmatrix / prmt / cp.async / barriers emulated from the PTX ISA) against the float64 reference: the
+shipped header on the GPU test's cases (tests/test_turboquant_cuda.py), and each candidate variant in
+bench/lab/turboquant_cuda_candidates/, so a variant reaches a GPU with its indexing and barriers already checked.
+The emulation is shown to catch what it is for: a missing barrier, a wrong index, a barrier some threads skip."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import _cuda_cpu as cc
+from tests.test_turboquant_cuda import CASES, case
+from tests.test_turboquant_triton import assert_rel
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+CANDIDATES = sorted((Path(__file__).resolve().parents[1] / "bench" / "lab" / "turboquant_cuda_candidates").glob("*.diff"))
+SPLITS = 4  # where a GPU case lets the occupancy decide
+
+
+def tol(dtype) -> float:  # as tests/test_turboquant_cuda.py: bf16 queries add ~2^-8 per element
+    return 8e-3 if dtype == torch.bfloat16 else 3e-3
+
+
+def run(lib, Hq, H, T, lens, page, splits, dtype, stages):
+    args, ref = case(Hq, H, T, lens, page, dtype)
+    return cc.decode_attention(lib, *args, num_splits=splits or SPLITS, stages=stages), ref
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return cc.build()
+
+
+@pytest.mark.parametrize("Hq,H,T,lens,page,splits,dtype,stages", CASES)
+def test_the_shipped_kernel_matches_float64_on_the_cpu(shipped, Hq, H, T, lens, page, splits, dtype, stages):
+    out, ref = run(shipped, Hq, H, T, lens, page, splits, dtype, stages)
+    assert_rel(out, ref, tol(dtype), "cuda decode on the cpu")
+
+
+def patched(diff: Path, tmp_path: Path) -> str:
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "kernels" / cc.HEADER.name).write_bytes(cc.HEADER.read_bytes())
+    r = subprocess.run(["git", "apply", str(diff)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"{diff.name} does not apply to kernels/{cc.HEADER.name}: {r.stderr}"
+    return (tmp_path / "kernels" / cc.HEADER.name).read_text()
+
+
+@pytest.mark.parametrize("diff", CANDIDATES, ids=lambda p: p.stem)
+def test_each_candidate_variant_matches_float64_on_the_cpu(diff, tmp_path):
+    """The verify step with bf16 queries, 64 rows with empty splits, padded rows and a page of 3 key groups, at
+    both pipeline depths among them."""
+    lib = cc.build(patched(diff, tmp_path))
+    for p in (CASES[0], CASES[3], CASES[4], CASES[6]):
+        Hq, H, T, lens, page, splits, dtype, stages = p.values
+        out, ref = run(lib, Hq, H, T, lens, page, splits, dtype, stages)
+        assert_rel(out, ref, tol(dtype), f"{diff.stem}, case {p.id}")
+
+
+MUTATIONS = {  # one line of the shipped header changed: each must fail the check
+    "no-barrier-before-the-step-maximum": (
+        "        if (c == 0) red[w * M * 16 + 16 * m + g + 8 * rh] = mx;\n      }\n    __syncthreads();",
+        "        if (c == 0) red[w * M * 16 + 16 * m + g + 8 * rh] = mx;\n      }\n"),
+    "wrong-output-column": ("const int col = 4 * (2 * c + e) + 32 * w + (n & 3)",
+                            "const int col = 4 * (2 * c + e) + 32 * w + (n & 1)"),
+    "one-stage-too-few-waited-for": ("cp_wait<STAGES - 2>();", "cp_wait<STAGES - 1>();"),
+    "a-barrier-warp-0-skips": ("  __syncthreads();  // every warp is past its last read of red",
+                               "  if (w) __syncthreads();"),
+}
+
+
+@pytest.mark.parametrize("name", MUTATIONS)
+def test_the_cpu_check_catches_a_broken_kernel(name):
+    old, new = MUTATIONS[name]
+    source = cc.HEADER.read_text()
+    assert source.count(old) == 1, f"the mutation {name} no longer matches the header: update MUTATIONS"
+    lib = cc.build(source.replace(old, new))
+    try:
+        out, ref = run(lib, *CASES[0].values)
+    except RuntimeError as e:  # the emulation stopped the CTA
+        assert "deadlock" in str(e)
+        return
+    with pytest.raises(AssertionError):
+        assert_rel(out, ref, tol(torch.bfloat16), name)
