@@ -45,12 +45,21 @@ Needs ~78 GB free in DIR. HF_TOKEN / HF_ENDPOINT are honoured (huggingface_hub).
 USAGE
 }
 
-# Complete when step 0 wrote its record in both directories (it does so last).
+# complete DIR [need_index]: step 0 wrote DIR's record (it does so last) and DIR's files are still whole: the
+# check `onespark download` makes before it says "already downloaded" (headers parse, sizes match, every file the
+# index names is there), with the system python3 like spec_get. A file lost since is fetched again, not skipped.
+complete() {
+  grep -q '"complete": true' "$1/onespark-download.json" 2>/dev/null &&
+    PYTHONPATH=$ONESPARK_ROOT python3 -c 'import sys; from onespark.checkpoint.writer import open_checkpoint
+open_checkpoint(sys.argv[1], need_index=sys.argv[2] == "1")' "$1" "${2:-1}" 2>/dev/null
+}
+
+# Complete when every directory this run asks for is.
 done_already() {
-  grep -q '"complete": true' "$WORK/int4/onespark-download.json" 2>/dev/null &&
-    { [[ $SPLICE != True ]] || grep -q '"complete": true' "$WORK/fp8/onespark-download.json" 2>/dev/null; } &&
-    { [[ $DRAFTER != dflash ]] || grep -q '"complete": true' "$WORK/dflash/onespark-download.json" 2>/dev/null; } &&
-    { [[ -z $COMPRESSOR ]] || grep -q '"complete": true' "$WORK/llmlingua2/$COMPRESSOR/onespark-download.json" 2>/dev/null; }
+  complete "$WORK/int4" &&
+    { [[ $SPLICE != True ]] || complete "$WORK/fp8"; } &&
+    { [[ $DRAFTER != dflash ]] || complete "$WORK/dflash"; } &&
+    { [[ -z $COMPRESSOR ]] || complete "$WORK/llmlingua2/$COMPRESSOR" 0; }
 }
 
 main() {

@@ -281,6 +281,20 @@ def test_verify_finds_tampering(pair, tmp_path):
     assert any(f"index puts {name}" in p for p in problems)
 
 
+@pytest.mark.parametrize("block", [[128, {}], [128], ["128", 128], [0, 128]])
+def test_a_hybrid_configs_bad_fp8_block_is_one_line(pair, tmp_path, block):
+    """quantization_config.onespark_fp8.weight_block_size (step 1's record, which the layout divides by) is
+    checked where config.json is read: verify and step 2 name the field, never a TypeError."""
+    out = tmp_path / "hyb"
+    hybrid(pair / "int4", str(pair / "fp8"), out, log=lambda m: None)
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"]["onespark_fp8"]["weight_block_size"] = block
+    (out / "config.json").write_text(json.dumps(config))
+    for call in (lambda: verify(out, fast=True), lambda: mtp(out, log=lambda m: None)):
+        with pytest.raises(UserError, match=r"onespark_fp8\.weight_block_size.* expected (a list of two|an integer in 1\.)"):
+            call()
+
+
 def test_cli_exit_status_and_one_line_error(pair, tmp_path):
     r = subprocess.run([sys.executable, "-m", "onespark", "verify", str(pair / "int4")], capture_output=True, text=True)
     assert r.returncode == 1

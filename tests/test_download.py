@@ -170,6 +170,144 @@ def test_step_0_script_downloads_then_says_already_done(hub, tmp_path):
     assert r.returncode == 0 and "step 0 already done" in r.stdout, r.stdout + r.stderr
 
 
+def test_step_0_fetches_again_a_file_lost_after_it_finished(hub, tmp_path):
+    """"Already done" holds only while the files do: a shard deleted after step 0 finished (what the message
+    about a truncated one says to do) is fetched again by steps/0-download.sh and `onespark download`, instead of
+    "already done" (the script) or the same "download it again" error (the CLI) forever. The script is run as
+    install.sh runs it, without revision flags: a hub of its own serves the spec's pins."""
+    d, _ = hub
+    spec = specs.SPECS[specs.DEFAULT]
+    h = tmp_path / "hub"
+    publish(h / "www", spec.int4.repo, spec.int4.revision, d / "src-int4")
+    publish(h / "www", spec.fp8.repo, spec.fp8.revision, d / "src-fp8")
+    work = tmp_path / "w"
+    with serve(h) as endpoint:
+        env = dict(hub_env(endpoint, tmp_path), ONESPARK_VENV=str(ROOT / ".venv"))
+        step0 = ["steps/0-download.sh", "--work", str(work)]
+        r = subprocess.run(step0, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        for lost in (work / "int4" / "model-00002-of-00003.safetensors", work / "fp8" / "fp8-shared-experts.safetensors"):
+            want = lost.read_bytes()
+            lost.unlink()
+            r = subprocess.run(step0, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and "step 0 already done" not in r.stdout, r.stdout + r.stderr
+            assert lost.read_bytes() == want
+            lost.unlink()
+            r = subprocess.run([sys.executable, "-m", "onespark", "download", "--dest", str(work)], cwd=ROOT, env=env,
+                               capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0 and lost.read_bytes() == want, r.stdout + r.stderr
+        r = subprocess.run(step0, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "step 0 already done" in r.stdout, r.stdout + r.stderr
+
+
+def _lying_index(index: dict) -> dict:
+    """The index with one shared-expert weight's shard named as a path out of DEST/fp8/.parts."""
+    wm = dict(index["weight_map"])
+    wm[next(n for n in wm if n.endswith("shared_expert.gate_proj.weight"))] = "../../../escape.safetensors"
+    return {**index, "weight_map": wm}
+
+
+@pytest.mark.parametrize("fname, lie", [
+    ("config.json", lambda c: {**c, "text_config": {**c["text_config"], "num_hidden_layers": 10**9}}),
+    ("config.json", lambda c: {**c, "text_config": [c["text_config"]]}),
+    ("config.json", lambda c: {**c, "quantization_config": ["fp8"]}),
+    ("model.safetensors.index.json", lambda i: {**i, "weight_map": {k: [v] for k, v in i["weight_map"].items()}}),
+    ("model.safetensors.index.json", _lying_index),
+], ids=["layers-1e9", "text-config-list", "quant-config-list", "shard-name-list", "shard-name-path"])
+def test_fp8_fetch_checks_the_hubs_config_and_index_at_the_edge(hub, tmp_path, monkeypatch, fname, lie):
+    """The FP8 repo's config.json and index are outside input like a local checkpoint's: one line naming the repo
+    and the file, never a traceback, a 10**9-layer loop (memory) or a part file written outside DEST."""
+    from onespark.checkpoint import download
+    from onespark.errors import UserError
+    d, endpoint = hub
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    real = download.Fetcher.json
+
+    def lying(self, filename):
+        doc = real(self, filename)
+        return lie(doc) if filename == fname else doc
+
+    monkeypatch.setattr(download.Fetcher, "json", lying)
+    dest = tmp_path / "a" / "b" / "fp8"
+    with pytest.raises(UserError, match=f"{FP8}: {fname}"):
+        download.fetch_fp8(FP8, FP8_SHA, dest, log=lambda m: None)
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file() and p.name != ".onespark.lock"] == []
+
+
+@pytest.fixture(scope="module")
+def two_revisions(tmp_path_factory):
+    """The default spec's tiny INT4 and FP8 releases at two revisions: same names, shapes and sizes, other bytes."""
+    d = tmp_path_factory.mktemp("revs")
+    for rev, seed in (("a" * 40, 11), ("b" * 40, 12)):
+        synth(d / rev / "int4", "int4", seed=seed)
+        synth(d / rev / "fp8", "fp8", seed=seed)
+    return d
+
+
+@pytest.mark.parametrize("killed_at", ["after-the-file", "after-one-part"])
+def test_fp8_fetch_of_another_revision_killed_is_never_taken_for_the_first(two_revisions, tmp_path, monkeypatch,
+                                                                         killed_at):
+    """Revision B killed half way into DEST, then A: A's bytes, neither "already fetched" over B's file (A's record
+    of an earlier fetch left in place) nor A's file assembled from B's byte ranges (parts of the same names)."""
+    from onespark.checkpoint import download, writer
+
+    class Local(download.Fetcher):  # the Hub as files on disk: revision -> directory
+        def __init__(self, repo, revision):
+            self.repo, self.revision, self.bytes, self.requests = repo, revision, 0, 0
+
+        def get(self, filename, start=None, end=None):
+            raw = (two_revisions / self.revision / "fp8" / filename).read_bytes()
+            return raw if start is None else raw[start:end]
+
+        def get_to_file(self, filename, start, end, path, progress=lambda n: None):
+            parts.append(path)
+            if killed_at == "after-one-part" and self.revision == b and len(parts) == 2:
+                raise KeyboardInterrupt
+            path.write_bytes(self.get(filename, start, end))
+
+    a, b, parts, dest = "a" * 40, "b" * 40, [], tmp_path / "fp8"
+    monkeypatch.setattr(download, "Fetcher", Local)
+    download.fetch_fp8(FP8, a, tmp_path / "ref", log=lambda m: None)
+    want = (tmp_path / "ref" / download.FP8_FILE).read_bytes()
+    if killed_at == "after-the-file":  # A fetched before: its record is there
+        download.fetch_fp8(FP8, a, dest, log=lambda m: None)
+    parts.clear()
+    if killed_at == "after-the-file":
+        monkeypatch.setattr(writer.Writer, "write_json", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        download.fetch_fp8(FP8, b, dest, log=lambda m: None)
+    monkeypatch.undo()
+    monkeypatch.setattr(download, "Fetcher", Local)
+    logs: list[str] = []
+    download.fetch_fp8(FP8, a, dest, log=logs.append)
+    assert not any("already fetched" in m for m in logs), logs
+    assert (dest / download.FP8_FILE).read_bytes() == want
+
+
+def test_int4_download_of_another_revision_killed_is_never_taken_for_the_first(two_revisions, tmp_path, monkeypatch):
+    from onespark.checkpoint import download
+
+    def snapshot(repo, revision, dest, allow=None):  # the Hub as files on disk; revision b dies after one shard
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in sorted((two_revisions / revision / "int4").iterdir()):
+            (dest / p.name).write_bytes(p.read_bytes())
+            if revision == "b" * 40 and p.suffix == ".safetensors":
+                raise KeyboardInterrupt
+
+    monkeypatch.setattr(download, "_check_hub", lambda *a: None)
+    monkeypatch.setattr(download, "_snapshot", snapshot)
+    dest = tmp_path / "int4"
+    download.download_int4(INT4, "a" * 40, dest, log=lambda m: None)
+    want = {p.name: p.read_bytes() for p in dest.glob("*.safetensors")}
+    with pytest.raises(KeyboardInterrupt):
+        download.download_int4(INT4, "b" * 40, dest, log=lambda m: None)
+    logs: list[str] = []
+    download.download_int4(INT4, "a" * 40, dest, log=logs.append)
+    assert not any("already downloaded" in m for m in logs), logs
+    assert {p.name: p.read_bytes() for p in dest.glob("*.safetensors")} == want
+
+
 def test_interrupted_fp8_fetch_resumes_without_refetching(hub, tmp_path, monkeypatch):
     from onespark.checkpoint import download
     d, endpoint = hub
@@ -187,7 +325,7 @@ def test_interrupted_fp8_fetch_resumes_without_refetching(hub, tmp_path, monkeyp
     monkeypatch.setattr(download.Fetcher, "get_to_file", dies_on_third)
     with pytest.raises(KeyboardInterrupt):
         download.fetch_fp8(FP8, FP8_SHA, tmp_path / "fp8", log=lambda m: None)
-    kept = sorted(p.name for p in (tmp_path / "fp8" / ".parts").iterdir())
+    kept = sorted(p.name for p in (tmp_path / "fp8" / ".parts").rglob("*") if p.is_file())
     assert len(kept) == 2 and not (tmp_path / "fp8" / "onespark-download.json").exists()
     monkeypatch.setattr(download.Fetcher, "get_to_file", real)
     n = len(_log(d))

@@ -156,6 +156,82 @@ def test_a_killed_run_resumed_with_other_inputs_starts_over(pairs, tmp_path):
         {k: v for k, v in digest(ref).items() if k not in skip}
 
 
+def test_step_2_killed_between_index_and_manifest_finishes_on_rerun(pairs, finished):
+    """Step 2 writes the index, then records it in step 1's manifest: a run killed between the two is finished by
+    the next one (the manifest brought up to date), not "already done" with a manifest that verify refuses."""
+    import onespark.checkpoint.mtp as step2
+    from onespark.checkpoint.verify import verify
+    real = step2._record_in_manifest
+
+    def killed(*a):
+        raise KeyboardInterrupt
+
+    step2._record_in_manifest = killed
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            step2.mtp(finished, log=lambda m: None)
+    finally:
+        step2._record_in_manifest = real
+    logs: list[str] = []
+    step2.mtp(finished, log=logs.append)
+    assert any("updated to the index an interrupted step 2 wrote" in m for m in logs), logs
+    assert verify(finished)[0] == []
+    logs.clear()
+    step2.mtp(finished, log=logs.append)
+    assert len(logs) == 1 and "step 2 already done" in logs[0], logs
+
+
+@pytest.mark.parametrize("progress", ["[]", '{"fingerprint": "F", "done": []}', '{"fingerprint": "F", "done": {"S": 3}}',
+                                      '{"fingerprint": "F", "done": {"S": {}}}', "{not json"],
+                         ids=["list", "done-list", "entry-number", "entry-no-size", "not-json"])
+def test_a_damaged_progress_record_starts_over(pairs, tmp_path, progress):
+    """A killed run's progress record that does not say what was written (another shape, not JSON) is one of
+    unknown inputs: the run starts over and finishes, never a traceback, and keeps nothing on its word."""
+    a, _ = pairs
+    ref = tmp_path / "ref"
+    hybrid(a / "int4", str(a / "fp8"), ref, log=lambda m: None)
+    out = tmp_path / "hy"
+    import onespark.checkpoint.hybrid as hy
+    real, fingerprints = hy.Writer.resume, []
+
+    def dies_at_resume(self, fingerprint, *rest):  # a run killed right after its progress record was written
+        fingerprints.append(fingerprint)
+        real(self, fingerprint, *rest)
+        self.begin()
+        raise KeyboardInterrupt
+
+    hy.Writer.resume = dies_at_resume
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            hybrid(a / "int4", str(a / "fp8"), out, log=lambda m: None)
+    finally:
+        hy.Writer.resume = real
+    (out / SHARD).write_bytes(b"\0" * (a / "int4" / SHARD).stat().st_size)  # a file the record must not vouch for
+    (out / hy.PROGRESS_FILE).write_text(progress.replace('"F"', json.dumps(fingerprints[0])).replace('"S"', json.dumps(SHARD)))
+    logs: list[str] = []
+    hybrid(a / "int4", str(a / "fp8"), out, log=logs.append)
+    assert any(hy.PROGRESS_FILE in m and m.endswith("starting over") for m in logs), logs
+    skip = {MANIFEST_FILE, ".onespark.lock"}
+    assert {k: v for k, v in digest(out).items() if k not in skip} == \
+        {k: v for k, v in digest(ref).items() if k not in skip}
+
+
+@pytest.mark.parametrize("side", ["int4", "fp8"])
+def test_a_manifest_whose_inputs_are_not_objects_is_one_line_with_a_fix_that_works(pairs, finished, side):
+    a, _ = pairs
+    man = json.loads((finished / MANIFEST_FILE).read_text())
+    man["inputs"][side] = [man["inputs"][side]]
+    (finished / MANIFEST_FILE).write_text(json.dumps(man))
+    args = ("hybrid", "--int4", str(a / "int4"), "--fp8", str(a / "fp8"), "--out", str(finished))
+    last = one_line_error(cli(*args), "hybrid")
+    assert f"inputs.{side} is a list of 1, expected an object or null" in last, last
+    assert last.endswith("remove the directory that holds it, then run step 1 again"), last
+    for p in finished.iterdir():  # what the fix says (deleting the manifest alone: step 1 refuses the directory)
+        p.unlink()
+    finished.rmdir()
+    assert cli(*args).returncode == 0
+
+
 # ---- item 4: nothing measured is lost ---------------------------------------------------------------------
 
 # The bench in a child whose --out (and, where the test says so, its temp and home directories) fails at the

@@ -45,7 +45,9 @@ from onespark.checkpoint.safetensors_io import (
     write_safetensors_tmp,
 )
 from onespark.checkpoint.writer import (
+    CONFIG,
     DOWNLOAD_RECORD,
+    INDEX,
     INDEX_FILE,
     Output,
     Writer,
@@ -62,7 +64,7 @@ INT4_REVISION = specs.SPECS[specs.DEFAULT].int4.revision
 FP8_REPO = specs.SPECS[specs.DEFAULT].fp8.repo
 FP8_REVISION = specs.SPECS[specs.DEFAULT].fp8.revision
 FP8_FILE = "fp8-shared-experts.safetensors"
-PARTS_DIR = ".parts"  # fetched byte ranges, one file each, until the FP8 file is assembled
+PARTS_DIR = ".parts"  # fetched byte ranges, one file each, until the FP8 file is assembled (a folder per revision)
 FETCH_PROGRESS = ".onespark-download-progress.json"
 COALESCE_GAP = 64 * 1024  # fetch two tensors in one request when at most this many bytes lie between them
 CHUNK = 8 * 1024 * 1024
@@ -189,7 +191,7 @@ def _ranges(infos: list) -> list[tuple[int, int, list]]:
     return out
 
 
-def _finished_record(dest: Path, repo: str, revision: str, need_index: bool = True) -> dict | None:
+def _finished_record(dest: Path, repo: str, revision: str, need_index: bool = True, log=print) -> dict | None:
     """The download record of a complete earlier fetch of repo@revision into dest, re-validated (headers
     parse, file sizes match), or None when there is work left."""
     rec_path = dest / DOWNLOAD_RECORD
@@ -198,7 +200,11 @@ def _finished_record(dest: Path, repo: str, revision: str, need_index: bool = Tr
     rec = load_json(rec_path, "download record")
     if rec.get("repo") != repo or rec.get("revision") != revision or not rec.get("complete"):
         return None
-    open_checkpoint(dest, need_index=need_index)
+    try:
+        open_checkpoint(dest, need_index=need_index)
+    except UserError as e:  # a file lost or damaged since: fetched again (its fix says to run this very command)
+        log(f"{dest}: was complete, now damaged ({e}): fetching what is missing")
+        return None
     return rec
 
 
@@ -211,19 +217,22 @@ def fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
 def _fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
     """Fetch config.json and the shared-expert FP8 weights + scales of `repo` into `dest` (a small checkpoint):
     every header first, then the byte ranges as parts (kept across runs), then the files, the record last."""
-    rec = _finished_record(dest, repo, revision)
+    rec = _finished_record(dest, repo, revision, log=log)
     if rec:
-        log(f"FP8 tensors already fetched: {dest} ({rec['tensors']} tensors from {repo}@{revision[:12]})")
+        log(f"FP8 tensors already fetched: {dest} ({rec.get('tensors', '?')} tensors from {repo}@{revision[:12]})")
         return rec
     dest.mkdir(parents=True, exist_ok=True)
     f = Fetcher(repo, revision)
     config, wm, names = _fp8_wanted(f)
-    items = _fetch_parts(f, _fp8_ranges(f, wm, names), dest / PARTS_DIR)
+    # one folder per repo@revision: another revision's parts have the same names (same shapes), not the same bytes
+    parts = dest / PARTS_DIR / hashlib.sha256(f"{repo}@{revision}".encode()).hexdigest()[:16]
+    items = _fetch_parts(f, _fp8_ranges(f, wm, names), parts)
     items.sort(key=lambda i: names.index(i[0]))
     needed = sum(r.length for *_, r in items)
     header = encode_header([(n, d, s) for n, d, s, _ in items], {"format": "pt"})
     with Writer(dest, FETCH_PROGRESS, DOWNLOAD_RECORD, log=log) as w:
         w.resume(f"{repo}@{revision}", {FP8_FILE: len(header) + needed, "config.json": None, INDEX_FILE: None})
+        w.begin()  # another revision's "complete" record goes before the first file of this one is written
         if FP8_FILE not in w.done:
             w.write(Output(FP8_FILE, len(header) + needed,
                            lambda dst: write_safetensors_tmp(dst, items, header=header)))
@@ -244,13 +253,15 @@ def _fetch_fp8(repo: str, revision: str, dest: Path, log=print) -> dict:
 
 
 def _fp8_wanted(f: Fetcher) -> tuple[dict, dict, list[str]]:
-    """(config, weight map, the tensors step 1 needs: each shared-expert weight, then its scale), checked."""
-    config = f.json("config.json")
-    wm = f.json(INDEX_FILE).get("weight_map") or {}
-    if not isinstance(wm, dict):
-        raise UserError(f"{f.repo}: {INDEX_FILE} has no weight_map object: check HF_ENDPOINT and --fp8-repo")
+    """(config, weight map, the tensors step 1 needs: each shared-expert weight, then its scale), checked: the
+    Hub's files are checked at the edge like a local checkpoint's (their declared shapes bound the layer count)."""
+    fix = "check HF_ENDPOINT and --fp8-repo/--fp8-revision"
+    config = shape.check(f.json("config.json"), CONFIG, f"{f.repo}: config.json", fix)
+    wm = shape.check(f.json(INDEX_FILE), INDEX, f"{f.repo}: {INDEX_FILE}", fix)["weight_map"]
     if (config.get("quantization_config") or {}).get("quant_method") != "fp8":
         raise UserError(f"{f.repo}: config.json does not describe an FP8 checkpoint: wrong --fp8-repo?")
+    if not isinstance(qwen35.text_config(config).get("num_hidden_layers"), int):
+        raise UserError(f"{f.repo}: config.json has no num_hidden_layers: not a Qwen3.5 checkpoint; {fix}")
     names = []
     for w in qwen35.shared_expert_weights(config):
         names += [w, qwen35.scale_name(w)]
@@ -258,6 +269,9 @@ def _fp8_wanted(f: Fetcher) -> tuple[dict, dict, list[str]]:
     if missing:
         raise UserError(f"{f.repo}: its index lacks {len(missing)} of the {len(names)} tensors step 1 needs "
                         f"(e.g. {missing[0]}): wrong --fp8-repo?")
+    for n in names:  # a shard's name becomes a URL and a part file's name: a plain file name, never a path
+        if wm[n] in ("", ".", "..") or "/" in wm[n] or "\0" in wm[n]:
+            raise UserError(f"{f.repo}: {INDEX_FILE} puts {n} in {wm[n]!r}, not a file name of the repo: {fix}")
     return config, wm, names
 
 
@@ -281,7 +295,7 @@ def _fetch_parts(f: Fetcher, plan: list[tuple[str, int, int, list]], parts: Path
     as (name, dtype, shape, Range of their part)."""
     from huggingface_hub.utils import tqdm  # honours HF_HUB_DISABLE_PROGRESS_BARS
 
-    parts.mkdir(exist_ok=True)
+    parts.mkdir(parents=True, exist_ok=True)
     items = []
     with tqdm(total=sum(e - s for _, s, e, _ in plan), unit="B", unit_scale=True, desc="FP8 shared experts") as bar:
         for shard, start, end, ts in plan:
@@ -361,12 +375,13 @@ def _download_whole(repo: str, revision: str, dest: Path, what: str, check, log,
     """`what`, the whole repo at the pin (or its files matching `allow`), into dest; `check(dest)` -> (record
     fields, summary) or a UserError. The record ("complete") is written last, so a killed or failed download is
     never taken for a finished one."""
-    rec = _finished_record(dest, repo, revision, need_index)
+    rec = _finished_record(dest, repo, revision, need_index, log)
     if rec:
         log(f"{what} already downloaded: {dest} ({repo}@{revision[:12]})")
         return rec
     log(f"downloading {what} {repo}@{revision[:12]} -> {dest} (interrupted? re-run: finished files are kept)")
     _check_hub(repo, revision, flags)
+    (dest / DOWNLOAD_RECORD).unlink(missing_ok=True)  # another revision's: never vouches for files mixed with this one's
     _snapshot(repo, revision, dest, allow)
     fields, summary = check(dest)
     rec = {"repo": repo, "revision": revision, "complete": True, **fields}

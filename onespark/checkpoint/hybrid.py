@@ -50,6 +50,7 @@ from onespark.checkpoint.writer import (
     INDEX_FILE,
     MANIFEST,
     MANIFEST_FILE,
+    MANIFEST_FIX,
     RECORD,
     Checkpoint,
     Output,
@@ -343,7 +344,7 @@ def _finished_manifest(out: Path, int4: Checkpoint, inputs: dict) -> dict | None
     of other inputs is refused: its files are never mixed with, nor silently replaced by, this run's."""
     if not (out / MANIFEST_FILE).is_file():
         return None
-    man = load_json(out / MANIFEST_FILE, "manifest", "delete it and re-run step 1", MANIFEST)
+    man = load_json(out / MANIFEST_FILE, "manifest", MANIFEST_FIX, MANIFEST)
     old = man.get("inputs") if isinstance(man.get("inputs"), dict) else {}
     if not isinstance((old.get("int4") or {}).get("files"), dict):  # an older manifest: the INT4 shard list
         step = man.get("steps", {}).get("hybrid", {})

@@ -23,6 +23,7 @@ from onespark.checkpoint.writer import (
     INDEX_FILE,
     MANIFEST,
     MANIFEST_FILE,
+    MANIFEST_FIX,
     Checkpoint,
     file_entry,
     is_inside,
@@ -96,8 +97,12 @@ def _mtp(path: Path, *, source: Path | None = None, spec: specs.Spec | None = No
     fixed = [n for n in found if n in wm and wm[n] != found[n]]
     stale = [n for n in wm if qwen35.is_mtp(n) and n not in found]
     if not (added or fixed or stale or copied):
+        result = {"added": 0, "fixed": 0, "removed": 0, "mtp_tensors": len(found)}
+        if _index_unrecorded(path):  # a run killed between writing the index and recording it: finish it
+            _record_in_manifest(path, [INDEX_FILE], result)
+            log(f"{MANIFEST_FILE} updated to the index an interrupted step 2 wrote")
         log(f"step 2 already done: all {len(found)} mtp.* tensors are in the index of {path}")
-        return {"added": 0, "fixed": 0, "removed": 0, "mtp_tensors": len(found)}
+        return result
     for n in added + fixed:
         wm[n] = found[n]
     for n in stale:  # points at nothing: vLLM would fail on it
@@ -133,9 +138,20 @@ def _mtp_tensors(ck: Checkpoint, source: Path | None) -> dict[str, str]:
     return found
 
 
+def _index_unrecorded(path: Path) -> bool:
+    """Step 1's manifest is there and its entry for the index is not the index on disk (size, or sha256 where
+    the manifest has one)."""
+    if not (path / MANIFEST_FILE).is_file():
+        return False
+    entry = load_json(path / MANIFEST_FILE, "manifest", MANIFEST_FIX, MANIFEST)["files"].get(INDEX_FILE)
+    index = path / INDEX_FILE
+    return entry is None or entry["size"] != index.stat().st_size or \
+        (entry.get("sha256") is not None and entry["sha256"] != sha256_file(index))
+
+
 def _record_in_manifest(path: Path, changed: list[str], result: dict) -> None:
     """Step 1's manifest, updated to the files step 2 changed (hashed when the manifest hashes) and its result."""
-    man = load_json(path / MANIFEST_FILE, "manifest", "delete it and re-run step 1", MANIFEST)
+    man = load_json(path / MANIFEST_FILE, "manifest", MANIFEST_FIX, MANIFEST)
     had_hash = any(v.get("sha256") for v in man.get("files", {}).values())
     for f in changed:
         man.setdefault("files", {})[f] = file_entry(path / f, sha256_file(path / f) if had_hash else None)

@@ -32,6 +32,7 @@ from onespark.checkpoint.writer import (
     INDEX_FILE,
     MANIFEST,
     MANIFEST_FILE,
+    MANIFEST_FIX,
     Checkpoint,
     load_json,
     open_checkpoint,
@@ -212,7 +213,7 @@ def _manifest_problems(ck: Checkpoint, fast: bool, problems: Problems) -> int:
             problems.append(f"{MANIFEST_FILE} is missing although config.json says step 1 wrote one: "
                             f"the run did not finish; run step 1 again")
         return 0
-    listed = load_json(man_path, "manifest", f"delete it and {REWRITE}", MANIFEST)["files"]
+    listed = load_json(man_path, "manifest", MANIFEST_FIX, MANIFEST)["files"]
     to_hash = []
     for fname, entry in sorted(listed.items()):
         f = path / fname

@@ -53,7 +53,9 @@ _QUANT = Obj(optional={
     "block_name_to_quantize": Nullable(OneOf(Str(), ListOf(str))), "to_quant_block_names": Nullable(OneOf(Str(),
                                                                                                           ListOf(str))),
     "modules_to_not_convert": Nullable(ListOf(str)),
-    "onespark_fp8": Nullable(Obj({"layers": ListOf(str)}, optional={"scale_dtype": OneOf(Str(), ListOf(str))})),
+    "onespark_fp8": Nullable(Obj({"layers": ListOf(str)}, optional={
+        "scale_dtype": OneOf(Str(), ListOf(str)),
+        "weight_block_size": ListOf(Int(1, 1 << 20), "a list of two block sizes [rows, cols]", min_len=2)})),
 }, what="an object (the quantization settings)")
 _VISION = Obj({**dict.fromkeys(("hidden_size", "intermediate_size", "patch_size", "num_position_embeddings",
                                  "out_hidden_size"), _DIM), "depth": Int(0, 1024, "a block count")},
@@ -70,8 +72,17 @@ INDEX = Obj({"weight_map": MapOf(Str("a file name (string)"), "an object of tens
 RECORD = Obj(optional={"repo": Nullable(str), "revision": Nullable(str)}, what="an object (step 0's record)")
 MANIFEST = Obj({"files": MapOf(Obj({"size": Int(0, what="a byte count")}, {"sha256": Nullable(str)}),
                                "an object of file name -> {size, sha256}")},
-               {"steps": MapOf(dict, "an object of step -> record"), "inputs": dict, "spec": Str("a spec name")},
+               {"steps": MapOf(dict, "an object of step -> record"),
+                "inputs": Obj(optional={"int4": Nullable(dict), "fp8": Nullable(dict)},
+                              what="an object ({\"int4\": ..., \"fp8\": ...})"),
+                "spec": Str("a spec name")},
                what="an object (the manifest)")
+# The fix a damaged manifest's message ends with. Not "delete it": step 1 refuses a non-empty --out without one.
+MANIFEST_FIX = "remove the directory that holds it, then run step 1 again"
+# Writer's progress record (a hidden file of its own): the inputs' fingerprint and the files written so far.
+PROGRESS = Obj({"fingerprint": Str(), "done": MapOf(Obj({"size": Int(0, what="a byte count")}),
+                                                    "an object of file name -> {size}")},
+               what="an object ({\"fingerprint\": ..., \"done\": ...})")
 
 
 def load_json(path: Path, what: str, fix: str = "download it again", like=dict) -> dict:
@@ -91,7 +102,7 @@ def recorded_spec(path: str | Path) -> str | None:
     where there is none (no manifest: a download served as it is, or a manifest of an earlier onespark)."""
     if not (Path(path) / MANIFEST_FILE).is_file():
         return None
-    return load_json(Path(path) / MANIFEST_FILE, "manifest", "delete it and re-run step 1", MANIFEST).get("spec")
+    return load_json(Path(path) / MANIFEST_FILE, "manifest", MANIFEST_FIX, MANIFEST).get("spec")
 
 
 @dataclasses.dataclass
@@ -291,7 +302,8 @@ class Writer:
     def __init__(self, out: Path, progress: str, record: str, *, hash_outputs: bool = False, log=print):
         self.out, self.hash_outputs, self.log = Path(out), hash_outputs, log
         self.progress_path, self.record_path = self.out / progress, self.out / record
-        self.progress = load_json(self.progress_path, "progress") if self.progress_path.is_file() else None
+        self.progress_damage = ""  # why the progress record was not usable (_load_progress)
+        self.progress = self._load_progress()
         self.fingerprint = ""
         self.done: dict[str, dict] = {}  # file -> {"size": n}, written and renamed
         self.carried: dict[str, dict] = {}  # file -> a finished run's manifest entry (size, sha256), kept
@@ -308,6 +320,17 @@ class Writer:
     def __exit__(self, *exc) -> None:
         self._syncer.shutdown(wait=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _load_progress(self) -> dict | None:
+        """The progress record of a killed run, or None when there is none. One that is damaged (not JSON, another
+        shape) cannot say what was written: its run is taken as one of other inputs, and `resume` starts over."""
+        if not self.progress_path.is_file():
+            return None
+        try:
+            return load_json(self.progress_path, "progress record", "starting over", PROGRESS)
+        except UserError as e:
+            self.progress_damage = str(e)
+            return {"fingerprint": None, "done": {}}
 
     def refuse_foreign(self, tool: str, flag: str) -> None:
         """A directory this writer did not start (no progress record) must be empty: it is never overwritten."""
@@ -333,7 +356,7 @@ class Writer:
             if self.done:
                 self.log(f"resuming: {len(self.done)} of {len(expect)} files already written")
         elif self.progress:
-            self.log("inputs changed since the interrupted run: starting over")
+            self.log(self.progress_damage or "inputs changed since the interrupted run: starting over")
             for p in self.out.iterdir():
                 if p.is_file() and p.name != LOCK_FILE:
                     p.unlink()
