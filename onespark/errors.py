@@ -24,6 +24,18 @@ def read_secret(path: str, flag: str) -> str:
     return key.decode("ascii")
 
 
+def plain_key(key: str | None, where: str) -> str | None:
+    """A key given as a value (--api-key, $ONESPARK_API_KEY), held to read_secret's rule: an HTTP header carries
+    printable ASCII only, and a key with an accent or a line break would fail in the smoke request, after the
+    server started. None and "" (no key) pass as None. The value itself is never shown."""
+    if not key:
+        return None
+    if not key.isascii() or not all(32 < ord(c) < 127 for c in key):
+        raise UserError(f"{where}: the key is not plain printable ASCII (a space, a line break or a character a "
+                        "copy-paste added?): set it again, or put it alone on the first line of --api-key-file")
+    return key
+
+
 class UserError(Exception):
     """A problem the user can fix. The CLI prints it as one line on stderr and exits 1.
 

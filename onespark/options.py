@@ -7,6 +7,7 @@ project's virtualenv.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
 import re
 import sys
@@ -98,6 +99,37 @@ def cache_volume(text: str) -> str | None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a Docker volume name: give letters, digits and _ . - "
                                          "(starting with a letter or digit), or none for no cache")
     return text
+
+
+# Docker's own rule for a container name (daemon/names: [a-zA-Z0-9][a-zA-Z0-9_.-]+). serve's --name also names the
+# memory guard's files (memory.guard_files): a `/` there would put them, or the report serve deletes, anywhere.
+_CONTAINER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{1,127}")
+
+
+def container_name(text: str) -> str:
+    """argparse `type=` of serve's --name: a Docker container name, refused here rather than by `docker run`."""
+    if not _CONTAINER_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Docker container name: give 2 or more letters, digits "
+                                         "and _ . - (starting with a letter or digit), e.g. onespark")
+    return text
+
+
+# A DNS name or an ~/.ssh/config alias: labels of letters, digits, `-` and `_`, no leading `-` (an option to the
+# program that gets it), no space or quote. cluster's ssh destinations and every --host share it.
+DNS_NAME = r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?"
+
+
+def bind_host(text: str) -> str:
+    """argparse `type=` of --host (the address a server binds): an IP address or a host name."""
+    try:
+        ipaddress.ip_address(text)
+        return text
+    except ValueError:
+        pass
+    if len(text) <= 253 and re.fullmatch(DNS_NAME, text):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not an address to bind: give an IP address (127.0.0.1: this "
+                                     "machine only; 0.0.0.0: every interface) or a host name")
 
 
 class Parser(argparse.ArgumentParser):

@@ -313,6 +313,32 @@ def test_wait_cluster_checks_the_plugin_on_every_node():
         cluster.wait_cluster(runner, HEAD, WORKER, {"192.168.100.1", "192.168.100.2"})
 
 
+def test_wait_cluster_reads_the_plugin_result_among_rays_log_lines():
+    """The runner gives stdout and stderr together, and Ray's C++ log lines start with "[" too: the last such
+    line was taken for the JSON (JSONDecodeError), and a JSON list of another shape failed to unpack (ValueError),
+    both tracebacks once both Ray containers were up."""
+    good = json.dumps([["192.168.100.1", ["int8-lm-head"]], ["192.168.100.2", ["int8-lm-head"]]])
+    ray_line = "[2026-01-01 10:00:00,123 W 77 88] core_worker.cc:1234: Shutting down the core worker"
+    def answering(out: str):
+        answers = iter(["2", out])  # the node count, then the plugin check
+        return lambda node, cmd, timeout: (0, next(answers))
+
+    ips = {"192.168.100.1", "192.168.100.2"}
+    for out in (good + "\n" + ray_line, ray_line + "\n" + good):
+        seen = cluster.wait_cluster(answering(out), HEAD, WORKER, ips)
+        assert [ip for ip, _ in seen] == ["192.168.100.1", "192.168.100.2"]
+    for out in ('["192.168.100.1"]', "[[1, 2, 3]]", '[["192.168.100.1", "int8"]]', ray_line, "[" * 100_000):
+        with pytest.raises(UserError, match=r"node spark1 \(head\): the plugin check printed no result"):
+            cluster.wait_cluster(answering(out), HEAD, WORKER, ips)
+
+
+def test_link_probe_skips_a_line_that_is_no_address():
+    """A node's answer is outside input: `addr IFACE CIDR` with no CIDR in it (a banner, a damaged answer) raised
+    ipaddress's ValueError out of the preflight."""
+    facts = cluster_link.parse_link_probe("addr eth0 999.1.1.1/24\naddr eth1 not-an-ip\naddr eth2 10.0.0.1/24\n")
+    assert [(i, str(ip)) for i, ip in facts.addrs] == [("eth2", "10.0.0.1/24")]
+
+
 @pytest.mark.parametrize("log,expect", [
     # NCCL 2.2x INIT,NET lines as vLLM's workers print them.
     ("NCCL INFO NET/IB : Using [0]rocep1s0f1:1/RoCE [RO]; OOB enp1s0f1np1:192.168.100.1<0>\n"

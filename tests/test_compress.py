@@ -245,7 +245,8 @@ def test_request_reader_fuzz(proxy, standin):
         for h in [b"", b"nan", b"inf", b"-0", b"1e999", b"0.5, 0.6", b"\xc3\xa9"]:
             r = c.post(proxy.base_url + compress.CHAT, content=raw, headers={HEADER: h})
             assert r.status_code in (200, 400), (h, r.text)
-    for length in (b"99999999999", b"-1", b"0x10", b"1" * 40):  # what httpx would not send: a raw socket
+    # b"\xb2" (latin-1 "²") is str.isdigit() but no int(): it was a 500 and an "internal error" in the log
+    for length in (b"99999999999", b"-1", b"0x10", b"1" * 40, b"\xb2"):  # what httpx would not send: a raw socket
         with socket.create_connection(("127.0.0.1", int(proxy.base_url.rsplit(":", 1)[1])), timeout=10) as s:
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + length + b"\r\n\r\n{}")
             status = s.recv(64).split(b" ")[1]
@@ -290,6 +291,22 @@ def test_cli_refuses_a_missing_model_dir(tmp_path, capsys):
     assert main(["compress", "serve", "--model-dir", str(tmp_path / "none")]) == 1
     err = capsys.readouterr().err
     assert "onespark download" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("upstream", ["http://127.0.0.1:99999", "http://127.0.0.1:port", "http://127.0.0.1:0"])
+def test_cli_refuses_a_bad_upstream_before_the_model_loads(tmp_path, capsys, upstream):
+    """urlsplit's .port raised ValueError (a traceback) for a port out of range or not a number, and only in
+    Proxy(), once the compressor had loaded; port 0 went to port 80. The config.json here is no model's: the
+    upstream is what must fail, first."""
+    from onespark.cli import main
+
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["compress", "serve", "--model-dir", str(tmp_path), "--upstream", upstream]) == 1
+    err = capsys.readouterr().err
+    assert err == f"onespark compress: error: --upstream {upstream!r} is not an http(s) URL: use e.g. " \
+                  "http://127.0.0.1:8000\n", err
+    assert compress.upstream_of("http://[::1]:8000/") == ("http", "::1", 8000)
+    assert compress.upstream_of("https://vllm.lan") == ("https", "vllm.lan", 443)
 
 
 def test_cli_refuses_a_model_of_another_family(tmp_path):

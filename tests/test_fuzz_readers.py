@@ -163,6 +163,57 @@ def test_checkpoint_json(pair, tmp_path, fname):
     assert seen["user"] > 0 and seen["ok"] > 0, seen  # the mutator reaches both outcomes
 
 
+def test_memory_plan_of_a_damaged_index(pair, tmp_path):
+    """The plan serve and doctor print from the index, made and printed whole (weights_bytes alone returned; the
+    plan's float arithmetic then overflowed on a 400-digit total_size), and a NUL byte in a file name (os.stat's
+    ValueError): each was a traceback of `onespark serve --dry-run`."""
+    rng = random.Random(f"{SEED}-plan")
+    d = tmp_path / "ck"
+    shutil.copytree(pair / "int4", d)
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       125000000 kB\nMemAvailable:   120000000 kB\n")
+    doc = json.loads((d / INDEX_FILE).read_bytes())
+    some = next(iter(doc["weight_map"]))
+    special = [{**doc, "metadata": {"total_size": 10**400}}, {**doc, "metadata": {"total_size": 2**60}},
+               {**doc, "weight_map": {**doc["weight_map"], some: "model\u0000.safetensors"}, "metadata": None}]
+    for raw in [dumps(x) for x in special] + list(mutants_of(d / INDEX_FILE, rng)):
+        (d / INDEX_FILE).write_bytes(raw)
+        try:
+            for args in ([], ["--kv-cache-memory-bytes", "9" * 400], ["--kv-cache-memory-bytes", "2000T"]):
+                survives(lambda args=args: (lambda p: (p.lines(), p.problems()))(
+                    memory.make_plan(d, args, meminfo=str(meminfo))))
+        except Exception as e:  # noqa: BLE001
+            pytest.fail(f"index = {raw[:300]!r}: {type(e).__name__}: {e}")
+    for raw in map(dumps, special):
+        (d / INDEX_FILE).write_bytes(raw)
+        with pytest.raises(UserError, match="the checkpoint is damaged"):
+            memory.make_plan(d, [], meminfo=str(meminfo))
+
+
+def test_doctor_reads_any_compressor_record(tmp_path):
+    """onespark-download.json of a compressor: its `bytes` as 10**400 overflowed doctor's GB (a traceback that
+    ended the preflight), NaN printed "nan GB"."""
+    from onespark.model import specs
+    from onespark.serving import doctor
+
+    name = specs.DEFAULT_COMPRESSOR
+    c = specs.COMPRESSORS[name]
+    d = tmp_path / specs.COMPRESSOR_DIR / name
+    d.mkdir(parents=True)
+    good = {"complete": True, "repo": c.source.repo, "revision": c.source.revision, "bytes": 2_200_000_000}
+    rng = random.Random(f"{SEED}-compressor-record")
+    docs = [dumps({**good, "bytes": 10**400}), dumps({**good, "bytes": float("nan")})]
+    for raw in docs + [dumps(x) for x in json_mutants(good, rng)] + list(text_mutants(dumps(good), rng)):
+        (d / "onespark-download.json").write_bytes(raw)
+        try:
+            checks = doctor.check_compressor(doctor.Preflight(work=str(tmp_path)))
+        except Exception as e:  # noqa: BLE001
+            pytest.fail(f"record = {raw[:300]!r}: {type(e).__name__}: {e}")
+        assert all("nan GB" not in ch.detail and "inf GB" not in ch.detail for ch in checks), checks
+    (d / "onespark-download.json").write_bytes(dumps(good))
+    assert ", 2.20 GB;" in doctor.check_compressor(doctor.Preflight(work=str(tmp_path)))[0].detail
+
+
 def test_shard_header(pair, tmp_path):
     rng = random.Random(f"{SEED}-header")
     d = tmp_path / "ck"

@@ -181,6 +181,9 @@ ANSWERS = {  # kind -> (/v1/models body, chat body, the message)
     "chat-no-usage": (None, '{"choices": [{"message": {"content": "hi"}}]}', "or usage.completion_tokens"),
     "chat-not-json": (None, "Bad Gateway", "the chat answer is not JSON"),
     "chat-choices-string": (None, '{"choices": "x", "usage": {"completion_tokens": 3}}', "has no choices[0]"),
+    # nested past Python's stack: json.loads raises RecursionError, which is no ValueError (it was a traceback)
+    "models-nested": ("[" * 100_000, None, "GET /v1/models is not JSON"),
+    "chat-nested": (None, "[" * 100_000, "the chat answer is not JSON"),
 }
 MODELS_OK = '{"data": [{"id": "tiny"}]}'
 CHAT_OK = '{"choices": [{"message": {"content": "Paris."}}], "usage": {"completion_tokens": 2}}'
@@ -317,3 +320,101 @@ def test_numeric_options_are_finite_and_in_range(tmp_path, monkeypatch, capsys, 
         named = "--size/--draft-vocab-size" if flag == "--size" else flag  # argparse names every alias
         assert err == f"{prog}: error: argument {named}: expected {want}, got {value!r} (see {prog} --help)\n", err
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- what names a server, and its key: checked at the edge ---------------------------------------------------
+
+def test_an_ipv6_host_gives_a_url_in_brackets(tmp_path):
+    """--host ::1 (a local address: no warning) made http://::1:8000, which httpx refuses with InvalidURL (no
+    HTTPError: a traceback after the container started) and curl and the image's health check with it."""
+    assert launch.base_url("::1", 8000) == "http://[::1]:8000"
+    assert launch.base_url("::", 8000) == launch.base_url("0.0.0.0", 8000) == "http://127.0.0.1:8000"
+    assert launch.base_url("fd00::2", 9) == "http://[fd00::2]:9" and launch.base_url("spark1", 9) == "http://spark1:9"
+    assert launch.http(launch.base_url("::1", _free_port()) + "/health", timeout=2) == (0, b"")  # refused, no raise
+    (tmp_path / "m").mkdir()
+    r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(tmp_path / "m"),
+                        "--dry-run", "--host", "::1"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ONESPARK_HEALTH_URL=http://[::1]:8000/health" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--name", "../../../escaped", "is not a Docker container name"),
+    ("--name", "-f", "is not a Docker container name"),
+    ("--name", "a b", "is not a Docker container name"),
+    ("--host", "-oProxyCommand=x", "is not an address to bind"),
+    ("--host", "127.0.0.1 --api-key", "is not an address to bind"),
+    ("--host", "a;b", "is not an address to bind"),
+])
+def test_serve_refuses_a_name_or_host_that_is_none(tmp_path, flag, value, says):
+    """--name also names the memory guard's log and report (state dir/guard-NAME.log): `../../../escaped` made
+    serve create that log outside the state directory (and read, then delete, a .report there) before
+    `docker run` refused the name. Now refused by the parser, with nothing run or written."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    env = _fake_docker(tmp_path, """\
+        case "$1" in
+          image) exit 0 ;;
+          inspect) exit 1 ;;
+          run) echo "invalid container name" >&2; exit 1 ;;
+        esac
+        """)
+    r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(model),
+                        "--port", str(_free_port()), f"{flag}={value}"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and says in r.stderr, r.stderr
+    assert not (tmp_path / "calls").exists()  # docker was never called
+    assert [p.name for p in tmp_path.rglob("*.log")] == []  # no guard log, in or out of the state directory
+
+
+@pytest.mark.parametrize("command", ["serve", "cluster"])
+@pytest.mark.parametrize("key", ["sk-caf\u00e9-0123456789", "sk-0123\n456789", "sk-0123 456789"])
+def test_a_key_from_the_environment_is_held_to_the_key_files_rule(tmp_path, command, key):
+    """$ONESPARK_API_KEY (or --api-key) with an accent made the smoke request raise UnicodeEncodeError in httpx:
+    a traceback once the server was up. Refused before anything starts, the key never shown."""
+    (tmp_path / "m").mkdir()
+    argv = {"serve": ["serve", "--demo", "--checkpoint", str(tmp_path / "m"), "--dry-run"],
+            "cluster": ["cluster", "--nodes", "spark1,spark2", "--work", str(tmp_path / "w"), "--dry-run"]}[command]
+    env = {**os.environ, "ONESPARK_API_KEY": key}
+    r = subprocess.run([sys.executable, "-m", "onespark", *argv], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 1 and r.stdout == "", r.stdout + r.stderr
+    assert r.stderr.splitlines() == [
+        f"onespark {command}: error: --api-key (or $ONESPARK_API_KEY): the key is not plain printable ASCII (a space, "
+        "a line break or a character a copy-paste added?): set it again, or put it alone on the first line of "
+        "--api-key-file"], r.stderr
+    assert all(part not in r.stderr for part in key.split())
+    with pytest.raises(UnicodeEncodeError):  # what the smoke request did with it
+        launch.http(f"http://127.0.0.1:{_free_port()}/v1/models", api_key="sk-caf\u00e9")
+
+
+def test_doctor_names_a_bad_hf_endpoint_or_token_in_its_check(monkeypatch):
+    """HF_ENDPOINT=http://::1 raised httpx.InvalidURL (no HTTPError) and a non-ASCII HF_TOKEN UnicodeEncodeError:
+    both were tracebacks that ended the whole preflight. Now each is the Hugging Face check's FAIL line."""
+    from onespark.serving import doctor
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    for endpoint in ("http://::1", "https://hub:port"):
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        [c] = doctor.check_hf()
+        assert (c.status, c.detail.split(" (")[0]) == ("FAIL", f"HF_ENDPOINT {endpoint!r} is not a URL"), c
+        assert "set HF_ENDPOINT to a URL" in c.fix
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setenv("HF_TOKEN", "hf_s\u00e9cret123")
+    [c] = doctor.check_hf()
+    assert c.status == "FAIL" and c.detail.startswith("$HF_TOKEN is not plain printable ASCII"), c
+    assert "s\u00e9cret" not in c.detail + c.fix
+
+
+def test_an_unknown_spec_in_the_manifest_is_named_as_the_manifests(tmp_path, capsys):
+    """The spec step 1 recorded (a newer onespark's, a hand edit) was reported as `--model zzz: unknown`, a flag the
+    user never gave; the line names the manifest and the flag that overrides it."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "onespark-manifest.json").write_text('{"files": {}, "spec": "qwen9-zzz"}')
+    assert cli.main(["serve", "--demo", "--checkpoint", str(model), "--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"onespark serve: error: {model}/onespark-manifest.json records the spec 'qwen9-zzz', "
+                          "which this onespark does not know (it knows qwen3.5-122b-a10b"), err
+    assert err.endswith(": pass --model NAME, or update onespark to the version that wrote it\n") and "--model qwen9" not in err
+    assert cli.main(["serve", "--demo", "--checkpoint", str(model), "--dry-run", "--model", "qwen3.5-35b-a3b"]) == 0

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from onespark import __version__, options, tracks
-from onespark.errors import UserError, read_secret
+from onespark.errors import UserError, plain_key, read_secret
 from onespark.serving import launch, memory
 from onespark.serving.cluster_link import LINK_PROBE, Node, Plan, Runner, link_preflight
 from onespark.serving.vllm_log import likely_cause
@@ -97,7 +97,8 @@ class Cluster:
         extra = list(args.vllm_args or [])
         extra = extra[1:] if extra and extra[0] == "--" else extra
         options.reject_secret_flags(extra, "cluster")
-        api_key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else args.api_key
+        api_key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else \
+            plain_key(args.api_key, "--api-key (or $ONESPARK_API_KEY)")
         return cls(nodes=args.nodes, work=args.work, image=args.image, iface=args.iface, pp=args.pp, sync=args.sync,
                    allow_sockets=args.allow_sockets, host=args.host, port=args.port, api_key=api_key,
                    timeout=args.timeout, prompt=args.prompt, max_tokens=args.max_tokens, bench=args.bench,
@@ -417,7 +418,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Docker volume on each node for the compile caches, as onespark serve's (default: "
                         f"{launch.CACHE_VOLUME}; none: no volume)")
     p.add_argument("--allow-sockets", action="store_true", help="run over TCP sockets when the link has no RoCE")
-    p.add_argument("--host", default="127.0.0.1", help="address vLLM binds on the head (default: %(default)s)")
+    p.add_argument("--host", type=options.bind_host, default="127.0.0.1", help="address vLLM binds on the head (default: %(default)s)")
     p.add_argument("--port", type=options.PORT, default=8000, help="vLLM's port on the head (default: %(default)s)")
     launch.add_key_arguments(p)
     p.add_argument("--timeout", type=options.SECONDS, default=2400, help="seconds to wait for /health (default: %(default)s)")
@@ -455,7 +456,7 @@ def _is_this_machine(name: str) -> bool:
 # is an ssh option (`-oProxyCommand=...` runs a command here), a space or quote splits it.
 # install.sh's check_nodes has the same rule in bash (tests/test_cluster.py runs both on one table).
 _USER = r"[A-Za-z0-9_][A-Za-z0-9._-]*"
-_DNS = r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?"
+_DNS = options.DNS_NAME
 
 
 _IPV6 = r"[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?"  # and ipaddress must take it; %zone for a link-local address
@@ -515,10 +516,12 @@ def wait_cluster(runner: Runner, head: Node, worker: Node, expect_ips: set[str],
         time.sleep(3)
     out = _run(runner, head, shlex.join(["docker", "exec", RAY_CONTAINER, "python", "-c", PLUGIN_CHECK.strip()]),
                300, "the plugin check in Ray workers")
-    lines = [ln for ln in out.splitlines() if ln.startswith("[")]
-    if not lines:
+    # PLUGIN_CHECK's line: [[ip, [active patch, ...]], ...]. The runner gives stdout and stderr together, where Ray's
+    # own log lines also start with "[" ("[2026-01-01 10:00:00,123 W 77 88] core_worker.cc: ...").
+    results = [r for r in map(_plugin_result, out.splitlines()) if r is not None]
+    if not results:
         raise UserError(f"node {head}: the plugin check printed no result: {out[-300:]}")
-    seen = json.loads(lines[-1])
+    seen = results[-1]
     for ip, active in seen:
         if not active:
             raise UserError(f"node at {ip}: the onespark plugin is not active in its Ray worker: the image's "
@@ -528,6 +531,20 @@ def wait_cluster(runner: Runner, head: Node, worker: Node, expect_ips: set[str],
         raise UserError(f"Ray nodes answered from {sorted(ip for ip, _ in seen)}, not from {sorted(missing)}: "
                         f"start Ray with --node-ip-address on the link (onespark cluster --down, then again)")
     return seen
+
+
+def _plugin_result(line: str) -> list[list] | None:
+    """PLUGIN_CHECK's JSON line, [[node ip, [active patch, ...]], ...], or None for any other line."""
+    if not line.startswith("["):
+        return None
+    try:
+        doc = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, list) or not all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str)
+                                            and isinstance(x[1], list) for x in doc):
+        return None
+    return doc
 
 
 def guard_reports(runner: Runner, nodes: tuple[Node, ...]) -> str:
@@ -598,7 +615,7 @@ def _dry_run(c: Cluster, head: Node, worker: Node) -> int:
             print(f"[{node.role} {node.name}] (read {what}) {shown}")
     print("onespark cluster: then, once every check passes (link values below are placeholders):")
     print_plan(plan, plan_commands(c, plan))
-    print(f"[head {head.name}] wait for /health on http://{c.host}:{c.port}, one chat request"
+    print(f"[head {head.name}] wait for /health on {launch.base_url(c.host, c.port)}, one chat request"
           + (", then onespark bench --suite published" if c.bench else ""))
     return 0
 
@@ -684,7 +701,7 @@ def run(args: argparse.Namespace, runner: Runner = shell_runner, nodes: tuple[No
     if c.api_key:
         os.environ["VLLM_API_KEY"] = c.api_key  # `docker exec -e VLLM_API_KEY` takes it from here, not argv
     _run(runner, head, vllm_exec_cmd(c), 60, "starting vLLM")
-    base_url = f"http://{launch.probe_host(c.host)}:{c.port}"
+    base_url = launch.base_url(c.host, c.port)
     used = _report_transport(c, plan, wait_vllm(runner, c, head, worker, base_url))
     try:
         _smoke(c, plan, base_url)

@@ -66,7 +66,10 @@ def parse_link_probe(text: str) -> LinkFacts:
         if not w:
             continue
         if w[0] == "addr" and len(w) == 3:
-            f.addrs.append((w[1].split("@")[0], ipaddress.IPv4Interface(w[2])))
+            try:
+                f.addrs.append((w[1].split("@")[0], ipaddress.IPv4Interface(w[2])))
+            except ValueError:  # not `ip`'s line (a login banner, a damaged answer): no address of the link
+                continue
         elif w[0] == "mtu" and len(w) == 3 and w[2].isdigit():
             f.mtu[w[1]] = int(w[2])
         elif w[0] == "hca" and len(w) >= 3:

@@ -47,7 +47,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from onespark import options, shape
-from onespark.errors import UserError, read_secret
+from onespark.errors import UserError, plain_key, read_secret
 
 FIELD = "onespark_compress"
 HEADER = "X-Onespark-Compress"
@@ -330,17 +330,25 @@ def _error(message: str, status: int, param: str | None = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
 
 
+def upstream_of(upstream: str) -> tuple[str, str, int]:
+    """--upstream as (scheme, host, port); a UserError for anything else, checked before the compressor loads."""
+    u = urlsplit(upstream.rstrip("/"))
+    try:
+        port = u.port  # ValueError for a port that is no number or out of range (http://h:99999)
+    except ValueError:
+        port = 0
+    if u.scheme not in ("http", "https") or not u.hostname or port == 0:
+        raise UserError(f"--upstream {upstream!r} is not an http(s) URL: use e.g. http://127.0.0.1:8000")
+    return u.scheme, u.hostname, port if port is not None else (443 if u.scheme == "https" else 80)
+
+
 class Proxy:
     """The proxy server: `with Proxy(...) as p: p.base_url`; or `serve_forever()`."""
 
     def __init__(self, upstream: str, compressor=None, *, host: str = "127.0.0.1", port: int = 0,
                  key: str | None = None, defaults: Ask | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  upstream_timeout_s: float = 3600.0, log=None):
-        u = urlsplit(upstream.rstrip("/"))
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise UserError(f"--upstream {upstream!r} is not an http(s) URL: use e.g. http://127.0.0.1:8000")
-        self.scheme, self.up_host = u.scheme, u.hostname
-        self.up_port = u.port or (443 if u.scheme == "https" else 80)
+        self.scheme, self.up_host, self.up_port = upstream_of(upstream)
         self.compressor, self.key, self.timeout_s = compressor, key, timeout_s
         self.upstream_timeout_s = upstream_timeout_s
         self.defaults = defaults or Ask(DEFAULT_RATE, DEFAULT_MIN_TOKENS)
@@ -417,7 +425,7 @@ def _handler(proxy: Proxy):
                 self._reply(411, _error("send the request with a Content-Length (no chunked bodies)", 411))
                 return None
             raw = self.headers.get("Content-Length", "0").strip() or "0"
-            if not raw.isdigit() or len(raw) > 12:
+            if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:  # "²".isdigit(), but int("²") fails
                 self._reply(400, _error(f"Content-Length {raw[:20]!r} is not a byte count", 400))
                 return None
             n = int(raw)
@@ -576,7 +584,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--model-dir", required=True, type=Path,
                    help="the LLMLingua-2 checkpoint (onespark download --compressor NAME writes DEST/llmlingua2/NAME)")
     s.add_argument("--upstream", default="http://127.0.0.1:8000", help="vLLM's URL (default: %(default)s)")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s: this machine only)")
+    s.add_argument("--host", type=options.bind_host, default="127.0.0.1", help="address to bind (default: %(default)s: this machine only)")
     s.add_argument("--port", type=options.PORT, default=8001, help="port to bind (default: %(default)s)")
     s.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
                    help="where the compressor runs (default: auto = cuda when torch sees a GPU)")
@@ -591,7 +599,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else os.environ.get(KEY_ENV) or None
+    key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else \
+        plain_key(os.environ.get(KEY_ENV), f"${KEY_ENV}")
+    upstream_of(args.upstream)  # a typo found now, not after the model has loaded
     if not (args.model_dir / "config.json").is_file():
         raise UserError(f"--model-dir {args.model_dir}: no config.json: fetch the weights with "
                         "`onespark download --dest WORK --compressor xlm-roberta-large --skip-int4 --skip-fp8`")

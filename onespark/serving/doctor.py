@@ -317,9 +317,9 @@ def check_compressor(p: Preflight) -> list[Check]:
                                 f"delete {d} and run: onespark download --dest {work} --compressor {d.name} "
                                 "--skip-int4 --skip-fp8"))
         else:
-            size = rec.get("bytes")
+            size = rec.get("bytes")  # the record's own number: shown only when it is one (10**400, NaN, true: not)
             checks.append(Check(f"compressor {d.name}", "ok", f"{c.source.repo}@{c.source.revision[:12]} at {d}"
-                                + (f", {size / 1e9:.2f} GB" if isinstance(size, (int, float)) else "")
+                                + (f", {size / 1e9:.2f} GB" if type(size) in (int, float) and 0 <= size < 1e18 else "")
                                 + f"; onespark compress serve --model-dir {d}"))
     return checks
 
@@ -333,12 +333,20 @@ def check_hf(repo: str = HF_REPO) -> list[Check]:
     headers = {}
     token = os.environ.get("HF_TOKEN")
     if token:
+        if not token.isascii() or not token.isprintable():  # an HTTP header carries printable ASCII only
+            return [Check("Hugging Face", "FAIL", "$HF_TOKEN is not plain printable ASCII (a character a copy-paste "
+                          "added?)", "export HF_TOKEN again with the token as the Hub shows it, or unset it and "
+                          "hf auth login")]
         headers["Authorization"] = f"Bearer {token}"
     import httpx  # here, not at the top: the serving wing is standard library at module level (tests/test_wings.py)
 
     try:
         # follow_redirects: the Hub answers a renamed repo with a redirect to its new name
         r = httpx.get(url, headers=headers, timeout=10, follow_redirects=True)
+    except httpx.InvalidURL as e:  # not an HTTPError: HF_ENDPOINT=http://::1 (no brackets), a bad port
+        return [Check("Hugging Face", "FAIL", f"HF_ENDPOINT {endpoint!r} is not a URL ({e})",
+                      "set HF_ENDPOINT to a URL such as https://huggingface.co (an IPv6 address in brackets), or "
+                      "unset it")]
     except (httpx.HTTPError, OSError) as e:
         return [Check("Hugging Face", "FAIL", f"cannot reach {endpoint}: {e or type(e).__name__}", NETWORK_FIX)]
     if r.status_code in (401, 403):

@@ -29,6 +29,13 @@ def probe_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
 
+def base_url(host: str, port: int) -> str:
+    """http://HOST:PORT where this machine reaches a server that binds `host`; an IPv6 address in brackets
+    (http://::1:8000 is no URL: httpx raises InvalidURL, curl refuses it)."""
+    probe = probe_host(host)
+    return f"http://[{probe}]:{port}" if ":" in probe else f"http://{probe}:{port}"
+
+
 def add_key_arguments(p: argparse.ArgumentParser) -> None:
     """The API key's two flags, as serve and cluster take them (read_secret reads the file)."""
     p.add_argument("--api-key", default=os.environ.get("ONESPARK_API_KEY"),
@@ -140,7 +147,7 @@ def wait_healthy(base_url: str, timeout: float, *, prog: str, poll: Poll, after_
 def _json_answer(body: bytes, what: str):
     try:
         return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested past Python's stack
         raise UserError(f"{what} is not JSON (it starts {body[:80]!r}): {NOT_VLLM}") from None
 
 

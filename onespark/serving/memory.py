@@ -48,6 +48,9 @@ from onespark.serving.vllm_log import detect_stage
 
 GIB = 1024**3
 MIB = 1024**2
+# No checkpoint is a PiB: an index or a flag that says more is damaged or mistyped (the plan's arithmetic in
+# floats would overflow on 10**400).
+MAX_WEIGHTS = 2**50
 
 # = the default of docker/entrypoint.sh (tests/test_memory_guard.py reads it from there).
 DEFAULT_GPU_UTIL = 0.82
@@ -153,6 +156,9 @@ def weights_bytes(model: str | os.PathLike) -> tuple[int, str]:
         except UserError as e:
             raise PlanError(str(e)) from None
         total = (doc.get("metadata") or {}).get("total_size")
+        if isinstance(total, int) and total > MAX_WEIGHTS:  # 10**400 would end the plan's arithmetic in a traceback
+            raise PlanError(f"{index}: metadata.total_size says more than 1 PiB, no checkpoint's size: the "
+                            f"checkpoint is damaged; onespark verify {d}")
         if isinstance(total, (int, float)) and total > 0:
             return int(total), f"{index.name} metadata.total_size"
         files = sorted(set((doc.get("weight_map") or {}).values()))
@@ -161,6 +167,9 @@ def weights_bytes(model: str | os.PathLike) -> tuple[int, str]:
                 return sum((d / f).stat().st_size for f in files), f"the {len(files)} shards {index.name} names"
             except OSError as e:
                 raise PlanError(f"{d}: a shard the index names is missing ({e.filename}): "
+                                f"onespark verify {d}") from None
+            except ValueError:  # a NUL byte in a file name: no path
+                raise PlanError(f"{index}: a weight_map file name holds a NUL byte: the checkpoint is damaged; "
                                 f"onespark verify {d}") from None
     shards = sorted(d.glob("*.safetensors"))
     if not shards:
@@ -192,7 +201,10 @@ def parse_bytes(text: str) -> int:
         raise ValueError(text)
     mult = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
             "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}[m.group(2)]
-    return int(float(m.group(1)) * mult)
+    value = float(m.group(1)) * mult
+    if value > MAX_WEIGHTS:  # also inf: a 400-digit number reads as float infinity
+        raise ValueError(text)
+    return int(value)
 
 
 def max_util(total: int, keep: int) -> float:
@@ -315,7 +327,7 @@ def make_plan(model: str | os.PathLike, vllm_args: list[str], *, meminfo: str = 
         try:
             kv_bytes = parse_bytes(kv)
         except ValueError:
-            raise PlanError(f"-- --kv-cache-memory-bytes {kv!r}: expected bytes, e.g. 36864M") from None
+            raise PlanError(f"-- --kv-cache-memory-bytes {kv!r}: expected bytes (at most 1024T), e.g. 36864M") from None
     compressor, compressor_source = 0, ""
     if compressor_dir is not None:
         weights_c, how = weights_bytes(compressor_dir)

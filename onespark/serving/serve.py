@@ -55,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tq", action="store_true", help="run the TurboQuant image (v2-tq): 3.9x the KV tokens per GB; a decode "
                    "step ~v2's at 1K, faster at long context (H200, 122B and 35B shapes: docs/concepts/turboquant.md)")
     p.add_argument("--demo", action="store_true", help="CPU stand-in: no GPU, tiny model, GPU-only defaults dropped")
-    p.add_argument("--name", default="onespark", help="container name (default: onespark)")
-    p.add_argument("--host", default="127.0.0.1", help="address vLLM binds (default: 127.0.0.1, this machine only)")
+    p.add_argument("--name", type=options.container_name, default="onespark", help="container name (default: onespark)")
+    p.add_argument("--host", type=options.bind_host, default="127.0.0.1", help="address vLLM binds (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=options.PORT, default=8000, help="port (default: 8000)")
     launch.add_key_arguments(p)
     p.add_argument("--timeout", type=options.SECONDS, help="seconds to wait for /health (default: 1800; --demo: 600)")
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"docker run failed: {e.stderr.strip()}") from None
     if la.guard:
         _start_guard(la, guard_cmd, guard_log)
-    base_url = f"http://{probe}:{la.port}"
+    base_url = launch.base_url(la.host, la.port)
     container.wait_healthy(la.name, base_url, la.timeout, tty=sys.stdout.isatty(), guard_report=guard_report if la.guard else None)
     if la.smoke:
         try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from onespark import __version__, options
 from onespark.checkpoint.writer import recorded_spec
-from onespark.errors import UserError, read_secret
+from onespark.errors import UserError, plain_key, read_secret
 from onespark.serving import launch, memory
 
 V2_IMAGE = f"onespark/v2:{__version__}"
@@ -64,12 +64,15 @@ class Launch:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, image: str | None = None) -> Launch:
-        api_key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else args.api_key
+        api_key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else \
+            plain_key(args.api_key, "--api-key (or $ONESPARK_API_KEY)")
         user = _after_dashes(args.vllm_args)
         options.reject_secret_flags(user, "serve")
         image = image or args.image or (DEMO_IMAGE if args.demo else V2_TQ_IMAGE if args.tq else V2_IMAGE)
         recorded = recorded_spec(args.checkpoint)
         spec = args.model or (recorded if recorded != "custom" else None)  # custom: no serving defaults of its own
+        if spec and not args.model:
+            _known_recorded(spec, args.checkpoint)
         vllm_args = _with_spec(spec, _with_drafter(args, spec, image, user))
         floor = args.guard_floor_gib
         if floor is None:
@@ -82,6 +85,17 @@ class Launch:
                    timeout=args.timeout or (600 if args.demo else 1800), guard=not args.no_memory_guard,
                    guard_floor_gib=floor, host_reserve_gib=args.host_reserve_gib, meminfo=args.meminfo,
                    vmstat=args.vmstat, compressor_dir=args.compressor_dir, cache_volume=args.cache_volume)
+
+
+def _known_recorded(spec: str, checkpoint: str) -> None:
+    """A spec the manifest records must be one this onespark knows; the message names the manifest, not --model
+    (which the user did not give)."""
+    from onespark.checkpoint.writer import MANIFEST_FILE
+    from onespark.model import specs
+    if spec not in specs.SPECS:
+        raise UserError(f"{os.path.join(checkpoint, MANIFEST_FILE)} records the spec {spec[:60]!r}, which this "
+                        f"onespark does not know (it knows {', '.join(specs.SPECS)}): pass --model NAME, or update "
+                        "onespark to the version that wrote it")
 
 
 def _after_dashes(vllm_args: list[str] | None) -> list[str]:
@@ -150,7 +164,7 @@ def _with_spec(spec_name: str | None, user: list[str]) -> list[str]:
 
 def container_command(la: Launch) -> tuple[list[str], dict[str, str]]:
     """The `docker run` argv and the environment variables it forwards (by name, values not on argv)."""
-    env = {"ONESPARK_HEALTH_URL": f"http://{launch.probe_host(la.host)}:{la.port}/health"}
+    env = {"ONESPARK_HEALTH_URL": f"{launch.base_url(la.host, la.port)}/health"}
     drafter = ("-v", f"{la.drafter_dir}:/drafter:ro") if la.drafter_dir else ()
     cmd = launch.container_flags(la.name, os.path.abspath(la.checkpoint), mounts=drafter, gpu=not la.demo,
                                  cache_volume=la.cache_volume)
