@@ -163,17 +163,37 @@ class Tuple(Shape):
             s.check(v, f"{field}[{i}]")
 
 
-class MapOf(Shape):
-    """An object whose keys are free and whose values all have one shape (weight_map: tensor -> file)."""
+def is_file_name(text: str) -> bool:
+    """`text` names a file inside one directory, never a path out of it ("/etc/passwd", "../x")."""
+    return text not in ("", ".", "..") and "/" not in text and "\0" not in text
 
-    def __init__(self, value, what: str | None = None):
-        self.value = as_shape(value)
+
+class FileName(Str):
+    """A string that is_file_name."""
+
+    def __init__(self, what: str = "a plain file name (no \"/\", not \"\", \".\" or \"..\")"):
+        super().__init__(what)
+
+    def check(self, value, field):
+        super().check(value, field)
+        if not is_file_name(value):
+            raise Mismatch(field, value, self.want)
+
+
+class MapOf(Shape):
+    """An object whose values all have one shape (weight_map: tensor -> file); its keys are free unless `key`
+    says what they must be (a manifest's file names: FileName)."""
+
+    def __init__(self, value, what: str | None = None, key=None):
+        self.value, self.key = as_shape(value), None if key is None else as_shape(key)
         self.want = what or f"an object of {self.value.want} values"
 
     def check(self, value, field):
         if not isinstance(value, dict):
             raise Mismatch(field, value, self.want)
         for k, v in value.items():
+            if self.key is not None:
+                self.key.check(k, f"a key of {field or 'the document'}")
             self.value.check(v, f"{field}[{json.dumps(k)}]")
 
 

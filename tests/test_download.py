@@ -9,10 +9,12 @@ the independent record of what was transferred: status and body bytes of every r
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -308,6 +310,38 @@ def test_int4_download_of_another_revision_killed_is_never_taken_for_the_first(t
     assert {p.name: p.read_bytes() for p in dest.glob("*.safetensors")} == want
 
 
+@pytest.mark.parametrize("record", [{"complete": "no"}, {"complete": 1}, {"repo": [INT4]}, [1], b"\xff{"],
+                         ids=["complete-no", "complete-1", "repo-list", "a-list", "not-json"])
+def test_a_download_record_of_another_shape_is_fetched_again(two_revisions, tmp_path, monkeypatch, record):
+    """Only "complete": true (a JSON boolean) in a record of this repo@revision says done: a record of another
+    shape vouches for nothing and is fetched again (safe: step 0 resumes), neither "already downloaded" over
+    files nobody finished nor a stop that leaves the user to delete it."""
+    from onespark.checkpoint import download
+
+    fetched: list[str] = []
+
+    def snapshot(repo, revision, dest, allow=None):  # the Hub as files on disk
+        fetched.append(revision)
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in sorted((two_revisions / revision / "int4").iterdir()):
+            (dest / p.name).write_bytes(p.read_bytes())
+
+    monkeypatch.setattr(download, "_check_hub", lambda *a: None)
+    monkeypatch.setattr(download, "_snapshot", snapshot)
+    a, dest = "a" * 40, tmp_path / "int4"
+    download.download_int4(INT4, a, dest, log=lambda m: None)
+    rec = dest / "onespark-download.json"
+    good = json.loads(rec.read_text())
+    rec.write_bytes(record if isinstance(record, bytes) else
+                    json.dumps({**good, **record} if isinstance(record, dict) else record).encode())
+    fetched.clear()
+    logs: list[str] = []
+    download.download_int4(INT4, a, dest, log=logs.append)
+    assert fetched == [a] and not any("already downloaded" in m for m in logs), logs
+    assert any(m.startswith(str(rec)) and m.endswith("fetching again") for m in logs), logs  # says why
+    assert json.loads(rec.read_text()) == good
+
+
 def test_interrupted_fp8_fetch_resumes_without_refetching(hub, tmp_path, monkeypatch):
     from onespark.checkpoint import download
     d, endpoint = hub
@@ -379,3 +413,70 @@ def test_killed_int4_download_keeps_finished_files_and_completes(hub, tmp_path):
     for p in (d / "src-int4").iterdir():
         if p.name != ".onespark.lock":  # synth's lock on the source; dest has download's own
             assert (dest / p.name).read_bytes() == p.read_bytes(), p.name
+
+
+class _Liar(http.server.BaseHTTPRequestHandler):
+    """A Hub stand-in that answers every file request with `size` bytes and `status`, whatever Range asked, and
+    records how many bytes it got out before the client hung up (the independent measure of what was read)."""
+
+    def do_GET(self):
+        srv = self.server
+        if "/resolve/" not in self.path:  # huggingface_hub's own requests (its agent registry): none of ours
+            self.send_error(404)
+            return
+        n, block = 0, b"\0" * 65536
+        try:
+            self.send_response(srv.status)
+            self.send_header("Content-Length", str(srv.size))
+            self.end_headers()
+            while n < srv.size:
+                self.wfile.write(block[:srv.size - n])
+                n += min(len(block), srv.size - n)
+        except OSError:  # the client hung up: what a capped read does
+            pass
+        finally:
+            srv.sent.append(n)
+            srv.done.set()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def liar(monkeypatch):
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Liar)
+    srv.sent, srv.done = [], threading.Event()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{srv.server_address[1]}")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+OFFERED = 128 << 20
+
+
+@pytest.mark.parametrize("status, size, call, asked, match", [
+    (200, OFFERED, lambda f, p: f.get("s.safetensors", 0, 8), 8, "the server ignored the byte range for s.safetensors"),
+    (206, OFFERED, lambda f, p: f.get("s.safetensors", 0, 8), 8, f"/resolve/{FP8_SHA}/s.safetensors sent more than the 8"),
+    (206, OFFERED, lambda f, p: f.get_to_file("s.safetensors", 0, 8, p), 8, "s.safetensors sent more than the 8 bytes"),
+    (200, OFFERED, lambda f, p: f.json("config.json"), 64 << 20, "config.json sent more than 64 MiB, more than a JSON"),
+    (206, 4, lambda f, p: f.get("s.safetensors", 0, 8), 8, "s.safetensors sent 4 of the 8 bytes asked"),
+], ids=["range-ignored", "range-oversized", "part-oversized", "json-oversized", "range-short"])
+def test_fetcher_reads_no_more_than_it_asked_for(liar, tmp_path, status, size, call, asked, match):
+    """A server that ignores Range or sends more than asked (a plain mirror, a hostile HF_ENDPOINT) is one line
+    naming the URL and HF_ENDPOINT, after reading at most what was asked (+ what was in flight): never a whole
+    128 MiB answer in memory or on disk for an 8-byte range or a config.json."""
+    from onespark.checkpoint import download
+    from onespark.errors import UserError
+    liar.status, liar.size, part = status, size, tmp_path / "part"
+    with pytest.raises(UserError) as e:
+        call(download.Fetcher(FP8, FP8_SHA), part)
+    msg = str(e.value)
+    assert match in msg and "HF_ENDPOINT" in msg and "\n" not in msg, msg
+    assert liar.done.wait(10)
+    # what was asked, and what loopback socket buffers held when the client hung up (tcp_wmem + tcp_rmem: a few
+    # MiB): far below the 128 MiB offered
+    assert sum(liar.sent) < asked + (32 << 20), liar.sent
+    assert not part.exists()

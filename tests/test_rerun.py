@@ -17,6 +17,7 @@ import pytest
 
 from onespark.checkpoint.hybrid import hybrid
 from onespark.checkpoint.writer import MANIFEST_FILE
+from onespark.shape import describe
 from tests._checkpoints import synth_pair
 from tests.test_reliability import cli, one_line_error
 
@@ -230,6 +231,25 @@ def test_a_manifest_whose_inputs_are_not_objects_is_one_line_with_a_fix_that_wor
         p.unlink()
     finished.rmdir()
     assert cli(*args).returncode == 0
+
+
+@pytest.mark.parametrize("name", ["../outside.txt", "OUTSIDE", ".", "", "a\0b"],
+                         ids=["dotdot", "absolute", "dot", "empty", "nul"])
+def test_a_manifest_that_lists_a_path_is_one_line_and_nothing_outside_is_read(pairs, finished, name):
+    """The manifest's file names are joined to the checkpoint directory: "/etc/passwd" or "../x" made step 1
+    and verify stat and hash a file outside it (and verify said "delete it"). Only plain names load."""
+    a, _ = pairs
+    outside = finished.parent / "outside.txt"
+    outside.write_text("not the checkpoint's")
+    name = str(outside) if name == "OUTSIDE" else name
+    man = json.loads((finished / MANIFEST_FILE).read_text())
+    man["files"][name] = {"size": outside.stat().st_size, "sha256": "0" * 64}
+    (finished / MANIFEST_FILE).write_text(json.dumps(man))
+    want = f"{finished / MANIFEST_FILE} (manifest): a key of files is {describe(name)}, expected a plain file name"
+    for args in (("verify", str(finished)), ("mtp", str(finished)),
+                 ("hybrid", "--int4", str(a / "int4"), "--fp8", str(a / "fp8"), "--out", str(finished))):
+        last = one_line_error(cli(*args), args[0])
+        assert want in last and last.endswith("remove the directory that holds it, then run step 1 again"), last
 
 
 # ---- item 4: nothing measured is lost ---------------------------------------------------------------------

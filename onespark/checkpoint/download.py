@@ -47,6 +47,7 @@ from onespark.checkpoint.safetensors_io import (
 from onespark.checkpoint.writer import (
     CONFIG,
     DOWNLOAD_RECORD,
+    FINISHED_RECORD,
     INDEX,
     INDEX_FILE,
     Output,
@@ -68,6 +69,9 @@ PARTS_DIR = ".parts"  # fetched byte ranges, one file each, until the FP8 file i
 FETCH_PROGRESS = ".onespark-download-progress.json"
 COALESCE_GAP = 64 * 1024  # fetch two tensors in one request when at most this many bytes lie between them
 CHUNK = 8 * 1024 * 1024
+# What Fetcher.get reads of a file fetched whole (config.json, the index) before calling the answer wrong: the
+# largest, an index of ~100k tensors at ~100 bytes a line, is ~10 MB.
+MAX_JSON_BYTES = 64 * 1024 * 1024
 
 
 def _endpoint() -> str | None:
@@ -134,38 +138,49 @@ class Fetcher:
                             f"check HF_ENDPOINT and --fp8-repo")
         return doc
 
+    def _body(self, r, url: str, want: int, ranged: bool):
+        """The answer's bytes as they arrive, at most `want`: the server, not us, decides how much it sends (one
+        that ignores Range, a hostile or broken HF_ENDPOINT), so one byte past `want` ends the read as one line
+        instead of filling memory or the disk. Counted as received. Blocks as the network delivers them (~64 KiB):
+        a chunk size would buffer that much before the count could stop it."""
+        got = 0
+        for block in r.iter_bytes():
+            got += len(block)
+            self.bytes += len(block)
+            if got > want:
+                asked = f"the {want} bytes asked" if ranged else f"{want >> 20} MiB, more than a JSON file of a repo"
+                raise UserError(f"{self.repo}: {url} sent more than {asked}: {_endpoint() or 'the Hub'} is not "
+                                f"answering as the Hub does; check HF_ENDPOINT, then run the same command again")
+            yield block
+        if ranged and got < want:
+            raise UserError(f"{self.repo}: {url} sent {got} of the {want} bytes asked (a dropped connection, or "
+                            f"a file shorter than its header says): run the same command again; if it persists, "
+                            f"check HF_ENDPOINT")
+
     def get(self, filename: str, start: int | None = None, end: int | None = None) -> bytes:
-        """The file, or bytes [start, end)."""
+        """The file (a JSON file: at most MAX_JSON_BYTES), or bytes [start, end)."""
         ranged = start is not None
         headers = _headers({"Range": f"bytes={start}-{end - 1}"} if ranged else {"Accept-Encoding": "identity"})
-        with self._network(filename):
-            r = self.session.get(_url(self.repo, filename, self.revision), headers=headers, follow_redirects=True)
+        url = _url(self.repo, filename, self.revision)
+        with self._network(filename), self.session.stream("GET", url, headers=headers, follow_redirects=True) as r:
             self.requests += 1
             self._check(r, filename, ranged)
-            self.bytes += len(r.content)
-        if ranged and len(r.content) != end - start:
-            raise UserError(f"{self.repo}: {filename} bytes {start}-{end}: got {len(r.content)} bytes: "
-                            f"the file is shorter than its header says; try again later")
-        return r.content
+            return b"".join(self._body(r, url, end - start if ranged else MAX_JSON_BYTES, ranged))
 
     def get_to_file(self, filename: str, start: int, end: int, path: Path, progress=lambda n: None) -> None:
         """Stream bytes [start, end) into `path` (temp name + rename: a part exists only when complete)."""
         tmp = path.with_name(path.name + ".tmp")
         headers = _headers({"Range": f"bytes={start}-{end - 1}"})
-        with self._network(filename), self.session.stream("GET", _url(self.repo, filename, self.revision),
-                                                          headers=headers, follow_redirects=True) as r:
+        url = _url(self.repo, filename, self.revision)
+        with self._network(filename), self.session.stream("GET", url, headers=headers, follow_redirects=True) as r:
             self.requests += 1
             self._check(r, filename, True)
             with at_path(path, tmp), open(tmp, "wb") as f:
-                for block in r.iter_bytes(CHUNK):
+                for block in self._body(r, url, end - start, True):
                     f.write(block)
-                    self.bytes += len(block)
                     progress(len(block))
                 f.flush()
                 os.fsync(f.fileno())
-        if tmp.stat().st_size != end - start:
-            raise UserError(f"{self.repo}: {filename} bytes {start}-{end}: received {tmp.stat().st_size}: "
-                            f"interrupted; run the same command again to resume")
         os.replace(tmp, path)
 
     def header(self, filename: str) -> dict:
@@ -197,8 +212,12 @@ def _finished_record(dest: Path, repo: str, revision: str, need_index: bool = Tr
     rec_path = dest / DOWNLOAD_RECORD
     if not rec_path.is_file():
         return None
-    rec = load_json(rec_path, "download record")
-    if rec.get("repo") != repo or rec.get("revision") != revision or not rec.get("complete"):
+    try:
+        rec = load_json(rec_path, "download record", "fetching again", FINISHED_RECORD)
+    except UserError as e:  # damaged, or not step 0's: it vouches for nothing, and fetching again is safe (resumes)
+        log(str(e))
+        return None
+    if rec["repo"] != repo or rec["revision"] != revision or rec["complete"] is not True:
         return None
     try:
         open_checkpoint(dest, need_index=need_index)
@@ -270,7 +289,7 @@ def _fp8_wanted(f: Fetcher) -> tuple[dict, dict, list[str]]:
         raise UserError(f"{f.repo}: its index lacks {len(missing)} of the {len(names)} tensors step 1 needs "
                         f"(e.g. {missing[0]}): wrong --fp8-repo?")
     for n in names:  # a shard's name becomes a URL and a part file's name: a plain file name, never a path
-        if wm[n] in ("", ".", "..") or "/" in wm[n] or "\0" in wm[n]:
+        if not shape.is_file_name(wm[n]):
             raise UserError(f"{f.repo}: {INDEX_FILE} puts {n} in {wm[n]!r}, not a file name of the repo: {fix}")
     return config, wm, names
 

@@ -25,7 +25,7 @@ from onespark.checkpoint.safetensors_io import (
     write_json_atomic,
 )
 from onespark.errors import UserError
-from onespark.shape import Bool, Int, ListOf, MapOf, Nullable, Obj, OneOf, Str
+from onespark.shape import Bool, FileName, Int, ListOf, MapOf, Nullable, Obj, OneOf, Str
 
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST_FILE = "onespark-manifest.json"
@@ -70,8 +70,12 @@ INDEX = Obj({"weight_map": MapOf(Str("a file name (string)"), "an object of tens
             {"metadata": Nullable(Obj(optional={"total_size": Int(0, what="a byte count")}))},
             what="an object ({\"metadata\": ..., \"weight_map\": ...})")
 RECORD = Obj(optional={"repo": Nullable(str), "revision": Nullable(str)}, what="an object (step 0's record)")
+# What step 0 reads back before it says "already fetched": only a JSON true is complete (not "no", not 1).
+FINISHED_RECORD = Obj({"repo": Str(), "revision": Str(), "complete": Bool()}, what="an object (step 0's record)")
+# The files' names are joined to the checkpoint directory, then stat'ed and hashed (damaged_files, verify): plain
+# names only, or "/etc/passwd" and "../x" are read outside it (and verify reported them: "delete it").
 MANIFEST = Obj({"files": MapOf(Obj({"size": Int(0, what="a byte count")}, {"sha256": Nullable(str)}),
-                               "an object of file name -> {size, sha256}")},
+                               "an object of file name -> {size, sha256}", key=FileName())},
                {"steps": MapOf(dict, "an object of step -> record"),
                 "inputs": Obj(optional={"int4": Nullable(dict), "fp8": Nullable(dict)},
                               what="an object ({\"int4\": ..., \"fp8\": ...})"),
