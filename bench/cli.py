@@ -98,7 +98,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--name", help="file stem (default: SUITES-UTCDATE)")
     g.add_argument("--hardware", help="what it ran on, stated in every table, e.g. 'DGX Spark GB10'")
     g.add_argument("--gpu", help="GPU name for the record")
-    g.add_argument("--image", help="container image for the record, e.g. onespark:v2")
+    g.add_argument("--image", type=options.image_ref, help="container image for the record, e.g. onespark:v2")
     g.add_argument("--note", help="free text for the record, e.g. how the server was started")
     g.add_argument("--no-png", action="store_true", help="skip the plot")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")

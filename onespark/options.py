@@ -132,6 +132,24 @@ def bind_host(text: str) -> str:
                                      "machine only; 0.0.0.0: every interface) or a host name")
 
 
+# A Docker image reference (distribution/reference's grammar, lightly): [registry[:port]/]path[:tag][@digest].
+# serve puts it on `docker run`'s argv after the flags and cluster into a Dockerfile's FROM line: a value such as
+# `-v/:/host` would be an option there, a line break a second Dockerfile line.
+_IMAGE = re.compile(
+    r"(?:[A-Za-z0-9](?:[A-Za-z0-9.-]*[A-Za-z0-9])?(?::[0-9]{1,5})?/)?"  # registry host[:port]/
+    r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*(?:/[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*)*"  # path components
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?"  # :tag
+    r"(?:@[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,})?")  # @sha256:...
+
+
+def image_ref(text: str) -> str:
+    """argparse `type=` of --image: a Docker image reference, e.g. onespark/v2:0.1.0."""
+    if len(text) > 512 or not _IMAGE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a Docker image reference: give NAME[:TAG] or "
+                                         "NAME@sha256:DIGEST, e.g. onespark/v2:0.1.0 (docker images lists them)")
+    return text
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with errors of one line, without the value of any key-looking option (`--api-ke=KEY`,
     `--api_key KEY`, a short key taken for a positional's "invalid choice"), and without the values of

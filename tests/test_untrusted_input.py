@@ -367,6 +367,22 @@ def test_serve_refuses_a_name_or_host_that_is_none(tmp_path, flag, value, says):
     assert [p.name for p in tmp_path.rglob("*.log")] == []  # no guard log, in or out of the state directory
 
 
+@pytest.mark.parametrize("command", ["serve", "cluster", "bench"])
+@pytest.mark.parametrize("image", ["-v/:/host", "--privileged", "onespark/v2:0.1.0\nRUN id", "Onespark/V2", "x:"])
+def test_an_image_that_is_no_image_reference_is_refused_by_the_parser(tmp_path, command, image):
+    """serve puts --image on `docker run`'s argv after its flags (`-v/:/host` would mount the host's root there),
+    cluster into the FROM line of the Dockerfile it builds on the head (a line break adds a line), bench into its
+    record: each refuses anything but an image reference, in one line, before anything runs."""
+    (tmp_path / "m").mkdir()
+    argv = {"serve": ["serve", "--demo", "--checkpoint", str(tmp_path / "m"), "--dry-run"],
+            "cluster": ["cluster", "--nodes", "spark1,spark2", "--work", str(tmp_path / "w"), "--dry-run"],
+            "bench": ["bench"]}[command]
+    r = subprocess.run([sys.executable, "-m", "onespark", *argv, f"--image={image}"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "is not a Docker image reference" in r.stderr and "--image" in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize("command", ["serve", "cluster"])
 @pytest.mark.parametrize("key", ["sk-caf\u00e9-0123456789", "sk-0123\n456789", "sk-0123 456789"])
 def test_a_key_from_the_environment_is_held_to_the_key_files_rule(tmp_path, command, key):

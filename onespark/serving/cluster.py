@@ -407,7 +407,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="ssh addresses of the two Sparks; HEAD is this machine (vLLM's API server runs here)")
     p.add_argument("--work", default=str(ROOT / ".work"), help="checkpoint root, the same path on both "
                    "(the model is WORK/hybrid; default: %(default)s)")
-    p.add_argument("--image", default=SERVING_IMAGE, help="serving image the cluster image is built from "
+    p.add_argument("--image", type=options.image_ref, default=SERVING_IMAGE, help="serving image the cluster image is built from "
                    "(default: %(default)s)")
     p.add_argument("--iface", help="the link's interface name (default: the subnet both nodes share, RoCE first)")
     p.add_argument("--pp", action="store_true", help="pipeline parallel 2 (one half of the layers per node) "

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-draft-tokens", type=options.COUNT, metavar="N",
                    help="--drafter dflash: tokens drafted per step (default: the spec's, the record's 12; others "
                         "reported 12 unstable and use 10)")
-    p.add_argument("--image", help=f"image to run (default: {V2_IMAGE}; --tq: {V2_TQ_IMAGE}; --demo: {DEMO_IMAGE})")
+    p.add_argument("--image", type=options.image_ref, help=f"image to run (default: {V2_IMAGE}; --tq: {V2_TQ_IMAGE}; --demo: {DEMO_IMAGE})")
     p.add_argument("--tq", action="store_true", help="run the TurboQuant image (v2-tq): 3.9x the KV tokens per GB; a decode "
                    "step ~v2's at 1K, faster at long context (H200, 122B and 35B shapes: docs/concepts/turboquant.md)")
     p.add_argument("--demo", action="store_true", help="CPU stand-in: no GPU, tiny model, GPU-only defaults dropped")
