@@ -149,6 +149,27 @@ def test_serve_env_secret_goes_to_docker_by_name(tmp_path):
     assert dry.returncode == 0 and " -e HF_TOKEN " in dry.stdout and LONG_KEY not in dry.stdout + dry.stderr
 
 
+def test_serve_takes_only_a_container_for_a_container_of_its_name(tmp_path):
+    """An image, volume or network named like the container (`docker inspect onespark` answers for any of them)
+    is no container in the way: serve neither refuses for it nor removes anything."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    env = _fake_docker(tmp_path, """\
+        case "$1 $2 $3" in
+          "image inspect"*) exit 0 ;;
+          "inspect --type container") echo "Error: No such container: onespark" >&2; exit 1 ;;
+          inspect*) echo '[{"Name": "onespark", "Driver": "local"}]'; exit 0 ;;
+          run*) echo "no GPU here" >&2; exit 1 ;;
+        esac
+        """)
+    r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(model),
+                        "--no-memory-guard", "--port", str(_free_port())], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.stderr.splitlines() == ["onespark serve: error: docker run failed: no GPU here"], r.stderr
+    assert not [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("rm ")]
+
+
 # ---- a closed stdout -----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, code", [

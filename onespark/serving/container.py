@@ -23,7 +23,8 @@ def docker(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def state(name: str) -> tuple[bool, int | None, bool]:
-    out = docker("inspect", "--format", "{{.State.Running}} {{.State.ExitCode}} {{.State.OOMKilled}}",
+    # --type container: a bare `docker inspect NAME` also answers for an image, volume or network of that name
+    out = docker("inspect", "--type", "container", "--format", "{{.State.Running}} {{.State.ExitCode}} {{.State.OOMKilled}}",
                   name, check=False)
     if out.returncode != 0:
         return False, None, False

@@ -609,11 +609,15 @@ def what_to_change(stage: str | None, util: str | None) -> str:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:  # a full disk: no half-written temp file left beside the report
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def run_guard(source, target, guard: Guard, *, interval: float, report: Path | None, util: str | None,

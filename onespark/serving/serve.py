@@ -127,7 +127,7 @@ def _clear_the_way(la: Launch, guard_report: Path) -> None:
     report of this name is shown once."""
     if container.docker("image", "inspect", la.image, check=False).returncode != 0:
         raise UserError(f"image {la.image} not found: build it with steps/4-images.sh{' --demo' if la.demo else ''}")
-    if container.docker("inspect", la.name, check=False).returncode == 0:
+    if container.docker("inspect", "--type", "container", la.name, check=False).returncode == 0:  # not an image's
         if not la.replace:
             raise UserError(f"a container named {la.name} exists: pass --replace, or --name another")
         container.docker("rm", "-f", la.name)
