@@ -106,6 +106,19 @@ def test_other_paths_and_errors_pass_through(proxy, standin):
             assert (via.status_code, via.content) == (direct.status_code, direct.content), path
 
 
+def test_an_ipv6_host_is_served(standin):
+    """--host ::1: the proxy bound IPv4 sockets only, so an IPv6 address could not be served at all."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+    with Proxy(standin.base_url, None, host="::1", log=lambda m: None) as p:
+        assert p.base_url.startswith("http://[::1]:")
+        r = httpx.get(p.base_url + "/v1/models")
+    assert r.status_code == 200 and r.content == httpx.get(standin.base_url + "/v1/models").content
+
+
 # ---- compression ---------------------------------------------------------------------------------------------
 
 

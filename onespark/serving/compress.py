@@ -39,6 +39,7 @@ import http.client
 import json
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -342,6 +343,12 @@ def upstream_of(upstream: str) -> tuple[str, str, int]:
     return u.scheme, u.hostname, port if port is not None else (443 if u.scheme == "https" else 80)
 
 
+class _Server6(ThreadingHTTPServer):
+    """--host ::1 or :: (an IPv6 address): the standard server binds IPv4 sockets only."""
+
+    address_family = socket.AF_INET6
+
+
 class Proxy:
     """The proxy server: `with Proxy(...) as p: p.base_url`; or `serve_forever()`."""
 
@@ -356,9 +363,10 @@ class Proxy:
         # One compression at a time: a model on one GPU gains nothing from two, and a stuck one must not
         # take a thread per request with it. A request waits at most timeout_s, then goes uncompressed.
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compress")
-        self.server = ThreadingHTTPServer((host, port), _handler(self))
+        self.server = (_Server6 if ":" in host else ThreadingHTTPServer)((host, port), _handler(self))
         self.server.daemon_threads = True
-        self.base_url = f"http://{host}:{self.server.server_address[1]}"
+        bound = self.server.server_address[1]
+        self.base_url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
 
     def __enter__(self) -> Proxy:
         # a short poll: shutdown() waits for it (tests start and stop many proxies)
