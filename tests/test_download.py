@@ -425,6 +425,7 @@ class _Liar(http.server.BaseHTTPRequestHandler):
             self.send_error(404)
             return
         n, block = 0, b"\0" * 65536
+        srv.encodings.append(self.headers.get("Accept-Encoding"))
         try:
             self.send_response(srv.status)
             self.send_header("Content-Length", str(srv.size))
@@ -445,7 +446,7 @@ class _Liar(http.server.BaseHTTPRequestHandler):
 @pytest.fixture
 def liar(monkeypatch):
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Liar)
-    srv.sent, srv.done = [], threading.Event()
+    srv.sent, srv.done, srv.encodings = [], threading.Event(), []
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{srv.server_address[1]}")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
@@ -480,3 +481,4 @@ def test_fetcher_reads_no_more_than_it_asked_for(liar, tmp_path, status, size, c
     # MiB): far below the 128 MiB offered
     assert sum(liar.sent) < asked + (32 << 20), liar.sent
     assert not part.exists()
+    assert liar.encodings == ["identity"]  # bytes as stored: a compressed answer would inflate past the count

@@ -84,9 +84,11 @@ def _url(repo: str, filename: str, revision: str) -> str:
 
 
 def _headers(extra: dict | None = None) -> dict:
+    """The Hub's headers (token, user agent) and `extra`; bytes as stored (identity): a compressed answer would
+    be inflated past the count Fetcher._body stops at before it could stop it."""
     from huggingface_hub.utils import build_hf_headers
     h = build_hf_headers()
-    h.update(extra or {})
+    h.update({"Accept-Encoding": "identity", **(extra or {})})
     return h
 
 
@@ -160,7 +162,7 @@ class Fetcher:
     def get(self, filename: str, start: int | None = None, end: int | None = None) -> bytes:
         """The file (a JSON file: at most MAX_JSON_BYTES), or bytes [start, end)."""
         ranged = start is not None
-        headers = _headers({"Range": f"bytes={start}-{end - 1}"} if ranged else {"Accept-Encoding": "identity"})
+        headers = _headers({"Range": f"bytes={start}-{end - 1}"} if ranged else None)
         url = _url(self.repo, filename, self.revision)
         with self._network(filename), self.session.stream("GET", url, headers=headers, follow_redirects=True) as r:
             self.requests += 1
