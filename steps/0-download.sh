@@ -58,7 +58,7 @@ open_checkpoint(sys.argv[1], need_index=sys.argv[2] == "1")' "$1" "${2:-1}" 2>/d
 done_already() {
   complete "$WORK/int4" &&
     { [[ $SPLICE != True ]] || complete "$WORK/fp8"; } &&
-    { [[ $DRAFTER != dflash ]] || complete "$WORK/dflash"; } &&
+    { [[ $DRAFTER != dflash ]] || complete "$WORK/dflash" 0; } &&
     { [[ -z $COMPRESSOR ]] || complete "$WORK/llmlingua2/$COMPRESSOR" 0; }
 }
 

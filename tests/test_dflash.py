@@ -27,8 +27,9 @@ TINY = specs.SPECS[specs.DEFAULT].tiny
 DRAFTER_REPO = specs.SPECS[specs.DEFAULT].dflash.repo
 
 
-def make_drafter(d: Path, **config) -> Path:
-    """A two-shard DFlash drafter for the 122B spec's tiny dims, with its index."""
+def make_drafter(d: Path, one_file: bool = False, **config) -> Path:
+    """A two-shard DFlash drafter for the 122B spec's tiny dims, with its index; or one model.safetensors and no
+    index (one_file), a layout verify --drafter takes as well."""
     d.mkdir(parents=True)
     h, g = torch.Generator().manual_seed(5), TINY["hidden_size"]
     shards = {
@@ -37,11 +38,14 @@ def make_drafter(d: Path, **config) -> Path:
                                             .bfloat16()},
         "model-00002-of-00002.safetensors": {"norm.weight": torch.ones(g).bfloat16()},
     }
+    if one_file:
+        shards = {"model.safetensors": {n: t for tensors in shards.values() for n, t in tensors.items()}}
     weight_map = {}
     for fname, tensors in shards.items():
         save_file(tensors, str(d / fname))
         weight_map.update({n: fname for n in tensors})
-    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if not one_file:
+        (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     cfg = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": g, "num_hidden_layers": 1,
            "vocab_size": TINY["vocab_size"],
            "dflash_config": {"block_size": 16, "mask_token_id": 7, "target_layer_ids": [0, 2]}}
@@ -210,8 +214,10 @@ def drafter_hub(tmp_path_factory):
     # published under a scratch root and its two folders moved in.
     publish(d / "www", DRAFTER_REPO, SHA, make_drafter(d / "src-good"))
     publish(d / "www-bad", DRAFTER_REPO, "e" * 40, make_drafter(d / "src-bad", architectures=["Qwen3ForCausalLM"]))
-    for sub in (Path(DRAFTER_REPO, "resolve", "e" * 40), Path("api", "models", DRAFTER_REPO, "tree", "e" * 40)):
-        (d / "www-bad" / sub).rename(d / "www" / sub)
+    publish(d / "www-one", DRAFTER_REPO, "f" * 40, make_drafter(d / "src-one", one_file=True))
+    for www, rev in (("www-bad", "e" * 40), ("www-one", "f" * 40)):
+        for sub in (Path(DRAFTER_REPO, "resolve", rev), Path("api", "models", DRAFTER_REPO, "tree", rev)):
+            (d / www / sub).rename(d / "www" / sub)
     with serve(d) as endpoint:
         yield d, endpoint
 
@@ -233,6 +239,16 @@ def test_download_fetches_the_drafter_to_dest_dflash_and_resumes(drafter_hub, tm
     assert rec["repo"] == DRAFTER_REPO and rec["revision"] == SHA and rec["complete"] and rec["files"] == 2
     again = _fetch(endpoint, tmp_path / "w", SHA)
     assert again.returncode == 0 and "already downloaded" in again.stdout
+
+
+def test_a_one_file_drafter_is_downloaded_once(drafter_hub, tmp_path):
+    """A drafter as one model.safetensors without an index passes the drafter check, so a finished download of it
+    is finished: the re-run says so (it took the missing index for damage and fetched again, every time)."""
+    _, endpoint = drafter_hub
+    assert _fetch(endpoint, tmp_path / "w", "f" * 40).returncode == 0
+    again = _fetch(endpoint, tmp_path / "w", "f" * 40)
+    assert again.returncode == 0 and "already downloaded" in again.stdout, again.stdout + again.stderr
+    assert "damaged" not in again.stdout + again.stderr
 
 
 def test_download_of_a_bad_drafter_is_not_recorded_complete(drafter_hub, tmp_path):

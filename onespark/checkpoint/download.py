@@ -339,8 +339,9 @@ def download_drafter(repo: str, revision: str, dest: Path, spec: specs.Spec, log
     """The DFlash drafter (`--drafter dflash`) to DEST/dflash: the whole repo at the pin, then the drafter
     check `onespark verify --drafter` makes (a drafter vLLM would refuse is not recorded as complete)."""
     with locked(Path(dest), "--dest"):
+        # need_index=False: the drafter check takes a one-file drafter (model.safetensors, no index) as whole
         return _download_whole(repo, revision, Path(dest), "the DFlash drafter",
-                               lambda d: _check_drafter(d, spec), log, flags="--drafter-revision")
+                               lambda d: _check_drafter(d, spec), log, flags="--drafter-revision", need_index=False)
 
 
 def _check_int4(dest: Path) -> tuple[dict, str]:
