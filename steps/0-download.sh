@@ -45,13 +45,18 @@ Needs ~78 GB free in DIR. HF_TOKEN / HF_ENDPOINT are honoured (huggingface_hub).
 USAGE
 }
 
-# complete DIR [need_index]: step 0 wrote DIR's record (it does so last) and DIR's files are still whole: the
-# check `onespark download` makes before it says "already downloaded" (headers parse, sizes match, every file the
-# index names is there), with the system python3 like spec_get. A file lost since is fetched again, not skipped.
+# complete DIR [need_index]: step 0 wrote DIR's record (it does so last), it says complete (a JSON true), and DIR's
+# files are still whole: the check `onespark download` makes before it says "already downloaded" (headers parse,
+# sizes match, every file the index names is there), with the system python3 like spec_get. A file lost since is
+# fetched again, not skipped.
 complete() {
-  grep -q '"complete": true' "$1/onespark-download.json" 2>/dev/null &&
-    PYTHONPATH=$ONESPARK_ROOT python3 -c 'import sys; from onespark.checkpoint.writer import open_checkpoint
-open_checkpoint(sys.argv[1], need_index=sys.argv[2] == "1")' "$1" "${2:-1}" 2>/dev/null
+  PYTHONPATH=$ONESPARK_ROOT python3 -c 'import sys
+from pathlib import Path
+from onespark.checkpoint.writer import DOWNLOAD_RECORD, FINISHED_RECORD, load_json, open_checkpoint
+d = Path(sys.argv[1])
+if load_json(d / DOWNLOAD_RECORD, "download record", "", FINISHED_RECORD)["complete"] is not True:
+    sys.exit(1)
+open_checkpoint(d, need_index=sys.argv[2] == "1")' "$1" "${2:-1}" >/dev/null 2>&1
 }
 
 # Complete when every directory this run asks for is.

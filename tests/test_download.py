@@ -200,6 +200,12 @@ def test_step_0_fetches_again_a_file_lost_after_it_finished(hub, tmp_path):
             assert r.returncode == 0 and lost.read_bytes() == want, r.stdout + r.stderr
         r = subprocess.run(step0, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and "step 0 already done" in r.stdout, r.stdout + r.stderr
+        # a record that only looks complete to a text search (the script grepped for it): not done
+        rec = work / "int4" / "onespark-download.json"
+        rec.write_text(json.dumps({**json.loads(rec.read_text()), "complete": False, "before": {"complete": True}}))
+        r = subprocess.run(step0, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "step 0 already done" not in r.stdout, r.stdout + r.stderr
+        assert json.loads(rec.read_text())["complete"] is True
 
 
 def _lying_index(index: dict) -> dict:
