@@ -134,9 +134,17 @@ def resolve_keys(args) -> tuple[str | None, str | None]:
         raise UserError("give --api-key or --api-key-file, not both")
     if args.b_api_key and args.b_api_key_file:
         raise UserError("give --b-api-key or --b-api-key-file, not both")
-    env = next((os.environ[k] for k in KEY_ENV if os.environ.get(k)), None)
-    key = _read_key(args.api_key_file, "--api-key-file") if args.api_key_file else args.api_key or env
-    b_key = _read_key(args.b_api_key_file, "--b-api-key-file") if args.b_api_key_file else args.b_api_key or key
+    from onespark.errors import plain_key
+
+    # held to the key file's rule (printable ASCII): a line break would reach the HTTP client, whose error message
+    # quotes the header, key and all, and an accent would fail as a traceback
+    env = next((k for k in KEY_ENV if os.environ.get(k)), None)
+    if args.api_key_file:
+        key = _read_key(args.api_key_file, "--api-key-file")
+    else:
+        key = plain_key(args.api_key, "--api-key") or (plain_key(os.environ[env], f"${env}") if env else None)
+    b_key = _read_key(args.b_api_key_file, "--b-api-key-file") if args.b_api_key_file else \
+        plain_key(args.b_api_key, "--b-api-key") or key
     return key, b_key
 
 
@@ -234,10 +242,14 @@ async def _bench(run: Run) -> dict:
                       server_version=await server_version(client))
         runner = Runner(client, ep, settings, card.get("max_model_len"), progress)
         for name in run.suites:
-            if name == "quality":
-                result["quality"] = await _quality(run, ep, client, progress)
-            else:
-                result["suites"][name] = await getattr(runner, name)()
+            try:
+                if name == "quality":
+                    result["quality"] = await _quality(run, ep, client, progress)
+                else:
+                    result["suites"][name] = await getattr(runner, name)()
+            except UserError as e:  # this suite cannot go on: the suites before it measured what they did
+                result["stopped"] = {"suite": name, "error": str(e)}
+                break
     return result
 
 
@@ -256,7 +268,8 @@ async def _quality(run: Run, ep_a: Endpoint, client_a, progress: Progress) -> di
             return {"record": await record(ep_a, client_a, prompts, max_tokens, run.top_k, progress)}
         finally:
             progress.close()
-    ep_b = Endpoint(run.b_base_url, run.b_api_key, run.b_model, run.api, run.timeout, dict(ep_a.extra_body))
+    ep_b = Endpoint(run.b_base_url, run.b_api_key, run.b_model, run.api, run.timeout, dict(ep_a.extra_body),
+                    flag="--b-base-url")
     async with make_client(ep_b) as client_b:
         ep_b.model = (await detect_model(client_b, ep_b))["id"]
         progress.start("quality", 2 * len(prompts))
@@ -306,6 +319,9 @@ def read_run(args) -> Run:
     settings = settings_from(args)
     if args.no_think and args.api != "chat":
         raise UserError("--no-think works through the chat template: use it with --api chat")
+    for url, flag in ((args.base_url, "--base-url"), (args.b_base_url, "--b-base-url")):
+        if url:  # a URL httpx cannot parse fails now, not after the suites before quality
+            Endpoint(url, flag=flag)
     report.check_writable(args.out)  # before the run: what it measures must have somewhere to go
     if not args.no_png:
         report.require_png()
@@ -395,6 +411,9 @@ def run(args) -> int:
     bench_run = read_run(args)
     created = dt.datetime.now(dt.timezone.utc)
     body = asyncio.run(_bench(bench_run))
+    stopped = body.get("stopped")
+    if stopped and not body["suites"] and "quality" not in body:  # nothing measured: nothing to keep
+        raise UserError(stopped["error"])
     result = _result(bench_run, created, body)
     stem = bench_run.name or f"{'-'.join(bench_run.suites)}-{created.strftime('%Y%m%dT%H%M%SZ')}"
     wrote: list[Path] = []
@@ -409,6 +428,10 @@ def run(args) -> int:
         print("wrote " + ", ".join(map(str, wrote)))
     if kept:
         print(f"onespark bench: error: {kept}", file=sys.stderr)
+        return 1
+    if stopped:
+        print(f"onespark bench: error: {stopped['suite']} stopped ({redact(stopped['error'], secrets(bench_run))}); "
+              f"what the suites before it measured is kept in {wrote[0]}", file=sys.stderr)
         return 1
     rows = [r for s in body["suites"].values() for r in s["rows"]]
     failed = [r for r in rows if not r["ok"]]

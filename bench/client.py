@@ -29,13 +29,21 @@ class Endpoint:
     timeout_s: float = 600.0
     extra_body: dict = field(default_factory=dict)  # e.g. {"chat_template_kwargs": {"enable_thinking": False}}
     stream: bool = True  # False: whole-request timing only (the published script's way); no TTFT or decode
+    flag: str = "--base-url"  # the option that gave base_url, named in its errors
 
     def __post_init__(self) -> None:
         url = self.base_url.rstrip("/")
         if url.endswith("/v1"):
             url = url[: -len("/v1")]
         if not url.startswith(("http://", "https://")):
-            raise UserError(f"--base-url {self.base_url!r} is not an http(s) URL: use e.g. http://127.0.0.1:8000")
+            raise UserError(f"{self.flag} {self.base_url!r} is not an http(s) URL: use e.g. http://127.0.0.1:8000")
+        try:  # what the client will parse: a bad port or bracket would otherwise surface as a traceback
+            host = httpx.URL(url).host
+        except httpx.InvalidURL as e:
+            raise UserError(f"{self.flag} {self.base_url!r} is not a valid URL ({e}): use e.g. "
+                            "http://127.0.0.1:8000") from None
+        if not host:
+            raise UserError(f"{self.flag} {self.base_url!r} names no host: use e.g. http://127.0.0.1:8000")
         self.base_url = url
         if self.api not in ("chat", "completions"):
             raise UserError(f"--api {self.api!r}: use chat or completions")
@@ -130,7 +138,7 @@ async def count_prompt_tokens(client: httpx.AsyncClient, ep: Endpoint, prompt: s
         count = r.json().get("count")
     except (ValueError, AttributeError, RecursionError):  # not JSON, or not an object: as if /tokenize were absent
         return None
-    return count if isinstance(count, int) and not isinstance(count, bool) else None
+    return count if is_count(count) else None  # a negative count would size a filler of billions of words
 
 
 def request_body(ep: Endpoint, prompt: str, max_tokens: int, stream: bool = True,
@@ -156,11 +164,25 @@ class Malformed(ValueError):
     """A server answer of the wrong shape; the request is recorded as failed with this reason."""
 
 
-def _count(usage: dict, key: str) -> int | None:
+# Above 2**53 a count is no longer exact as a float (JSON readers, the rates): no server counts that many tokens,
+# and 10**400 would overflow every rate computed from it.
+COUNT_MAX = 2**53
+
+
+def is_count(v) -> bool:
+    """A token count: an int (never a bool) in 0..COUNT_MAX."""
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= COUNT_MAX
+
+
+def _count(usage: dict, key: str, most: int = COUNT_MAX) -> int | None:
+    """usage[key] as a token count, or None when absent; `most`: the request's max_tokens, which vLLM never
+    exceeds (a larger count would also expand into that many per-token latencies)."""
     v = usage.get(key)
-    if v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+    if v is None or (is_count(v) and v <= most):
         return v
-    raise Malformed(f"usage.{key} is {v!r} ({type(v).__name__}), not a token count")
+    if is_count(v):
+        raise Malformed(f"usage.{key} is {v}, more than the max_tokens {most} the request asked for")
+    raise Malformed(f"usage.{key} is {v!r:.60} ({type(v).__name__}), not a token count")
 
 
 def _usage(obj: dict) -> dict | None:
@@ -230,11 +252,11 @@ async def stream_request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, m
                         if on_first_token and not t.chunk_times:
                             on_first_token()
                         t.chunk_times.append(now)
-                        if usage and _count(usage, "completion_tokens") is not None:
+                        if usage and _count(usage, "completion_tokens", max_tokens) is not None:
                             t.chunk_tokens.append(usage["completion_tokens"])
                     if usage:
                         t.prompt_tokens = _count(usage, "prompt_tokens")
-                        t.completion_tokens = _count(usage, "completion_tokens")
+                        t.completion_tokens = _count(usage, "completion_tokens", max_tokens)
     except Malformed as e:  # one request of the wrong shape fails alone; the run and its other figures go on
         t.error = f"malformed answer: {e}"
     except json.JSONDecodeError as e:
@@ -259,7 +281,8 @@ async def plain_request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, ma
             t.error = f"HTTP {r.status_code}: {r.text[:300]}"
         else:
             usage = _usage(_object(r.text, "the answer")) or {}
-            t.prompt_tokens, t.completion_tokens = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
+            t.prompt_tokens = _count(usage, "prompt_tokens")
+            t.completion_tokens = _count(usage, "completion_tokens", max_tokens)
     except Malformed as e:
         t.error = f"malformed answer: {e}"
     except json.JSONDecodeError as e:

@@ -16,12 +16,13 @@ disagreement is the compression's doing.
 from __future__ import annotations
 
 import json
+import math
 import random
 import time
 
 import httpx
 
-from onespark.bench.client import Endpoint
+from onespark.bench.client import Endpoint, is_count
 from onespark.bench.stats import summarize
 
 FIELD, STATUS, REMOVED, MS = "onespark_compress", "x-onespark-compression", "x-onespark-tokens-removed", \
@@ -104,7 +105,7 @@ def _chunk(data: str) -> tuple[str, bool, dict | None]:
     if usage is None:
         return text, any_text, None
     counts = {k: usage.get(k) for k in ("prompt_tokens", "completion_tokens")} if isinstance(usage, dict) else {}
-    if not counts or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in counts.values()):
+    if not counts or not all(is_count(v) for v in counts.values()):
         raise Malformed(f"usage is {json.dumps(usage)[:80]}, not token counts")
     return text, any_text, counts
 
@@ -128,8 +129,11 @@ async def _request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, max_tok
             for key, header, kind in (("tokens_removed", REMOVED, int), ("compressor_ms", MS, float)):
                 try:
                     row[key] = kind(r.headers[header]) if header in r.headers else None
-                except ValueError:
-                    row["error"] = f"{header}: {r.headers[header][:40]!r} is not a number"
+                    if row[key] is not None and not (math.isfinite(row[key]) and row[key] >= 0):
+                        raise ValueError  # nan, inf or below 0: no count and no duration, and NaN is no JSON
+                except (ValueError, OverflowError):  # OverflowError: an integer too large for math.isfinite
+                    row[key] = None
+                    row["error"] = f"{header}: {r.headers[header][:40]!r} is not a number of 0 or more"
             if r.status_code != 200:
                 row["error"] = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
             else:

@@ -66,6 +66,8 @@ def snapshot(text: str) -> dict:
     seen: set[str] = set()
     for name, labels, value in parse_prometheus(text):
         seen.add(name)
+        if not math.isfinite(value):  # the format allows NaN and +Inf; no counter or gauge read here is either
+            continue
         if name == SPEC_ACCEPTED_PER_POS:
             per_pos[int(labels.get("position", "0"))] += value
         elif name == CACHE_INFO:
@@ -91,6 +93,8 @@ def spec_decode_delta(before: dict, after: dict) -> dict | None:
     if not (before.get("spec_decode") and after.get("spec_decode")):
         return None
     b, a = before["counters"], after["counters"]
+    if not all(k in c for c in (b, a) for k in (SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED)):
+        return None  # one left out (a NaN sample is): a delta from a missing counter would be a made-up figure
     drafts = a.get(SPEC_DRAFTS, 0.0) - b.get(SPEC_DRAFTS, 0.0)
     draft_tokens = a.get(SPEC_DRAFT_TOKENS, 0.0) - b.get(SPEC_DRAFT_TOKENS, 0.0)
     accepted = a.get(SPEC_ACCEPTED, 0.0) - b.get(SPEC_ACCEPTED, 0.0)
@@ -118,11 +122,23 @@ def parse_server_log(text: str) -> dict:
     """KV-cache capacity lines vLLM 0.19.1 logs at start-up (vllm/v1/core/kv_cache_utils.py). Last one wins."""
     out: dict = {}
     for m in _KV_TOKENS.finditer(text):
-        out["kv_cache_tokens"] = int(m.group(1).replace(",", ""))
+        tokens = _number(m.group(1), int)
+        if tokens is not None:
+            out["kv_cache_tokens"] = tokens
     for m in _MAX_CONC.finditer(text):
-        out["max_model_len"] = int(m.group(1).replace(",", ""))
-        out["max_concurrency_at_max_model_len"] = float(m.group(2))
+        length, concurrency = _number(m.group(1), int), _number(m.group(2), float)
+        if length is not None and concurrency is not None:
+            out["max_model_len"], out["max_concurrency_at_max_model_len"] = length, concurrency
     return out
+
+
+def _number(text: str, kind: type) -> int | float | None:
+    """A log line's number ("1,234", "2.5"), or None for one that is not (",", "1.2.3", 5000 digits, inf)."""
+    try:
+        value = kind(text.replace(",", ""))
+    except ValueError:
+        return None
+    return value if 0 <= value < 2**53 else None  # inf (a 400-digit float) fails too
 
 
 _CAUSE = re.compile(r"^(?:.*\] )?((?:\w+\.)*\w*(?:Error|Exception): .+)$", re.M)

@@ -55,14 +55,17 @@ def _umask() -> int:
 
 
 # What `bench compare` reads of a result file, declared (onespark.shape); the rest is passed over.
-_STATS = Nullable(Obj({"mean": Num(), "std": Num(lo=0), "n": Int(0)}, what="summary statistics {mean, std, n}"))
+# Every compared metric is a rate or a time, never below 0; 1e12 tok/s or s is no measurement either, and the bound
+# keeps Welch's std**2 and B - A finite (1e200 would overflow to a traceback, 1e308 to a delta of inf).
+_VALUE = Num(lo=0, hi=1e12)
+_STATS = Nullable(Obj({"mean": _VALUE, "std": _VALUE, "n": Int(0)}, what="summary statistics {mean, std, n}"))
 _GROUP = Obj({"group": OneOf(Str(), Num()), "summary": Obj(optional=dict.fromkeys(COMPARED, _STATS))},
              {"aggregate_tok_s": _STATS}, what="a group {group, summary, ...}")
 _SUITE = Obj({"groups": ListOf(_GROUP)}, what="a suite {groups: [...]}")
 _PUBLISHED = Obj({"groups": ListOf(_GROUP), "cross_class": Obj(optional=dict.fromkeys(COMPARED, _STATS))},
                  what="a suite {groups: [...], cross_class}")
 _CAPACITY = Obj({"estimates": ListOf(Obj({"context": OneOf(Int(), Str())},
-                                         dict.fromkeys(("kv_cache_tokens", "users"), Nullable(Num()))))},
+                                         dict.fromkeys(("kv_cache_tokens", "users"), Nullable(Int(0, 2**53)))))},
                 what="a suite {estimates: [...]}")
 _RECORDING = Nullable(Obj({"top_k": Int(1), "max_tokens": Int(1), "rows": ListOf(Obj({
     "group": Str(), "prompt": Str(), "tokens": ListOf(str),
@@ -114,7 +117,8 @@ def _pm(summary: dict | None, digits=1, scale=1.0) -> str:
 def _accept(sd: dict | None) -> str:
     if not sd or sd.get("mean_acceptance_length") is None:
         return "off" if sd is None else "-"
-    return f"{sd['mean_acceptance_length']:.2f} ({100 * sd['acceptance_rate']:.0f}%)"
+    rate = "-" if sd.get("acceptance_rate") is None else f"{100 * sd['acceptance_rate']:.0f}%"  # no draft tokens
+    return f"{sd['mean_acceptance_length']:.2f} ({rate})"
 
 
 Table = tuple[str, list[str], list[list[str]]]  # (title, headers, rows)

@@ -72,7 +72,9 @@ def request_metrics(t: RequestTiming) -> dict:
         # Tokens that arrived with the first chunk: vLLM coalesces tokens into one chunk when the client or
         # the API server falls behind (seen on a loaded CPU without any speculative decoding) and MTP sends
         # up to 3 per chunk, so "1" is only the fallback when the server does not count per chunk.
-        counted = len(t.chunk_tokens) == len(t.chunk_times)
+        # cumulative counts only: counts that fall, or pass the usage total, say nothing per token
+        counted = len(t.chunk_tokens) == len(t.chunk_times) and \
+            all(a <= b for a, b in zip(t.chunk_tokens, t.chunk_tokens[1:])) and t.chunk_tokens[-1] <= n
         first = t.chunk_tokens[0] if counted else 1
         if n > first and t_last > t_first:
             out["decode_tok_s"] = (n - first) / (t_last - t_first)
@@ -145,7 +147,9 @@ def welch(mean_a: float, std_a: float, n_a: int, mean_b: float, std_b: float, n_
     noise is unknown, so nothing is called significant.
     """
     delta = mean_b - mean_a
-    out = {"delta": delta, "delta_pct": (100.0 * delta / mean_a) if mean_a else None, "se": None, "significant": None}
+    pct = (100.0 * delta / mean_a) if mean_a else None
+    pct = pct if pct is not None and math.isfinite(pct) else None  # A = 5e-324 would make it inf
+    out = {"delta": delta, "delta_pct": pct, "se": None, "significant": None}
     if n_a >= 2 and n_b >= 2:
         se = math.sqrt(std_a**2 / n_a + std_b**2 / n_b)
         out["se"] = se

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import random
 import time
 from collections.abc import Callable
@@ -122,9 +123,10 @@ def _load_summary(streams: int, context: int, samples: list[dict], first_end: fl
     peak_usage = max(usage) if usage else None
     peak_running = max(running) if running else None
     users = None
-    if peak_usage and peak_running:
+    if (peak_usage or 0) > 0 and (peak_running or 0) > 0:
         # KV share per running request at the peak, extrapolated to a full cache.
-        users = int(peak_running / peak_usage)
+        ratio = peak_running / peak_usage
+        users = int(ratio) if math.isfinite(ratio) else None  # a usage of 1e-320 is no measurement
     return {"streams": streams, "context": context, "samples": len(samples),
             "samples_after_all_started": sum(s["after_all_started"] for s in samples),
             "samples_under_load": under_load,
@@ -387,11 +389,12 @@ class Runner:
             snap = await self.metrics()
             info = snap["cache_info"] if snap else {}
 
-            def as_int(v):
+            def as_int(v):  # a label is text: "16", "16.0", or anything ("inf" overflows int())
                 try:
-                    return int(float(v))
-                except (TypeError, ValueError):
+                    n = int(float(v))
+                except (TypeError, ValueError, OverflowError):
                     return None
+                return n if n > 0 else None
 
             blocks, block_size = as_int(info.get("num_gpu_blocks")), as_int(info.get("block_size"))
             estimates = []

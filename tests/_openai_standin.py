@@ -5,6 +5,9 @@ vLLM never gives: a JSON list where an object belongs, strings for numbers, a no
         srv.base_url, srv.requests (path of every request), srv.auth (every Authorization header),
         srv.bodies (the raw body of every POST)
 
+`metrics`: the texts GET /metrics answers, one per request in turn, the last one repeated (None: 404, as a
+server without it); `tokenize`: the body POST /tokenize answers.
+
 Answer kinds for POST /v1/chat/completions (streamed with usage, as vLLM streams; a request with stream false
 gets one JSON answer without logprobs, of the same kind: ok, list, strnum or garbage):
   ok       3 text chunks, then a usage chunk {"prompt_tokens": 5, "completion_tokens": 3}, then [DONE]
@@ -12,6 +15,7 @@ gets one JSON answer without logprobs, of the same kind: ok, list, strnum or gar
   strnum   the usage chunk carries strings: {"completion_tokens": "3"}
   choices  a chunk whose "choices" is a string
   garbage  a chunk that is not JSON
+  huge     the usage chunk says 10**400 completion tokens (valid JSON, past any float)
 """
 
 from __future__ import annotations
@@ -24,8 +28,11 @@ MODELS_OK = json.dumps({"object": "list", "data": [{"id": "standin", "max_model_
 
 
 class StandIn:
-    def __init__(self, models: str = MODELS_OK, answers: list[str] | None = None):
+    def __init__(self, models: str = MODELS_OK, answers: list[str] | None = None, metrics: list[str] | None = None,
+                 tokenize: str = '{"count": 5}'):
         self.models, self.answers = models, list(answers or ["ok"])
+        self.metrics, self.tokenize = metrics, tokenize
+        self._metrics_served = 0
         self.requests: list[str] = []
         self.auth: list[str | None] = []
         self.bodies: list[bytes] = []
@@ -53,6 +60,11 @@ class StandIn:
                     self._send(200, srv.models)
                 elif self.path == "/version":
                     self._send(200, json.dumps({"version": "standin"}))
+                elif self.path == "/metrics" and srv.metrics:
+                    with srv._lock:
+                        text = srv.metrics[min(srv._metrics_served, len(srv.metrics) - 1)]
+                        srv._metrics_served += 1
+                    self._send(200, text, "text/plain; version=0.0.4")
                 else:
                     self._send(404, "{}")
 
@@ -67,7 +79,7 @@ class StandIn:
                     self._send(400, json.dumps({"error": {"message": "not JSON", "code": 400}}))
                     return
                 if self.path == "/tokenize":
-                    self._send(200, json.dumps({"count": 5}))
+                    self._send(200, srv.tokenize)
                     return
                 if self.path != "/v1/chat/completions":
                     self._send(404, "{}")
@@ -80,6 +92,7 @@ class StandIn:
                               "usage": {"prompt_tokens": 5, "completion_tokens": 3}}
                     text = {"list": json.dumps([answer]), "garbage": "<html>bad gateway</html>",
                             "strnum": json.dumps({**answer, "usage": {"prompt_tokens": 5, "completion_tokens": "3"}}),
+                            "huge": json.dumps({**answer, "usage": {"prompt_tokens": 5, "completion_tokens": 10**400}}),
                             }.get(kind, json.dumps(answer))
                     self._send(200, text)
                     return
@@ -95,6 +108,8 @@ class StandIn:
                     events[1] = json.dumps({"choices": "hi"})
                 elif kind == "garbage":
                     events[1] = "<html>bad gateway</html>"
+                elif kind == "huge":
+                    usage["usage"] = {"prompt_tokens": 5, "completion_tokens": 10**400}
                 events.append(json.dumps(usage))
                 body = "".join(f"data: {e}\n\n" for e in events) + "data: [DONE]\n\n"
                 self.send_response(200)

@@ -492,3 +492,180 @@ def test_capacity_table_says_when_the_load_ran_again():
     assert rows[-1][-1] == "measured: 4 streams, peak 4 running, run 2 times"
     _, _, rows = report._capacity_table({**suite, "load": {**load, "attempts": 1}}, {})
     assert rows[-1][-1] == "measured: 4 streams, peak 4 running"
+
+
+# ---------------------------------------------------------------- hostile answers: numbers past what was measured
+def _scripted(handler):
+    """An Endpoint and a client on an httpx.MockTransport(handler), for one async test body."""
+    import httpx
+
+    from onespark.bench.client import Endpoint, make_client
+
+    ep = Endpoint("http://scripted", model="m")
+    return ep, make_client(ep, transport=httpx.MockTransport(handler))
+
+
+def _sse(*chunks: dict) -> bytes:
+    return b"".join(f"data: {json.dumps(c)}\n\n".encode() for c in chunks) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("completion,why", [
+    (10**400, "not a token count"),  # valid JSON; n / wall would raise OverflowError in request_metrics
+    (2_000_000_000, "more than the max_tokens 8 the request asked for"),  # 2e9 per-token latencies: a memory bomb
+], ids=["past-float", "past-max-tokens"])
+def test_usage_counts_no_server_can_mean_fail_the_request_alone(completion, why):
+    import asyncio
+
+    import httpx
+
+    from onespark.bench.client import plain_request, stream_request
+
+    text = {"choices": [{"index": 0, "delta": {"content": "hi"}}], "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+    usage = {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": completion}}
+    answer = {"choices": [{"index": 0, "message": {"content": "hi"}}], "usage": usage["usage"]}
+
+    def handler(request):
+        streamed = json.loads(request.content).get("stream")
+        return httpx.Response(200, content=_sse(text, usage) if streamed else json.dumps(answer).encode())
+
+    async def go():
+        ep, client = _scripted(handler)
+        async with client:
+            return [await stream_request(client, ep, "hi", 8), await plain_request(client, ep, "hi", 8)]
+
+    for timing in asyncio.run(go()):
+        m = request_metrics(timing)  # must not raise
+        assert not m["ok"] and why in m["error"], m["error"]
+
+
+def test_per_chunk_counts_that_are_not_cumulative_give_no_itl():
+    """A chunk count that falls back and jumps again would expand each jump into that many latencies."""
+    t = RequestTiming(0.0, 1.0, prompt_tokens=5, completion_tokens=4, chunk_times=[0.1, 0.2, 0.3, 0.4],
+                      chunk_tokens=[1, 10**6, 1, 4])
+    m = request_metrics(t)
+    assert m["ok"] and m["itl_ms"] == [] and m["tokens_per_chunk"] is None
+    assert m["decode_tok_s"] == pytest.approx(3 / 0.3)  # the fallback: one token with the first chunk
+
+
+@pytest.mark.parametrize("count", [-10**9, 10**400, 2.5, True], ids=["negative", "past-float", "float", "bool"])
+def test_tokenize_count_that_is_no_count_is_as_if_absent(count):
+    """A negative count sized the depth filler at billions of words (MemoryError after a minute, seen)."""
+    import asyncio
+
+    import httpx
+
+    from onespark.bench.client import count_prompt_tokens
+
+    async def go():
+        ep, client = _scripted(lambda request: httpx.Response(200, content=b'{"count": %s}' % json.dumps(count).encode()))
+        async with client:
+            return await count_prompt_tokens(client, ep, "hi")
+
+    assert asyncio.run(go()) is None
+
+
+def test_metrics_nan_and_inf_are_left_out_not_reported():
+    zero = prom.snapshot(_registry_text(0, 0, 0, [0, 0]))
+    nan = prom.snapshot(f"{prom.SPEC_DRAFTS} 10\n{prom.SPEC_DRAFT_TOKENS} 20\n{prom.SPEC_ACCEPTED} NaN\n")
+    assert prom.SPEC_ACCEPTED not in nan["counters"]
+    assert prom.spec_decode_delta(zero, nan) is None  # not an acceptance of 0 or NaN
+    from onespark.bench.suites import _load_summary
+
+    def sample(usage, running):
+        return {"t": 1.0, "kv_usage": usage, "running": running, "waiting": 0, "after_all_started": True}
+
+    for usage, running in ((float("nan"), 3.0), (0.5, float("inf")), (1e-320, 3.0), (-0.5, 3.0)):
+        load = _load_summary(3, 300, [sample(usage, running)], first_end=2.0)  # int(nan) raised ValueError
+        assert load["users_at_context_measured"] is None, (usage, running)
+
+
+def test_acceptance_without_draft_tokens_prints_a_dash():
+    """drafts counted but no draft tokens (a server's counters out of step): the rate is None, not a TypeError."""
+    before = prom.snapshot(_registry_text(0, 0, 0, [0]))
+    after = prom.snapshot(_registry_text(10, 0, 5, [5]))
+    d = prom.spec_decode_delta(before, after)
+    assert d["acceptance_rate"] is None and d["mean_acceptance_length"] == 1.5
+    assert report._accept(d) == "1.50 (-)"
+
+
+@pytest.mark.parametrize("log", [
+    "GPU KV cache size: ,,, tokens\n",
+    "GPU KV cache size: " + "1" * 5000 + " tokens\n",  # past int()'s digit limit
+    "Maximum concurrency for 1,000 tokens per request: ...x\n",
+    "Maximum concurrency for 1,000 tokens per request: " + "9" * 400 + "x\n",  # float inf
+], ids=["commas", "5000-digits", "dots", "float-inf"])
+def test_server_log_numbers_that_are_not_numbers_are_not_read(log):
+    assert prom.parse_server_log(log) == {}
+
+
+def test_capacity_with_cache_info_labels_that_are_no_count():
+    import asyncio
+
+    import httpx
+
+    from onespark.bench.suites import Progress, Runner, Settings
+
+    text = (f'{prom.CACHE_INFO}{{block_size="inf",num_gpu_blocks="-5"}} 1.0\n'
+            f'{prom.KV_USAGE}{{engine="0"}} NaN\n')
+
+    async def go():
+        ep, client = _scripted(lambda request: httpx.Response(200, text=text))
+        async with client:
+            return await Runner(client, ep, Settings(capacity_contexts=[4096]), None, Progress(False)).capacity()
+
+    cap = asyncio.run(go())  # int(float("inf")) raised OverflowError
+    assert cap["num_gpu_blocks"] is None and cap["block_size"] is None
+    assert cap["estimates"] == [{"context": 4096, "kv_cache_tokens": None, "users": None, "source": None}]
+
+
+@pytest.mark.parametrize("mean,std", [(50.0, 1e200), (1e308, 1.0), (-5.0, 1.0), (float("nan"), 1.0)])
+def test_compare_refuses_statistics_no_run_measures(tmp_path, mean, std):
+    """std 1e200 overflowed Welch's std**2 (a traceback); means of +-1e308 printed a delta of inf."""
+    from onespark.bench.cli import _compare
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_result(50.0, 1.0)))
+    b.write_text(json.dumps(_result(mean, std)))
+    with pytest.raises(UserError, match=r"b\.json: suites\.published\.groups\[0\]\.summary\.e2e_tok_s\.(mean|std)"):
+        _compare(type("Args", (), {"a": str(a), "b": str(b), "markdown": False})())
+
+
+def test_welch_percentage_of_a_denormal_mean_is_none_not_inf():
+    assert welch(5e-324, 0.0, 2, 1.0, 0.0, 2)["delta_pct"] is None
+
+
+@pytest.mark.parametrize("headers,why", [
+    ({"x-onespark-compressor-ms": "nan"}, "x-onespark-compressor-ms: 'nan'"),
+    ({"x-onespark-compressor-ms": "inf"}, "x-onespark-compressor-ms: 'inf'"),
+    ({"x-onespark-tokens-removed": "-7"}, "x-onespark-tokens-removed: '-7'"),
+    ({"x-onespark-tokens-removed": "9" * 400}, "x-onespark-tokens-removed"),
+    ({}, "usage is"),  # with the usage below: 10**400 prompt tokens
+], ids=["nan", "inf", "negative", "past-float", "huge-usage"])
+def test_compression_headers_and_usage_that_are_no_measurement(headers, why):
+    import asyncio
+
+    import httpx
+
+    from onespark.bench import compression
+
+    usage = {"prompt_tokens": 10**400 if not headers else 5, "completion_tokens": 1}
+    sse = _sse({"choices": [{"delta": {"content": "80412"}}]}, {"choices": [], "usage": usage})
+
+    async def go():
+        ep, client = _scripted(lambda request: httpx.Response(200, headers=headers, content=sse))
+        async with client:
+            return await compression._request(client, ep, "p", 3, {"rate": 0.5})
+
+    row = asyncio.run(go())
+    assert not row["ok"] and why in row["error"], row["error"]
+    g = compression._group("needle", 8, [dict(row, arm=arm, correct=None) for arm in ("off", "on")])
+    json.dumps(g, allow_nan=False)  # no NaN or Infinity into the result file
+
+
+@pytest.mark.parametrize("url,why", [("http://[::1", "is not a valid URL"), ("http://h:port", "is not a valid URL"),
+                                     ("http://:80", "names no host")])
+def test_endpoint_url_httpx_cannot_use_is_one_error(url, why):
+    from onespark.bench.client import Endpoint
+
+    with pytest.raises(UserError, match=f"--b-base-url '.*' {why}"):
+        Endpoint(url, flag="--b-base-url")

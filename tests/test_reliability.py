@@ -492,6 +492,63 @@ def test_wrong_shaped_unstreamed_answers_fail_alone(tmp_path):
     assert "not JSON" in errors[2], errors
 
 
+def test_a_token_count_past_any_float_fails_that_request_alone(tmp_path):
+    """usage.completion_tokens 10**400 is valid JSON: its rate raised OverflowError and lost the whole run."""
+    from tests._openai_standin import StandIn
+    for stream in ([], ["--no-stream"]):
+        with StandIn(answers=["ok", "huge"]) as srv:
+            r = cli(*_bench_args(srv, tmp_path, "--runs", "2", *stream))
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "1 of 2 requests failed" in r.stderr.strip().splitlines()[-1], r.stderr
+        rows = json.loads((tmp_path / "r.json").read_text())["suites"]["published"]["rows"]
+        assert [row["ok"] for row in rows] == [True, False] and "not a token count" in rows[1]["error"]
+
+
+def test_metrics_the_tables_cannot_hold_are_left_out(tmp_path):
+    """/metrics with drafts counted but no draft tokens (acceptance None: the table's 100 * None was a TypeError),
+    a NaN gauge and block_size="inf" (int(float("inf")) an OverflowError): the run ends in its tables."""
+    from tests._openai_standin import StandIn
+    zero = "vllm:spec_decode_num_drafts_total 0\nvllm:spec_decode_num_draft_tokens_total 0\n" \
+           "vllm:spec_decode_num_accepted_tokens_total 0\n"
+    odd = "vllm:spec_decode_num_drafts_total 10\nvllm:spec_decode_num_draft_tokens_total 0\n" \
+          "vllm:spec_decode_num_accepted_tokens_total 5\nvllm:kv_cache_usage_perc NaN\n" \
+          'vllm:cache_config_info{block_size="inf",num_gpu_blocks="100"} 1.0\n'
+    with StandIn(metrics=[zero, zero, zero, odd]) as srv:
+        r = cli(*_bench_args(srv, tmp_path, "--suite", "published,capacity"))
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stdout + r.stderr
+    rec = json.loads((tmp_path / "r.json").read_text())
+    assert rec["suites"]["published"]["spec_decode"]["acceptance_rate"] is None
+    assert rec["suites"]["capacity"]["block_size"] is None
+    assert "1.50 (-)" in (tmp_path / "r.md").read_text()
+
+
+def test_a_suite_that_stops_keeps_the_suites_before_it(tmp_path):
+    """quality needs logprobs this server does not send: the published figures measured before it are written."""
+    from tests._openai_standin import StandIn
+    with StandIn() as srv:
+        last = one_line_error(cli(*_bench_args(srv, tmp_path, "--suite", "published,quality")), "bench")
+    assert last.startswith("onespark bench: error: quality stopped (") and str(tmp_path / "r.json") in last, last
+    rec = json.loads((tmp_path / "r.json").read_text())
+    assert rec["stopped"]["suite"] == "quality" and "no usable logprobs" in rec["stopped"]["error"]
+    assert rec["suites"]["published"]["groups"][0]["summary"]["e2e_tok_s"]["n"] == 1
+    assert (tmp_path / "r.md").is_file()
+
+
+@pytest.mark.parametrize("key", ["sk-line-break-0123456789\n", "sk-carriage-0123456789\r\nX-Other: 1",
+                                 "sk-accent-\u00e9-0123456789"], ids=["newline", "header-injection", "non-ascii"])
+def test_an_env_key_no_header_can_carry_is_one_line_that_never_shows_it(tmp_path, key):
+    """The HTTP client's error quoted the header, key and all ("Illegal header value b'Bearer sk-...'"); an accent
+    was a UnicodeEncodeError traceback."""
+    from tests._openai_standin import StandIn
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENAI_API_KEY", "ONESPARK_API_KEY")}
+    with StandIn() as srv:
+        r = cli(*_bench_args(srv, tmp_path), env=dict(env, OPENAI_API_KEY=key))
+        assert srv.requests == []
+    last = one_line_error(r, "bench")
+    assert "$OPENAI_API_KEY: the key is not plain printable ASCII" in last, last
+    assert "0123456789" not in r.stdout + r.stderr
+
+
 def test_quality_against_a_server_without_logprobs_is_one_line(tmp_path):
     from tests._openai_standin import StandIn
     with StandIn() as srv:
