@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("output")
     g.add_argument("--out", default="bench-results", help="output directory (default: %(default)s)")
-    g.add_argument("--name", help="file stem (default: SUITES-UTCDATE)")
+    g.add_argument("--name", type=options.file_stem, help="file stem in --out (default: SUITES-UTCDATE)")
     g.add_argument("--hardware", help="what it ran on, stated in every table, e.g. 'DGX Spark GB10'")
     g.add_argument("--gpu", help="GPU name for the record")
     g.add_argument("--image", type=options.image_ref, help="container image for the record, e.g. onespark:v2")

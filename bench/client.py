@@ -11,6 +11,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -32,6 +33,13 @@ class Endpoint:
     flag: str = "--base-url"  # the option that gave base_url, named in its errors
 
     def __post_init__(self) -> None:
+        try:
+            netloc = urlsplit(self.base_url).netloc
+        except ValueError:  # an unclosed "[": httpx's check below names it
+            netloc = self.base_url
+        if "@" in netloc:  # checked first: every message below shows the URL
+            raise UserError(f"{self.flag}: the URL holds a user name or password, which would be recorded with the "
+                            "results and shown in errors: give the URL without it, the key with --api-key-file")
         url = self.base_url.rstrip("/")
         if url.endswith("/v1"):
             url = url[: -len("/v1")]
@@ -76,7 +84,8 @@ async def detect_model(client: httpx.AsyncClient, ep: Endpoint) -> dict:
     except httpx.HTTPError as e:
         raise _http_error(ep, "/v1/models", e) from e
     if r.status_code in (401, 403):
-        raise UserError(f"{ep.base_url}/v1/models answered {r.status_code}: pass the server's key with --api-key")
+        raise UserError(f"{ep.base_url}/v1/models answered {r.status_code}: pass the server's key with --api-key-file (a file "
+                        "holding it; --api-key would show it in `ps`)")
     if r.status_code != 200:
         raise UserError(f"{ep.base_url}/v1/models answered {r.status_code}: {r.text[:200]}")
     try:

@@ -150,6 +150,14 @@ def image_ref(text: str) -> str:
     return text
 
 
+def file_stem(text: str) -> str:
+    """argparse `type=` of a name that becomes a file in an output folder (bench --name): never a path."""
+    if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]{0,127}", text):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} is not a file name: give letters, digits and _ . + = - "
+                                         "(no /; the folder is --out), e.g. published-spark-v2")
+    return text
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with errors of one line, without the value of any key-looking option (`--api-ke=KEY`,
     `--api_key KEY`, a short key taken for a positional's "invalid choice"), and without the values of

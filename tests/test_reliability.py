@@ -549,6 +549,31 @@ def test_an_env_key_no_header_can_carry_is_one_line_that_never_shows_it(tmp_path
     assert "0123456789" not in r.stdout + r.stderr
 
 
+def test_a_url_with_credentials_is_refused_without_showing_them(tmp_path):
+    """http://user:secret@host: the URL is recorded with the results (endpoint, command) and shown in every
+    error; refused before anything is sent, the password in no line."""
+    from tests._openai_standin import StandIn
+    with StandIn() as srv:
+        url = srv.base_url.replace("http://", "http://bench:pw-0123456789@")
+        args = _bench_args(srv, tmp_path)
+        args[args.index("--base-url") + 1] = url
+        r = cli(*args)
+        assert srv.requests == []
+    last = one_line_error(r, "bench")
+    assert "--base-url: the URL holds a user name or password" in last, last
+    assert "pw-0123456789" not in r.stdout + r.stderr and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["../escaped", "/tmp/abs", "a/b", ".hidden", ""])
+def test_a_bench_name_is_a_file_in_out_never_a_path(tmp_path, name):
+    """--name is the results' file stem in --out: `../x` or `/abs/x` wrote outside it (the write check before the
+    run covers --out only). Refused by the parser, nothing sent or written."""
+    out = tmp_path / "out"
+    r = cli("bench", "--base-url", "http://127.0.0.1:9", "--out", str(out), f"--name={name}")
+    assert r.returncode == 2 and "is not a file name" in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+    assert not out.exists() and not (tmp_path / "escaped.json").exists()
+
+
 def test_quality_against_a_server_without_logprobs_is_one_line(tmp_path):
     from tests._openai_standin import StandIn
     with StandIn() as srv:
