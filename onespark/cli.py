@@ -36,6 +36,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# The commands that write a checkpoint directory: they lock it, and a re-run resumes what they were writing.
+WRITERS = ("download", "hybrid", "mtp", "synth")
+
+
 def _usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"onespark {__version__}", "", "usage: onespark COMMAND [options]   (onespark COMMAND --help)", ""]
@@ -94,7 +98,7 @@ def _main(argv: list[str]) -> int:
     parser = Parser(prog=f"onespark {name}", description=help_, allow_abbrev=False)
     module.add_arguments(parser)
     args = parser.parse_args(argv[1:])
-    if name in ("download", "hybrid", "mtp", "synth"):  # the commands that lock a directory
+    if name in WRITERS:
         from onespark.checkpoint import lock  # who holds an output directory, for the message a second writer gets
         lock.COMMAND = "onespark " + shlex.join(redact_argv(argv))
     try:
@@ -107,6 +111,7 @@ def _main(argv: list[str]) -> int:
             _end_as_coreutils_do()
         print(f"onespark {name}: error: {os_error_message(e)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print(f"onespark {name}: interrupted; re-run the same command to resume", file=sys.stderr)
+    except KeyboardInterrupt:  # only the checkpoint writers keep their progress; a bench, say, starts over
+        print(f"onespark {name}: interrupted" + ("; re-run the same command to resume" if name in WRITERS else ""),
+              file=sys.stderr)
         return 130

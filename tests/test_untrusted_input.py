@@ -455,3 +455,21 @@ def test_an_unknown_spec_in_the_manifest_is_named_as_the_manifests(tmp_path, cap
                           "which this onespark does not know (it knows qwen3.5-122b-a10b"), err
     assert err.endswith(": pass --model NAME, or update onespark to the version that wrote it\n") and "--model qwen9" not in err
     assert cli.main(["serve", "--demo", "--checkpoint", str(model), "--dry-run", "--model", "qwen3.5-35b-a3b"]) == 0
+
+
+@pytest.mark.parametrize("command, argv, says", [
+    ("onespark.bench.cli", ["bench", "--base-url", "http://127.0.0.1:9"], "onespark bench: interrupted"),
+    ("onespark.checkpoint.verify", ["verify", "x"], "onespark verify: interrupted"),
+    ("onespark.checkpoint.download", ["download", "--dest", "x"],
+     "onespark download: interrupted; re-run the same command to resume"),
+])
+def test_ctrl_c_promises_a_resume_only_where_a_rerun_resumes(monkeypatch, capsys, command, argv, says):
+    """Ctrl-C said "re-run the same command to resume" for every command: a bench (or a verify) starts over."""
+    import importlib
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(command), "run", interrupted)
+    assert cli.main(argv) == 130
+    assert capsys.readouterr().err.strip() == says
