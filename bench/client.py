@@ -169,6 +169,16 @@ def request_body(ep: Endpoint, prompt: str, max_tokens: int, stream: bool = True
     return path, body
 
 
+async def error_text(r: httpx.Response, most: int = 300) -> str:
+    """The start of an error answer's body, without reading the rest (a server may send any amount)."""
+    got = b""
+    async for block in r.aiter_bytes():
+        got += block
+        if len(got) >= most:
+            break
+    return got.decode(errors="replace")[:most]
+
+
 class Malformed(ValueError):
     """A server answer of the wrong shape; the request is recorded as failed with this reason."""
 
@@ -242,8 +252,7 @@ async def stream_request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, m
     try:
         async with client.stream("POST", path, json=body) as r:
             if r.status_code != 200:
-                text = (await r.aread()).decode(errors="replace")
-                t.error = f"HTTP {r.status_code}: {text[:300]}"
+                t.error = f"HTTP {r.status_code}: {await error_text(r)}"
             else:
                 async for line in r.aiter_lines():
                     if not line.startswith("data:"):

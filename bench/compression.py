@@ -22,7 +22,7 @@ import time
 
 import httpx
 
-from onespark.bench.client import Endpoint, is_count
+from onespark.bench.client import Endpoint, error_text, is_count
 from onespark.bench.stats import summarize
 
 FIELD, STATUS, REMOVED, MS = "onespark_compress", "x-onespark-compression", "x-onespark-tokens-removed", \
@@ -135,7 +135,7 @@ async def _request(client: httpx.AsyncClient, ep: Endpoint, prompt: str, max_tok
                     row[key] = None
                     row["error"] = f"{header}: {r.headers[header][:40]!r} is not a number of 0 or more"
             if r.status_code != 200:
-                row["error"] = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
+                row["error"] = f"HTTP {r.status_code}: {await error_text(r)}"
             else:
                 async for line in r.aiter_lines():
                     if not line.startswith("data:") or line[5:].strip() == "[DONE]":

@@ -669,3 +669,30 @@ def test_endpoint_url_httpx_cannot_use_is_one_error(url, why):
 
     with pytest.raises(UserError, match=f"--b-base-url '.*' {why}"):
         Endpoint(url, flag="--b-base-url")
+
+
+def test_an_error_answer_is_read_no_further_than_its_message():
+    """A 500 whose body never ends (a hostile or broken server) was read whole into memory to show 300
+    characters of it; now the read stops there."""
+    import asyncio
+
+    import httpx
+
+    from onespark.bench.client import Endpoint, stream_request
+
+    sent = []
+
+    async def body():
+        for _ in range(10_000):  # 640 MiB, were it read whole
+            sent.append(1)
+            yield b"x" * 65536
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(500, content=body()))
+
+    async def one():
+        async with httpx.AsyncClient(transport=transport, base_url="http://standin") as c:
+            return await stream_request(c, Endpoint("http://standin", model="m"), "hi", 4)
+
+    t = asyncio.run(one())
+    assert t.error == "HTTP 500: " + "x" * 300
+    assert len(sent) < 4, len(sent)
