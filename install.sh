@@ -121,10 +121,23 @@ parse_args() {
     ((TQ)) && die "--tq needs a GPU (TurboQuant kernels); --demo runs v2 on CPU"
     ((WORK_SET)) || WORK=$DEMO_WORK
   fi
-  WORK=$(realpath -m "$WORK")
+  check_work
   # The spec decides where the checkpoints go and which one is served (an unknown --model: the list of specs).
   MODEL_WORK=$(model_work "$WORK" "$MODEL") || exit 2
   SERVED_DIR=$(spec_get "$MODEL" served_dir) || exit 2
+}
+
+# --work (or its default under this checkout), made absolute. It becomes docker's `-v SRC:/model:ro` (split at ':'),
+# the worker's rsync destination and the commands the plan prints, so it holds no blank, quote, ':' or ';'; and it
+# is no option: `--work -y` (a value forgotten) or `--work -L` was an option of realpath, which failed, and the
+# plan then wrote to / .
+check_work() {
+  local what="--work '$WORK'"
+  ((WORK_SET)) || what="the default work directory '$WORK' (under this checkout)"
+  local fix="use letters, digits and / . _ - + @ only (a blank, a quote, ':' or ';' breaks docker's -v or the printed commands), e.g. --work /data/onespark"
+  [[ $WORK != -* ]] || usage_error "$what: a directory, not an option (a value missing before it?): $fix"
+  WORK=$(realpath -m -- "$WORK") || usage_error "$what: realpath cannot resolve it: $fix"
+  [[ $WORK =~ ^[[:alnum:]/._+@%=~-]+$ ]] || usage_error "$what: $fix"
 }
 
 # --drafter: mtp everywhere; dflash on the 0.32.0 track only (0.19.1's vLLM has no DFlash drafter for this
@@ -262,14 +275,21 @@ step_checkpoints_demo() {
   if [[ -f $MODEL_WORK/hybrid/onespark-manifest.json ]]; then
     say "demo step 0: $MODEL_WORK/hybrid exists, skipping"
   else
-    [[ -d $MODEL_WORK/int4 ]] || ospk synth --model "$MODEL" --format int4 --out "$MODEL_WORK/int4"
-    [[ -d $MODEL_WORK/fp8 ]] || ospk synth --model "$MODEL" --format fp8 --out "$MODEL_WORK/fp8"
+    synth_done "$MODEL_WORK/int4" || ospk synth --model "$MODEL" --format int4 --out "$MODEL_WORK/int4"
+    synth_done "$MODEL_WORK/fp8" || ospk synth --model "$MODEL" --format fp8 --out "$MODEL_WORK/fp8"
   fi
   step_script "step 1-hybrid" steps/1-hybrid.sh --work "$MODEL_WORK" --model "$MODEL"
   step_script "step 2-mtp" steps/2-mtp.sh --work "$MODEL_WORK" --model "$MODEL"
   local -a arch=()
   [[ $TRACK == "$VLLM_DEFAULT" ]] || arch=(--arch qwen3.5-moe)
   [[ -d $(demo_model) ]] || ospk tiny-model --out "$(demo_model)" "${arch[@]}"
+}
+
+# A finished `onespark synth` into DIR: its config.json is written and its progress record is gone (synth removes
+# it last: onespark/checkpoint/synth.py PROGRESS_FILE). A killed synth leaves the record, and running the same
+# command again resumes it; a directory that merely exists is not done.
+synth_done() {
+  [[ -f $1/config.json && ! -e $1/.onespark-synth-progress.json ]]
 }
 
 # The tiny model the demo serves: 0.19.1's CPU build runs a Qwen2-MoE stand-in; 0.32.0's runs the real
@@ -342,13 +362,33 @@ step_launch() {
   ospk "${args[@]}"
 }
 
-# Where a client on this machine reaches the server (one bound to every address answers on 127.0.0.1 too).
+# The launch's own argument rules (serve's, or cluster's with --nodes: --host, --port, the key in $ONESPARK_API_KEY),
+# run now in their dry-run form (standard library only: the system python3, as spec_get), so that a value they
+# refuse stops this run in one line before the first step, not after the download and the image builds.
+check_launch() {
+  local -a cmd
+  if [[ -n $NODES ]]; then
+    cluster_args
+    cmd=("${CLUSTER_ARGS[@]}" --dry-run)
+  else
+    serve_args
+    cmd=(serve --dry-run "${SERVE_ARGS[@]:1}")
+  fi
+  PYTHONPATH=$ONESPARK_ROOT python3 -m onespark "${cmd[@]}" >/dev/null || exit 2
+}
+
+# Where a client on this machine reaches the server: serve's own answer (onespark/serving/launch.py base_url: one
+# bound to every address answers on 127.0.0.1, an IPv6 address goes in brackets).
 local_url() {
-  if [[ $HOST == 0.0.0.0 || $HOST == :: ]]; then printf 'http://127.0.0.1:%s' "$PORT"; else printf 'http://%s:%s' "$HOST" "$PORT"; fi
+  PYTHONPATH=$ONESPARK_ROOT python3 -c 'import sys
+from onespark.serving.launch import base_url
+print(base_url(sys.argv[1], int(sys.argv[2])), end="")' "$HOST" "$PORT" || die "cannot read onespark serve's URL rule from $ONESPARK_ROOT/onespark"
 }
 
 step_bench() {
-  local -a args=(bench --base-url "$(local_url)" --out "$MODEL_WORK/bench" --no-progress --no-png)
+  local url
+  url=$(local_url) || exit 1
+  local -a args=(bench --base-url "$url" --out "$MODEL_WORK/bench" --no-progress --no-png)
   if ((DEMO)); then
     # A short run: the tiny model on CPU says nothing about Spark speed; this proves the path works.
     args+=(--suite published --classes "Q&A" --runs 1 --warmup 0 --max-tokens 16
@@ -384,10 +424,16 @@ check_nodes() {
 # Two Sparks instead of one (onespark/serving/cluster.py): preflight of both machines, the worker's image and
 # checkpoint filled in (docker save | ssh docker load, rsync --partial, verify), Ray on both, vLLM here;
 # then health, the smoke request and, with --bench, the published suite.
+cluster_args() {
+  CLUSTER_ARGS=(cluster --nodes "$NODES" --sync --work "${MODEL_WORK:-$WORK}" --image "$(v2_image)"
+                --host "$HOST" --port "$PORT")
+  ((BENCH)) && CLUSTER_ARGS+=(--bench)
+  return 0
+}
+
 step_cluster() {
-  local -a args=(cluster --nodes "$NODES" --sync --work "${MODEL_WORK:-$WORK}" --image "$(v2_image)"
-                 --host "$HOST" --port "$PORT")
-  ((BENCH)) && args+=(--bench)
+  cluster_args
+  local -a args=("${CLUSTER_ARGS[@]}")
   if [[ $DRY_RUN == 1 ]]; then
     # cluster needs only the standard library: show both machines' commands even before the venv exists.
     run "$VENV/bin/onespark" "${args[@]}"
@@ -417,7 +463,7 @@ say_ready() {
   names=$(serve_names) || die "cannot read onespark serve's defaults from $ONESPARK_ROOT/onespark"
   { read -r container; read -r guard_log; read -r model; } <<<"$names"
   ((DEMO)) || model=$MODEL  # a spec's served name is the spec's (onespark/model/specs.py vllm_args)
-  url=$(local_url)
+  url=$(local_url) || exit 1
   # The key is never printed: the curl takes it from the user's own environment.
   # shellcheck disable=SC2016  # $ONESPARK_API_KEY is for the user's shell to expand, not this one
   [[ -n ${ONESPARK_API_KEY:-} ]] && auth=' -H "Authorization: Bearer $ONESPARK_API_KEY"'
@@ -454,6 +500,7 @@ main() {
   [[ -z $NODES ]] || check_nodes
   check_revision
   check_drafter_revision
+  check_launch
   if ((!DEMO)); then
     cap=$(gpu_compute_cap)
     if [[ $cap != 12.1 ]]; then

@@ -5,8 +5,9 @@
 #   ONESPARK_MODEL            model directory or name to serve (default /model, the mounted checkpoint)
 #   ONESPARK_DROP_DEFAULTS    space-separated default flags to leave out, or "all" (the CPU demo drops the
 #                             GPU-only ones: --attention-backend --speculative-config --load-format ...)
-#   ONESPARK_EXTRA_DEFAULTS   more default flags, shell words; one that repeats a built-in default replaces it
-#                             (Dockerfile.v2-tq sets TurboQuant's, --attention-backend CUSTOM among them)
+#   ONESPARK_EXTRA_DEFAULTS   more default flags, words split at blanks (shell quotes are not read, so a quoted word
+#                             is refused: a value with a blank goes after the image instead); one that repeats a built-in
+#                             default replaces it (Dockerfile.v2-tq sets TurboQuant's, --attention-backend CUSTOM among them)
 #   ONESPARK_PRINT_ONLY=1     print the vllm command line (one argument per line) instead of running it
 # The API key is never a flag here: pass VLLM_API_KEY in the environment (vLLM reads it), so it stays out
 # of `ps` and of this script's echo.
@@ -38,9 +39,17 @@ is_switch() { [[ $1 == --enable-auto-tool-choice ]]; }
 
 main() {
   local -a user=("$@") defaults=() extra=() out=()
+  local w
   if [[ -n ${ONESPARK_EXTRA_DEFAULTS:-} ]]; then
     read -r -a extra <<<"$ONESPARK_EXTRA_DEFAULTS"
   fi
+  for w in "${extra[@]}"; do
+    # A word that starts or ends with a quote is shell quoting, which is not read here (JSON's own quotes are fine).
+    if [[ $w == [\"\']* || $w == *[\"\'] ]]; then
+      printf 'onespark: error: %s\n' "ONESPARK_EXTRA_DEFAULTS quotes a word ($w); its words are split at blanks and quotes are not read: write a JSON value without spaces, or pass the flag after the image (docker run IMAGE --flag 'value')" >&2
+      exit 2
+    fi
+  done
   # Extra defaults first: a built-in default whose flag they already set is skipped below.
   defaults=("${extra[@]}" "${DEFAULTS[@]}")
   local drop=" ${ONESPARK_DROP_DEFAULTS:-} " seen=" "

@@ -7,7 +7,8 @@ was tested with (0.19.1, the default track, and 0.32.0; any local build suffix s
 matches the H200's torch: tests/gpu_vllm/) runs too, with 0.32.0's seams, and says so. Where the two differ for a hook, the code
 sits behind one named function in patches/_compat.py (the ledger's "Seam" field).
 
-Switches (environment variables, read once per process by register(); 1/0, true/false, on/off, yes/no). This list
+Switches (environment variables, read once per process by register(); 1/0, true/false, on/off, yes/no; any other
+value, an empty one included, stops start-up with one line naming the variable and these values). This list
 is the one description of them: docs/generate.py makes docs/concepts/plugin.md's table from it and TECHNIQUES, and
 fails when an ONESPARK_* variable read in patches/ has no entry, or an entry's default is not its technique's.
 An entry: `NAME=DEFAULT`, what it does, then `Speed/memory:` what it costs and gains.
@@ -95,6 +96,7 @@ ENV_HYBRID_FP8 = "ONESPARK_HYBRID_FP8"
 ENV_INT8_LM_HEAD = "ONESPARK_INT8_LM_HEAD"
 ENV_TURBOQUANT_BACKEND = "ONESPARK_TURBOQUANT_BACKEND"
 ENV_DRAFT_VOCAB = "ONESPARK_DRAFT_VOCAB"
+ENV_DRAFT_INT4 = "ONESPARK_DRAFT_INT4"  # read by draft_head.attach(): 1 = the subset's rows in INT4 groups of 128
 
 # technique name -> (switch, default, "module:function" that installs it)
 TECHNIQUES: dict[str, tuple[str, bool, str]] = {
@@ -110,7 +112,7 @@ logger = logging.getLogger("vllm.onespark")
 _active: list[str] | None = None  # set by the first register() in this process
 
 _TRUE = {"1", "true", "on", "yes"}
-_FALSE = {"0", "false", "off", "no", ""}
+_FALSE = {"0", "false", "off", "no"}  # not "": an empty value is a variable left unfilled, not an answer
 
 
 def switch(name: str, default: bool) -> bool:
@@ -122,7 +124,22 @@ def switch(name: str, default: bool) -> bool:
         return True
     if value in _FALSE:
         return False
-    raise ValueError(f"{name}={raw!r} is not a switch value: use 1 or 0")
+    raise ValueError(f"{name}={raw!r} is not a switch value: use 1 or 0 (also true/false, on/off, yes/no), or unset "
+                     f"it for the default ({int(default)})")
+
+
+def _read_switches() -> dict[str, bool]:
+    """Every technique's switch, by technique. The switches read later or only sometimes (the draft head's INT4
+    choice, once the weights have loaded; the version escape hatch, only for an unsupported vLLM) are checked here
+    too, so that a typo in any of them stops start-up before anything is loaded: one error line naming the variable
+    and its values, and an exit without a traceback through vLLM's plugin loader (which does not catch)."""
+    try:
+        switch(ENV_ALLOW_ANY_VLLM, False)
+        switch(ENV_DRAFT_INT4, False)
+        return {name: switch(env, default) for name, (env, default, _) in TECHNIQUES.items()}
+    except ValueError as e:
+        logger.error("onespark plugin: %s", e)
+        raise SystemExit(1) from None
 
 
 def version_supported(version: str) -> bool:
@@ -162,8 +179,8 @@ def register() -> list[str]:
 
     import vllm
 
+    wanted = _read_switches()
     check_vllm_version(vllm.__version__)
-    wanted = {name: switch(env, default) for name, (env, default, _) in TECHNIQUES.items()}
     active = []
     for name, on in wanted.items():
         if on:

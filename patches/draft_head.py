@@ -39,11 +39,11 @@ import torch
 
 from onespark.kernels.draft_head import draft_logits, draft_logits_int4, scatter_subset
 from onespark.kernels.lm_head import INT4_GROUP, int4_gemv_ref, int8_gemv_ref, quantize_int4_groups, quantize_int8_rows
+from onespark.patches import ENV_DRAFT_INT4  # read by attach(); register() checks its value at start-up
 
 logger = logging.getLogger("vllm.onespark")
 
 _WRAPPED = "_onespark_draft_head"  # marks our wrapper (install() refuses to wrap twice)
-ENV_DRAFT_INT4 = "ONESPARK_DRAFT_INT4"  # read by attach(): 1 = the subset's rows in INT4 groups of 128
 
 
 def draft_head_logits(x: torch.Tensor, w_sub: torch.Tensor, s_sub: torch.Tensor, local_ids: torch.Tensor,

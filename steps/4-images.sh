@@ -96,9 +96,13 @@ main() {
     BASE=${BASE:-$(base_tag "$TRACK")}
     TAG=${TAG:-onespark/v2:$VERSION$(track_suffix "$TRACK")}
   fi
+  local tq_tag=${TAG/\/v2:/\/v2-tq:}
+  if ((TQ)) && [[ $tq_tag == "$TAG" ]]; then
+    usage_error "--tq with --tag $TAG: the v2-tq image is named after the tag with /v2: replaced by /v2-tq:, so give a tag of the form REPO/v2:TAG"
+  fi
   build_image "$TAG" Dockerfile.v2 "$BASE" VLLM_BASE "$TRACK"
   if ((TQ)); then
-    build_image "${TAG/\/v2:/\/v2-tq:}" Dockerfile.v2-tq "$TAG" ONESPARK_V2 "$TRACK"
+    build_image "$tq_tag" Dockerfile.v2-tq "$TAG" ONESPARK_V2 "$TRACK"
   fi
   timing_summary
 }

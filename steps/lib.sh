@@ -27,10 +27,20 @@ parse_options() {
     case $1 in
       --dry-run) DRY_RUN=1 ;;
       -h | --help) usage; exit 0 ;;
-      *) "$handler" "$@" || { err "unknown option: $1"; usage >&2; exit 2; } ;;
+      *) "$handler" "$@" || { unknown_option "$1"; usage >&2; exit 2; } ;;
     esac
     shift "$OPTION_WORDS"
   done
+}
+
+# The error line for a word no handler took. A word with `=` is shown without its value: `--api-key=KEY` (or
+# `HF_TOKEN=...` given as an argument) would otherwise print a secret.
+unknown_option() {
+  case $1 in
+    --*=*) err "unknown option: ${1%%=*}=... (an option's value is the next word: ${1%%=*} VALUE)" ;;
+    *=*) err "unknown option: ${1%%=*}=... (an environment variable goes before the command: ${1%%=*}=... $0)" ;;
+    *) err "unknown option: $1" ;;
+  esac
 }
 
 # need_value "$@" in a handler: the option in $1 takes the next word as its value, so it must have one. Names the

@@ -135,6 +135,85 @@ def test_bad_options(fakebin, argv, message):
     assert _calls(fakebin) == []
 
 
+def _installed_venv(tmp_path: Path, log: Path) -> Path:
+    """A host virtualenv install.sh takes as up to date, whose onespark only logs its calls: a real (not dry) run
+    then shows which steps it started."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    _script(venv / "bin" / "onespark", f'echo "onespark $*" >> "{log}"\n')
+    (venv / ".onespark-installed").touch()
+    return venv
+
+
+# A value that the launch (serve or cluster, at the end) refuses is refused before the first step: before, a real run
+# created the venv, ran the preflight, downloaded 77 GB and built the images, then stopped at `onespark serve`.
+@pytest.mark.parametrize("argv, message", [
+    (["--port", "99999"], "argument --port: expected a whole number from 1 to 65535, got '99999'"),
+    (["--port", "0"], "argument --port: expected a whole number from 1 to 65535, got '0'"),
+    (["--host", "bad;host"], "argument --host: 'bad;host' is not an address to bind"),
+    (["--api-key", "two words"], "--api-key (or $ONESPARK_API_KEY): the key is not plain printable ASCII"),
+    (["--nodes", "spark1,spark2", "--port", "70000"], "argument --port: expected a whole number from 1 to 65535"),
+], ids=["port-high", "port-0", "host", "api-key", "nodes-port"])
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_a_launch_value_is_refused_before_any_step(fakebin, tmp_path, argv, message, dry):
+    venv = _installed_venv(tmp_path, fakebin["log"])
+    r = _run([BASH, "install.sh", "-y", "--work", str(tmp_path / "work"), *argv] + (["--dry-run"] if dry else []),
+             fakebin, ONESPARK_VENV=str(venv))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert len(r.stderr.splitlines()) == 1 and message in r.stderr, r.stderr
+    assert "two words" not in r.stdout + r.stderr  # the key is never shown
+    assert "+ " not in r.stdout and _calls(fakebin) == [], (r.stdout, _calls(fakebin))  # not one command planned or run
+
+
+@pytest.mark.parametrize("work", ["/tmp/with space", "/tmp/a:b", "/tmp/it's", "/tmp/a;b", "-y", "-L"])
+def test_a_work_directory_docker_cannot_mount_is_one_line(fakebin, tmp_path, work):
+    """`--work /tmp/a:b` became `docker run -v /tmp/a:b/hybrid:/model:ro` (docker splits it at the colon) after every
+    step had run; `--work -L` was an option of realpath, which then failed, and the plan wrote to /."""
+    r = _run([BASH, "install.sh", "--dry-run", "-y", "--work", work], fakebin, ONESPARK_VENV=str(tmp_path / "venv"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"onespark: error: --work '{work}': "), r.stderr
+    assert "e.g. --work " in lines[0]
+    assert r.stdout == "" and _calls(fakebin) == []
+
+
+def test_an_ipv6_host_is_in_brackets_in_the_urls(fakebin, tmp_path):
+    """What serve calls the server (launch.base_url) is what the bench and the printed curl use: http://::1:8000
+    is no URL (httpx raises InvalidURL, curl refuses it)."""
+    r = _run([BASH, "install.sh", "--dry-run", "-y", "--host", "::1", "--bench", "--work", str(tmp_path / "w")],
+             fakebin, ONESPARK_VENV=str(tmp_path / "venv"))
+    assert r.returncode == 0, r.stderr
+    bench = next(shlex.split(ln[2:]) for ln in r.stdout.splitlines() if ln.startswith("+ ") and " bench " in ln)
+    assert _flag(bench, "--base-url") == ["http://[::1]:8000"], bench
+    assert "curl http://[::1]:8000/v1/chat/completions" in r.stdout and "http://::1" not in r.stdout
+
+
+@pytest.mark.parametrize("script", ["install.sh", "steps/3-base-image.sh"])
+def test_an_option_with_an_equals_sign_is_refused_without_its_value(fakebin, script):
+    r = _run([BASH, script, "--api-key=s3cret-value", "--dry-run"], fakebin)
+    assert r.returncode == 2
+    assert "s3cret" not in r.stdout + r.stderr
+    assert r.stderr.splitlines()[0] == ("onespark: error: unknown option: --api-key=... (an option's value is the "
+                                        "next word: --api-key VALUE)"), r.stderr
+
+
+def test_demo_resumes_a_synth_that_was_interrupted(fakebin, tmp_path):
+    """onespark synth resumes a killed run from its progress record; install.sh skipped it when the directory
+    existed, so step 1 then read half a checkpoint."""
+    from onespark.checkpoint.synth import PROGRESS_FILE
+
+    work = tmp_path / "demo"
+    (work / "int4").mkdir(parents=True)
+    (work / "int4" / PROGRESS_FILE).write_text('{"fingerprint": "f", "done": {}}')
+    (work / "fp8").mkdir()
+    (work / "fp8" / "config.json").write_text("{}")  # a finished synth: config.json written, record removed
+    r = _run([BASH, "install.sh", "--demo", "--dry-run", "-y", "--work", str(work)], fakebin,
+             ONESPARK_VENV=str(tmp_path / "venv"))
+    assert r.returncode == 0, r.stderr
+    assert f"synth --model qwen3.5-122b-a10b --format int4 --out {work}/int4" in r.stdout
+    assert "--format fp8" not in r.stdout
+
+
 def test_dry_run_prints_the_spark_plan_and_runs_nothing(fakebin, tmp_path):
     """The plan of the plain command a user runs, end to end: the build, the launch, then the curl to try."""
     _fake_docker(fakebin)
@@ -390,6 +469,18 @@ def test_one_option_loop_and_one_ending(script):
     assert text.rstrip("\n").splitlines()[-1] == 'main "$@" || exit 1'
 
 
+def test_step4_tq_needs_a_tag_it_can_name_v2_tq(fakebin):
+    """--tq builds v2-tq as the --tag with /v2: replaced by /v2-tq:; a tag without /v2: made both images one tag,
+    v2-tq overwriting v2 (and each re-run rebuilding both)."""
+    r = _run([BASH, "steps/4-images.sh", "--tq", "--tag", "my/img:1", "--dry-run"], fakebin)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.splitlines() == ["onespark: error: --tq with --tag my/img:1: the v2-tq image is named after the "
+                                     "tag with /v2: replaced by /v2-tq:, so give a tag of the form REPO/v2:TAG"], r.stderr
+    r = _run([BASH, "steps/4-images.sh", "--tq", "--tag", "my/v2:1", "--dry-run"], fakebin)
+    assert r.returncode == 0, r.stderr
+    assert "-t my/v2:1 ." in r.stdout and "-t my/v2-tq:1 ." in r.stdout
+
+
 # ---------------------------------------------------------------------------------------------------------
 # docker/entrypoint.sh: defaults, and the user's flags replacing them
 
@@ -440,6 +531,22 @@ def test_entrypoint_drop_and_extra():
     assert _flag(argv, "--attention-backend") == ["CUSTOM"] and _flag(argv, "--kv-cache-dtype") == ["turboquant_k4v4"]
     argv = _entry("--attention-backend", "FLASHINFER", ONESPARK_EXTRA_DEFAULTS="--attention-backend CUSTOM")
     assert _flag(argv, "--attention-backend") == ["FLASHINFER"]
+
+
+def test_entrypoint_extra_defaults_with_a_quote_is_one_line():
+    """ONESPARK_EXTRA_DEFAULTS is split at blanks, quotes are not read: a quoted value with spaces reached vLLM in
+    pieces (`'{"method":` as --speculative-config, `"mtp",` as a stray word)."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith("ONESPARK_")}
+    e.update(ONESPARK_PRINT_ONLY="1",
+             ONESPARK_EXTRA_DEFAULTS="--speculative-config '{\"method\": \"mtp\", \"num_speculative_tokens\": 3}'")
+    r = subprocess.run([BASH, str(ROOT / "docker/entrypoint.sh")], env=e, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    assert r.stderr.splitlines() == [
+        "onespark: error: ONESPARK_EXTRA_DEFAULTS quotes a word ('{\"method\":); its words are split at blanks and "
+        "quotes are not read: write a JSON value without spaces, or pass the flag after the image "
+        "(docker run IMAGE --flag 'value')"]
+    argv = _entry(ONESPARK_EXTRA_DEFAULTS='--speculative-config {"method":"mtp","num_speculative_tokens":3}')
+    assert _flag(argv, "--speculative-config") == ['{"method":"mtp","num_speculative_tokens":3}']
 
 
 @pytest.mark.vllm

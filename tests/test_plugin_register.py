@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,14 +51,46 @@ def test_track_names_the_release_and_refuses_a_third():
 
 
 def test_switch_values(monkeypatch):
-    for raw, want in [("1", True), ("on", True), ("TRUE", True), ("0", False), ("off", False), ("", False)]:
+    for raw, want in [("1", True), ("on", True), ("TRUE", True), (" yes ", True), ("0", False), ("off", False),
+                      ("No", False)]:
         monkeypatch.setenv("ONESPARK_X", raw)
         assert switch("ONESPARK_X", not want) is want
     monkeypatch.delenv("ONESPARK_X")
     assert switch("ONESPARK_X", True) is True
-    monkeypatch.setenv("ONESPARK_X", "maybe")
-    with pytest.raises(ValueError, match="ONESPARK_X='maybe' is not a switch value: use 1 or 0"):
-        switch("ONESPARK_X", True)
+    # An empty value (`-e ONESPARK_X=`, a shell variable that was never set) is no answer: refused, never taken as
+    # off; the line names the variable and every accepted value.
+    for raw in ["maybe", "yes-please", "", " ", "2", "-1"]:
+        monkeypatch.setenv("ONESPARK_X", raw)
+        with pytest.raises(ValueError, match=rf"^ONESPARK_X={re.escape(repr(raw))} is not a switch value: use 1 or 0 "
+                                             r"\(also true/false, on/off, yes/no\)"):
+            switch("ONESPARK_X", True)
+
+
+# Every 1/0 switch the plugin reads, the draft head's INT4 choice (read only when the draft is built, after the
+# weights loaded) and the version escape hatch (read only for an unsupported vLLM) included.
+@pytest.mark.vllm
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,raw", [("ONESPARK_INT8_LM_HEAD", "yes-please"), ("ONESPARK_HYBRID_FP8", ""),
+                                      ("ONESPARK_TURBOQUANT_BACKEND", "2"), ("ONESPARK_DRAFT_VOCAB", "of"),
+                                      ("ONESPARK_DRAFT_INT4", "int4"), ("ONESPARK_ALLOW_ANY_VLLM", "please")])
+def test_a_malformed_switch_stops_start_up_in_one_line_before_anything_is_registered(name, raw):
+    """What vLLM does first in every process (load_general_plugins), with a typo in one switch: one error line that
+    names the variable and the accepted values, no traceback inside vLLM, a non-zero exit, nothing installed."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("ONESPARK_", "VLLM_PLUGINS"))}
+    code = ("from vllm.plugins import load_general_plugins\n"
+            "from vllm.model_executor.custom_op import op_registry_oot\n"
+            "try:\n    load_general_plugins()\n"
+            "finally:\n    print('REGISTERED', sorted(op_registry_oot), flush=True)\n"
+            "print('STARTED')")
+    r = subprocess.run([sys.executable, "-c", code], env={**base, name: raw, "TORCHDYNAMO_DISABLE": "1"},
+                       cwd=HERE.parents[1], capture_output=True, text=True, timeout=280)
+    out = r.stdout + r.stderr  # vLLM's log handler writes to stdout
+    assert r.returncode != 0 and "STARTED" not in r.stdout, out
+    assert "Traceback" not in out, out
+    lines = [ln for ln in out.splitlines() if name in ln]
+    assert len(lines) == 1, out
+    assert f"{name}={raw!r} is not a switch value: use 1 or 0 (also true/false, on/off, yes/no)" in lines[0]
+    assert "REGISTERED []" in r.stdout, "a malformed switch, yet something was registered"
 
 
 # -- fresh-process scenarios --------------------------------------------------------------------------
