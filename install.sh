@@ -127,17 +127,11 @@ parse_args() {
   SERVED_DIR=$(spec_get "$MODEL" served_dir) || exit 2
 }
 
-# --work (or its default under this checkout), made absolute. It becomes docker's `-v SRC:/model:ro` (split at ':'),
-# the worker's rsync destination and the commands the plan prints, so it holds no blank, quote, ':' or ';'; and it
-# is no option: `--work -y` (a value forgotten) or `--work -L` was an option of realpath, which failed, and the
-# plan then wrote to / .
+# --work (or its default under this checkout), made absolute and checked (steps/lib.sh work_dir).
 check_work() {
   local what="--work '$WORK'"
   ((WORK_SET)) || what="the default work directory '$WORK' (under this checkout)"
-  local fix="use letters, digits and / . _ - + @ only (a blank, a quote, ':' or ';' breaks docker's -v or the printed commands), e.g. --work /data/onespark"
-  [[ $WORK != -* ]] || usage_error "$what: a directory, not an option (a value missing before it?): $fix"
-  WORK=$(realpath -m -- "$WORK") || usage_error "$what: realpath cannot resolve it: $fix"
-  [[ $WORK =~ ^[[:alnum:]/._+@%=~-]+$ ]] || usage_error "$what: $fix"
+  WORK=$(work_dir "$what" "$WORK") || exit 2
 }
 
 # --drafter: mtp everywhere; dflash on the 0.32.0 track only (0.19.1's vLLM has no DFlash drafter for this

@@ -21,8 +21,8 @@ option() {
   case $1 in
     --from) need_value "$@"; FROM=$2 ;;
     --python) need_value "$@"; PYTHON=$2 ;;
-    --max-jobs) need_value "$@"; MAX_JOBS=$2 ;;
-    --nvcc-threads) need_value "$@"; NVCC_THREADS=$2 ;;
+    --max-jobs) need_count "$@"; MAX_JOBS=$2 ;;
+    --nvcc-threads) need_count "$@"; NVCC_THREADS=$2 ;;
     *) image_option "$@" ;;
   esac
 }

@@ -54,6 +54,12 @@ need_value() {
   OPTION_WORDS=2
 }
 
+# need_count "$@" in a handler: as need_value, for a whole number of at least 1 (jobs, threads).
+need_count() {
+  need_value "$@"
+  [[ $2 =~ ^[1-9][0-9]{0,5}$ ]] || usage_error "$1 $2: give a whole number of at least 1 (see $0 --help)"
+}
+
 need_cmd() {
   command -v "$1" >/dev/null 2>&1 || die "need '$1' (command not found)${2:+: $2}"
 }
@@ -202,9 +208,26 @@ checkpoint_option() {
   esac
 }
 
-# After parse_options: without --work, MODEL's directory under .work (model_work).
+# work_dir WHAT DIR: DIR made absolute, or one line naming WHAT and exit 2 (call it as WORK=$(work_dir ...) || exit 2).
+# A work directory becomes docker's `-v SRC:/model:ro` (split at ':'), the worker's rsync destination and the
+# commands a plan prints, so it holds no blank, quote, ':' or ';'; and it is no option: `--work -L` (a value
+# forgotten) was an option of realpath, or of the onespark command a step runs.
+work_dir() {
+  local what=$1 dir=$2
+  local fix="use letters, digits and / . _ - + @ only (a blank, a quote, ':' or ';' breaks docker's -v or the printed commands), e.g. --work /data/onespark"
+  [[ $dir != -* ]] || usage_error "$what: a directory, not an option (a value missing before it?): $fix"
+  dir=$(realpath -m -- "$dir") || usage_error "$what: realpath cannot resolve it: $fix"
+  [[ $dir =~ ^[[:alnum:]/._+@%=~-]+$ ]] || usage_error "$what: $fix"
+  printf '%s' "$dir"
+}
+
+# After parse_options: --work checked (work_dir; kept as given), or without it MODEL's directory under .work.
 checkpoint_work() {
-  [[ -n $WORK ]] || WORK=$(model_work "$ONESPARK_ROOT/.work" "$MODEL") || exit 2
+  if [[ -n $WORK ]]; then
+    work_dir "--work '$WORK'" "$WORK" >/dev/null || exit 2
+  else
+    WORK=$(model_work "$ONESPARK_ROOT/.work" "$MODEL") || exit 2
+  fi
 }
 
 # onespark_cli, except that --dry-run prints the command even before install.sh has created the CLI.

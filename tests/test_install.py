@@ -177,6 +177,27 @@ def test_a_work_directory_docker_cannot_mount_is_one_line(fakebin, tmp_path, wor
     assert r.stdout == "" and _calls(fakebin) == []
 
 
+@pytest.mark.parametrize("step", ["steps/0-download.sh", "steps/1-hybrid.sh", "steps/2-mtp.sh"])
+@pytest.mark.parametrize("work", ["-L", "/tmp/a:b"])
+def test_a_step_checks_its_work_directory_as_install_does(fakebin, tmp_path, step, work):
+    """Steps 0-2 run alone: `--work -L` reached the onespark command the step runs as one of its options; a work
+    directory docker cannot mount is refused as install.sh refuses it (steps/lib.sh work_dir)."""
+    r = _run([BASH, step, "--dry-run", "--work", work], fakebin, ONESPARK_VENV=str(tmp_path / "venv"))
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"onespark: error: --work '{work}': "), r.stderr
+    assert "+ " not in r.stdout and _calls(fakebin) == []
+
+
+@pytest.mark.parametrize("flag", ["--max-jobs", "--nvcc-threads"])
+@pytest.mark.parametrize("value", ["abc", "0", "-4", "4x"])
+def test_base_image_counts_are_whole_numbers(fakebin, tmp_path, flag, value):
+    """--max-jobs and --nvcc-threads went unread into the base image's build arguments, to fail (or not) there."""
+    r = _run([BASH, "steps/3-base-image.sh", "--dry-run", flag, value], fakebin)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stdout + r.stderr
+    assert f"{flag} {value}: give a whole number" in r.stderr or "needs a value" in r.stderr, r.stderr
+
+
 def test_an_ipv6_host_is_in_brackets_in_the_urls(fakebin, tmp_path):
     """What serve calls the server (launch.base_url) is what the bench and the printed curl use: http://::1:8000
     is no URL (httpx raises InvalidURL, curl refuses it)."""
