@@ -351,10 +351,13 @@ def plot(result: dict, path: str | Path) -> bool:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp.png")
+    try:
+        fig.savefig(tmp, dpi=110)
+        os.replace(tmp, path)
+    finally:  # a failed write (a full disk) leaves no temp file beside the results
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return True
 
 
@@ -427,12 +430,4 @@ def compare_table(rows: list[dict], path_a: str, path_b: str, md: bool = False) 
             verdict = "beyond noise" if r["significant"] else "within noise"
         body.append([r["suite"], str(r["group"]), r["metric"], _f(r["a"], 3), _f(r["b"], 3), _f(r["delta"], 3),
                      _f(r["delta_pct"], 1), _f(2 * r["se"], 3) if r["se"] is not None else "-", verdict])
-    title = f"B = {path_b} vs A = {path_a}"
-    if md:
-        lines = [f"*{title}*", "", "| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-        lines += ["| " + " | ".join(r) + " |" for r in body]
-        return "\n".join(lines)
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(headers)]
-    lines = [title, "  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in body]
-    return "\n".join(lines)
+    return table_text(f"B = {path_b} vs A = {path_a}", headers, body, md).rstrip("\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -233,6 +234,10 @@ def test_compare_finds_deltas_and_noise():
     assert cross["significant"] is None  # one value per side: no noise estimate, no verdict
     text = report.compare_table(rows, "a.json", "b.json")
     assert "beyond noise" in text and "n<2" in text
+    # a group name with a pipe (a class named by the user) stays in its column of the markdown table
+    piped = [dict(r, group="Q|A") for r in rows]
+    md = report.compare_table(piped, "a.json", "b.json", md=True).splitlines()
+    assert all(ln.replace("\\|", "").count("|") == 10 for ln in md[2:]), md
 
 
 def test_markdown_and_console_tables():
@@ -276,6 +281,23 @@ def test_plot_writes_a_png(tmp_path):
 
     img = matplotlib.image.imread(path)
     assert img.shape[0] > 300 and img.shape[1] > 500
+
+
+def test_a_plot_that_fails_to_write_leaves_nothing_behind(tmp_path, monkeypatch):
+    """A full disk mid-savefig: the error goes up (the CLI makes it one line), no temp file is left beside the
+    results, and an earlier PNG of that name is kept whole."""
+    from matplotlib.figure import Figure
+
+    def half_written(self, fname, **kw):
+        Path(fname).write_bytes(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    path = tmp_path / "r.png"
+    path.write_bytes(b"earlier")
+    monkeypatch.setattr(Figure, "savefig", half_written)
+    with pytest.raises(OSError):
+        report.plot(_result(50.0, 1.0), path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.png"] and path.read_bytes() == b"earlier"
 
 
 # ---------------------------------------------------------------- CLI input errors (no server needed)
