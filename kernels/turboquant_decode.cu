@@ -88,14 +88,8 @@ void decode_k4v4(const torch::Tensor& q, const torch::Tensor& cache, const torch
   p.H = static_cast<int>(num_kv_heads);
   p.G = static_cast<int>(G);
   p.T = static_cast<int>(T);
-  p.gpp = static_cast<uint32_t>(page / 16);
-  if (p.gpp > 1) {
-    const uint64_t magic = ((uint64_t{1} << 32) + p.gpp - 1) / p.gpp, excess = magic * p.gpp - (uint64_t{1} << 32);
-    // floor(n * magic / 2^32) = floor(n / gpp) whenever n * excess < 2^32: every group index the table can hold
-    TORCH_CHECK(static_cast<uint64_t>(block_table.size(1)) * p.gpp * excess < (uint64_t{1} << 32),
-                "block table too long for the kernel's page division");
-    p.gpp_magic = static_cast<uint32_t>(magic);
-  }
+  TORCH_CHECK(onespark_tq::set_page_division(p, static_cast<uint32_t>(page / 16), block_table.size(1)),
+              "block table too long for the kernel's page division");
   p.num_splits = static_cast<int>(num_splits);
   p.k_mul = static_cast<float>(k_mul);
   for (int i = 0; i < 4; ++i) p.tab[i] = static_cast<uint32_t>(tab[i]);

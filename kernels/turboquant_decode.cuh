@@ -424,4 +424,18 @@ __global__ void __launch_bounds__(NW * 32) decode_k4v4(const Params p) {
     }
 }
 
+// Host side, for the torch binding (turboquant_decode.cu) and the CPU build (tests/cuda_cpu/runner.cc): Params'
+// page division for gpp 16-key groups per page. floor(n * magic / 2^32) = floor(n / gpp) whenever
+// n * excess < 2^32, so the magic number serves every group index a block table of bt_cols pages holds; false when
+// no magic number does (a table that long).
+inline bool set_page_division(Params& p, uint32_t gpp, int64_t bt_cols) {
+  p.gpp = gpp;
+  p.gpp_magic = 0;
+  if (gpp <= 1) return true;
+  const uint64_t magic = ((uint64_t{1} << 32) + gpp - 1) / gpp, excess = magic * gpp - (uint64_t{1} << 32);
+  if (static_cast<uint64_t>(bt_cols) * gpp * excess >= (uint64_t{1} << 32)) return false;
+  p.gpp_magic = static_cast<uint32_t>(magic);
+  return true;
+}
+
 }  // namespace onespark_tq

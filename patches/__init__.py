@@ -8,7 +8,8 @@ matches the H200's torch: tests/gpu_vllm/) runs too, with 0.32.0's seams, and sa
 sits behind one named function in patches/_compat.py (the ledger's "Seam" field).
 
 Switches (environment variables, read once per process by register(); 1/0, true/false, on/off, yes/no; any other
-value, an empty one included, stops start-up with one line naming the variable and these values). This list
+value, an empty one included, stops start-up with one line naming the variable and these values; the TurboQuant
+backend's three choices, read when it starts, are checked then too). This list
 is the one description of them: docs/generate.py makes docs/concepts/plugin.md's table from it and TECHNIQUES, and
 fails when an ONESPARK_* variable read in patches/ has no entry, or an entry's default is not its technique's.
 An entry: `NAME=DEFAULT`, what it does, then `Speed/memory:` what it costs and gains.
@@ -97,6 +98,14 @@ ENV_INT8_LM_HEAD = "ONESPARK_INT8_LM_HEAD"
 ENV_TURBOQUANT_BACKEND = "ONESPARK_TURBOQUANT_BACKEND"
 ENV_DRAFT_VOCAB = "ONESPARK_DRAFT_VOCAB"
 ENV_DRAFT_INT4 = "ONESPARK_DRAFT_INT4"  # read by draft_head.attach(): 1 = the subset's rows in INT4 groups of 128
+# The TurboQuant backend's choices (patches/turboquant_backend.py says what each means), the default first. The
+# backend reads them when it starts, after the weights have loaded: register() checks them first, so a typo costs
+# seconds and one line, not a model load and a traceback.
+TQ_CHOICES: dict[str, tuple[str, ...]] = {
+    "ONESPARK_TQ_PREFILL": ("flash", "triton", "torch"),
+    "ONESPARK_TQ_DECODE": ("auto", "once", "pure"),
+    "ONESPARK_TQ_KERNEL": ("auto", "triton", "cuda"),
+}
 
 # technique name -> (switch, default, "module:function" that installs it)
 TECHNIQUES: dict[str, tuple[str, bool, str]] = {
@@ -128,14 +137,30 @@ def switch(name: str, default: bool) -> bool:
                      f"it for the default ({int(default)})")
 
 
+def choice(name: str) -> str:
+    """The value of TQ_CHOICES variable `name`, its default when unset; any other value (an empty one included) is
+    refused in one line that names the variable and its values."""
+    values = TQ_CHOICES[name]
+    raw = os.environ.get(name)
+    if raw is None:
+        return values[0]
+    if raw not in values:
+        raise ValueError(f"{name}={raw!r} is not one of its values: use {values[0]} (the default), "
+                         f"{', '.join(values[1:-1])} or {values[-1]}")
+    return raw
+
+
 def _read_switches() -> dict[str, bool]:
     """Every technique's switch, by technique. The switches read later or only sometimes (the draft head's INT4
-    choice, once the weights have loaded; the version escape hatch, only for an unsupported vLLM) are checked here
+    choice and the TurboQuant backend's choices, once the weights have loaded; the version escape hatch, only for an
+    unsupported vLLM) are checked here
     too, so that a typo in any of them stops start-up before anything is loaded: one error line naming the variable
     and its values, and an exit without a traceback through vLLM's plugin loader (which does not catch)."""
     try:
         switch(ENV_ALLOW_ANY_VLLM, False)
         switch(ENV_DRAFT_INT4, False)
+        for name in TQ_CHOICES:
+            choice(name)
         return {name: switch(env, default) for name, (env, default, _) in TECHNIQUES.items()}
     except ValueError as e:
         logger.error("onespark plugin: %s", e)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import re
 from dataclasses import dataclass
 from typing import ClassVar
@@ -54,6 +53,7 @@ from vllm.v1.attention.backend import (
 )
 
 from onespark.kernels import turboquant as tq
+from onespark.patches import choice
 from onespark.patches._compat import GPU_LANE_VLLM, tq_cache_rows
 from onespark.tracks import SUPPORTED_VLLM, release_of
 
@@ -78,33 +78,20 @@ def install() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
 
 
-def _switch(name: str, values: dict):
-    """The value of environment variable `name` mapped through `values` (its first key is the default); any other
-    value is refused in one line that names the variable and the choices."""
-    default = next(iter(values))
-    choice = os.environ.get(name, default)
-    if choice not in values:
-        others = list(values)[1:]
-        raise ValueError(f"{name}={choice!r}: use {default} (the default), {', '.join(others[:-1])} or {others[-1]}")
-    return values[choice]
-
-
 # ONESPARK_TQ_PREFILL, the prefill path on CUDA: "flash" (Triton decodes the cache into BF16 32K keys at a time,
 # torch's FlashAttention attends, pieces merged by log-sum-exp), "triton" (the fused kernel that attends straight
 # from the codes) or "torch" (plain torch: dequantize, then SDPA in blocks of rows). docs/concepts/turboquant.md has
 # their H200 times.
-PREFILL_PATHS = {"flash": "flash", "triton": "triton", "torch": "torch"}
 # ONESPARK_TQ_DECODE, how the decode kernel decodes codes on CUDA: "auto" (turboquant_triton.decode_once, the
 # H200-timed choice per GPU, preset and q_len; on a Spark once at verify steps and for 3-bit values at q_len 1, as
 # the Spark's code ranked on an H200 with wgmma off: no Spark has timed it),
 # "once" (each code decoded once per tile, values to the mma operands through shared memory) or "pure" (decoded in
 # each warp that needs it). To time the other choice on a Spark: `onespark serve --tq --env ONESPARK_TQ_DECODE=pure`.
-DECODE_CHOICES = {"auto": None, "once": True, "pure": False}
+DECODE_ONCE = {"auto": None, "once": True, "pure": False}
 # ONESPARK_TQ_KERNEL, which kernel serves decode steps on CUDA: "auto" (turboquant_cuda.chosen: the CUDA C++ kernel at
 # K4V4 verify steps on mma.sync-only GPUs such as the Spark, where it took 1.26-2.27x less time than the Triton
 # kernel's Spark code on an H200 (bench/results/turboquant_cuda_h200_mma_sync.json); Triton elsewhere, and wherever no build of it is found: one warning line says how to build
 # it), "triton" (always Triton) or "cuda" (the CUDA kernel at every K4V4 decode step; built on first use if missing).
-KERNEL_CHOICES = {"auto": "auto", "triton": "triton", "cuda": "cuda"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -285,9 +272,9 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
         self.attn_type = attn_type
-        self._prefill_path = _switch("ONESPARK_TQ_PREFILL", PREFILL_PATHS)
-        self._decode_once = _switch("ONESPARK_TQ_DECODE", DECODE_CHOICES)
-        self._kernel = _switch("ONESPARK_TQ_KERNEL", KERNEL_CHOICES)
+        self._prefill_path = choice("ONESPARK_TQ_PREFILL")  # values: patches/__init__.py's TQ_CHOICES
+        self._decode_once = DECODE_ONCE[choice("ONESPARK_TQ_DECODE")]
+        self._kernel = choice("ONESPARK_TQ_KERNEL")
         self._kernel_for: dict[tuple[int, str], bool] = {}
         if self._kernel == "cuda" and (self.preset.k_bits, self.preset.v_bits) != (4, 4):
             raise ValueError(f"ONESPARK_TQ_KERNEL=cuda: the CUDA decode kernel reads turboquant_k4v4 only, not "
@@ -379,7 +366,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         output[: B * T].copy_(o.transpose(1, 2).reshape(B * T, self.num_heads, self.head_size))
 
     def _cuda_kernel(self, T: int, device) -> bool:
-        """Whether the CUDA decode kernel serves this decode call (ONESPARK_TQ_KERNEL, KERNEL_CHOICES): decided once
+        """Whether the CUDA decode kernel serves this decode call (ONESPARK_TQ_KERNEL): decided once
         per query length and device (the build check hashes the kernel's sources; not per layer-step)."""
         key = (T, str(device))
         if key not in self._kernel_for:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from onespark.patches import SUPPORTED_VLLM, switch, version_supported
+from onespark.patches import SUPPORTED_VLLM, TQ_CHOICES, choice, switch, version_supported
 from onespark.patches._compat import track
 
 pytestmark = pytest.mark.vllm032  # both tracks: each venv checks the plugin against its own vLLM
@@ -66,13 +66,31 @@ def test_switch_values(monkeypatch):
             switch("ONESPARK_X", True)
 
 
+def test_tq_choices(monkeypatch):
+    """The TurboQuant backend's three choices: the default when unset, each listed value as it is, anything else (an
+    empty value, another case) refused in one line that names the variable and every value."""
+    for name, values in TQ_CHOICES.items():
+        monkeypatch.delenv(name, raising=False)
+        assert choice(name) == values[0]
+        for value in values:
+            monkeypatch.setenv(name, value)
+            assert choice(name) == value
+        for raw in ["", values[-1].upper(), f" {values[0]}", "1"]:
+            monkeypatch.setenv(name, raw)
+            with pytest.raises(ValueError, match=rf"^{name}={re.escape(repr(raw))} is not one of its values: use "
+                                                 rf"{values[0]} \(the default\), {values[1]} or {values[2]}$"):
+                choice(name)
+
+
 # Every 1/0 switch the plugin reads, the draft head's INT4 choice (read only when the draft is built, after the
-# weights loaded) and the version escape hatch (read only for an unsupported vLLM) included.
+# weights loaded), the version escape hatch (read only for an unsupported vLLM) and the TurboQuant backend's choices
+# (read when the backend starts, after the weights loaded) included.
 @pytest.mark.vllm
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name,raw", [("ONESPARK_INT8_LM_HEAD", "yes-please"), ("ONESPARK_HYBRID_FP8", ""),
                                       ("ONESPARK_TURBOQUANT_BACKEND", "2"), ("ONESPARK_DRAFT_VOCAB", "of"),
-                                      ("ONESPARK_DRAFT_INT4", "int4"), ("ONESPARK_ALLOW_ANY_VLLM", "please")])
+                                      ("ONESPARK_DRAFT_INT4", "int4"), ("ONESPARK_ALLOW_ANY_VLLM", "please"),
+                                      ("ONESPARK_TQ_KERNEL", "CUDA")])
 def test_a_malformed_switch_stops_start_up_in_one_line_before_anything_is_registered(name, raw):
     """What vLLM does first in every process (load_general_plugins), with a typo in one switch: one error line that
     names the variable and the accepted values, no traceback inside vLLM, a non-zero exit, nothing installed."""
@@ -89,7 +107,9 @@ def test_a_malformed_switch_stops_start_up_in_one_line_before_anything_is_regist
     assert "Traceback" not in out, out
     lines = [ln for ln in out.splitlines() if name in ln]
     assert len(lines) == 1, out
-    assert f"{name}={raw!r} is not a switch value: use 1 or 0 (also true/false, on/off, yes/no)" in lines[0]
+    values = ("is not one of its values: use auto (the default), triton or cuda" if name == "ONESPARK_TQ_KERNEL"
+              else "is not a switch value: use 1 or 0 (also true/false, on/off, yes/no)")
+    assert f"{name}={raw!r} {values}" in lines[0], lines[0]
     assert "REGISTERED []" in r.stdout, "a malformed switch, yet something was registered"
 
 

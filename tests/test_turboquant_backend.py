@@ -321,7 +321,7 @@ def test_prefill_switch_is_validated(monkeypatch):
         monkeypatch.setenv("ONESPARK_TQ_PREFILL", path)
         assert tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")._prefill_path == path
     monkeypatch.setenv("ONESPARK_TQ_PREFILL", "sdpa")
-    with pytest.raises(ValueError, match="ONESPARK_TQ_PREFILL='sdpa': use flash"):
+    with pytest.raises(ValueError, match="ONESPARK_TQ_PREFILL='sdpa' is not one of its values: use flash"):
         tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")
     monkeypatch.delenv("ONESPARK_TQ_PREFILL")
     assert tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")._prefill_path == "flash"
@@ -356,7 +356,7 @@ def test_decode_switch_is_validated_and_reaches_the_kernel(monkeypatch):
         impl._decode(torch.randn(B * T, HQ, D), cuda_cache, None, 0, md, out)
         assert calls[-1] == {"once": once} and not out.any(), value
     monkeypatch.setenv("ONESPARK_TQ_DECODE", "1")
-    with pytest.raises(ValueError, match="ONESPARK_TQ_DECODE='1': use auto"):
+    with pytest.raises(ValueError, match="ONESPARK_TQ_DECODE='1' is not one of its values: use auto"):
         tb.TurboQuantImpl(HQ, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")
 
 
@@ -405,7 +405,7 @@ def test_kernel_switch_sends_verify_steps_to_the_cuda_kernel_where_it_was_measur
     assert len(warned) == 1 and "python -m onespark.kernels.turboquant_cuda --build" in warned[0], warned
     with pytest.raises(ValueError, match="ONESPARK_TQ_KERNEL=cuda: the CUDA decode kernel reads turboquant_k4v4 only"):
         kernel("cuda", 3, "turboquant_k4v3")
-    with pytest.raises(ValueError, match="ONESPARK_TQ_KERNEL='fast': use auto"):
+    with pytest.raises(ValueError, match="ONESPARK_TQ_KERNEL='fast' is not one of its values: use auto"):
         kernel("fast", 3)
     # decided once per query length and device, not per call: the build check reads and hashes the sources
     checks = []

@@ -43,12 +43,7 @@ extern "C" int tq_decode(const uint16_t* q, int B, int Hq, int T, int q_bf16, co
   p.H = H;
   p.G = G;
   p.T = T;
-  p.gpp = static_cast<uint32_t>(page / 16);
-  if (p.gpp > 1) {
-    const uint64_t magic = ((uint64_t{1} << 32) + p.gpp - 1) / p.gpp, excess = magic * p.gpp - (uint64_t{1} << 32);
-    if (static_cast<uint64_t>(bt_cols) * p.gpp * excess >= (uint64_t{1} << 32)) return 2;
-    p.gpp_magic = static_cast<uint32_t>(magic);
-  }
+  if (!onespark_tq::set_page_division(p, static_cast<uint32_t>(page / 16), bt_cols)) return 2;
   p.num_splits = num_splits;
   p.k_mul = k_mul;
   for (int i = 0; i < 4; ++i) p.tab[i] = tab[i];
