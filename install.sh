@@ -122,6 +122,10 @@ parse_args() {
     ((WORK_SET)) || WORK=$DEMO_WORK
   fi
   check_work
+  # custom is a spec of the step CLI (`onespark download --model custom --int4-repo ...`): install.sh has none of
+  # its repo flags, and spec_get's own line would name them as if it had.
+  [[ $MODEL != custom ]] || die "--model custom: install.sh runs the named specs ('onespark specs'); for another" \
+    "checkpoint of this family run the steps with onespark's CLI (docs/guides/models.md, 'custom')"
   # The spec decides where the checkpoints go and which one is served (an unknown --model: the list of specs).
   MODEL_WORK=$(model_work "$WORK" "$MODEL") || exit 2
   SERVED_DIR=$(spec_get "$MODEL" served_dir) || exit 2

@@ -127,6 +127,7 @@ def test_help_shows_real_defaults(fakebin):
     (["--bogus"], "unknown option: --bogus"),
     (["--port", "eighty"], "--port must be a number"),
     (["--demo", "--tq"], "--tq needs a GPU"),
+    (["--model", "custom", "--dry-run"], "--model custom: install.sh runs the named specs"),
 ])
 def test_bad_options(fakebin, argv, message):
     r = _run([BASH, "install.sh", *argv], fakebin)
