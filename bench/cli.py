@@ -228,13 +228,13 @@ def settings_from(args) -> Settings:
     return s
 
 
-async def _bench(run: Run) -> dict:
+async def _bench(run: Run, result: dict) -> None:
+    """Measures into `result` as it goes: what the suites that finished measured is there whatever stops the run."""
     settings = run.settings
     extra = {"chat_template_kwargs": {"enable_thinking": False}} if run.no_think else {}
     ep = Endpoint(run.base_url, run.api_key, run.model, run.api, run.timeout, extra, stream=run.stream)
     concurrency = max(settings.concurrency + [settings.capacity_streams, 1])
     progress = Progress(run.progress)
-    result: dict = {"suites": {}}
     async with make_client(ep, concurrency) as client:
         card = await detect_model(client, ep)
         ep.model = card["id"]
@@ -242,6 +242,7 @@ async def _bench(run: Run) -> dict:
                       server_version=await server_version(client))
         runner = Runner(client, ep, settings, card.get("max_model_len"), progress)
         for name in run.suites:
+            result["running"] = name
             try:
                 if name == "quality":
                     result["quality"] = await _quality(run, ep, client, progress)
@@ -250,7 +251,7 @@ async def _bench(run: Run) -> dict:
             except UserError as e:  # this suite cannot go on: the suites before it measured what they did
                 result["stopped"] = {"suite": name, "error": str(e)}
                 break
-    return result
+    del result["running"]
 
 
 async def _quality(run: Run, ep_a: Endpoint, client_a, progress: Progress) -> dict:
@@ -410,7 +411,17 @@ def run(args) -> int:
         return _compare(args)
     bench_run = read_run(args)
     created = dt.datetime.now(dt.timezone.utc)
-    body = asyncio.run(_bench(bench_run))
+    body: dict = {"suites": {}}
+    interrupted = False
+    try:
+        asyncio.run(_bench(bench_run, body))
+    except KeyboardInterrupt:  # Ctrl-C: the suites that finished are written as a stopped run's are
+        if "running" not in body:
+            raise
+        body["stopped"] = {"suite": body.pop("running"), "error": "interrupted (Ctrl-C)"}
+        interrupted = True
+        if not body["suites"] and "quality" not in body:
+            raise
     stopped = body.get("stopped")
     if stopped and not body["suites"] and "quality" not in body:  # nothing measured: nothing to keep
         raise UserError(stopped["error"])
@@ -432,7 +443,7 @@ def run(args) -> int:
     if stopped:
         print(f"onespark bench: error: {stopped['suite']} stopped ({redact(stopped['error'], secrets(bench_run))}); "
               f"what the suites before it measured is kept in {wrote[0]}", file=sys.stderr)
-        return 1
+        return 130 if interrupted else 1
     rows = [r for s in body["suites"].values() for r in s["rows"]]
     failed = [r for r in rows if not r["ok"]]
     empty = [n for n, s in body["suites"].items() if n != "capacity" and not any(r["ok"] for r in s["rows"])]

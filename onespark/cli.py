@@ -111,7 +111,7 @@ def _main(argv: list[str]) -> int:
             _end_as_coreutils_do()
         print(f"onespark {name}: error: {os_error_message(e)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # only the checkpoint writers keep their progress; a bench, say, starts over
+    except KeyboardInterrupt:  # the checkpoint writers resume; a bench that measured a suite has written it (bench/cli.py)
         print(f"onespark {name}: interrupted" + ("; re-run the same command to resume" if name in WRITERS else ""),
               file=sys.stderr)
         return 130

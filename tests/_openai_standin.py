@@ -16,6 +16,7 @@ gets one JSON answer without logprobs, of the same kind: ok, list, strnum or gar
   choices  a chunk whose "choices" is a string
   garbage  a chunk that is not JSON
   huge     the usage chunk says 10**400 completion tokens (valid JSON, past any float)
+  hang     no answer until the stand-in closes (`hung` is set once such a request arrived)
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class StandIn:
         self.bodies: list[bytes] = []
         self._chat = 0
         self._lock = threading.Lock()
+        self.hung, self._closing = threading.Event(), threading.Event()
         srv = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -87,6 +89,10 @@ class StandIn:
                 with srv._lock:
                     kind = srv.answers[srv._chat % len(srv.answers)]
                     srv._chat += 1
+                if kind == "hang":
+                    srv.hung.set()
+                    srv._closing.wait(60)
+                    return
                 if not body.get("stream"):  # one JSON answer, no logprobs (as a server started without them)
                     answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi hi hi"}}],
                               "usage": {"prompt_tokens": 5, "completion_tokens": 3}}
@@ -130,5 +136,6 @@ class StandIn:
         return self
 
     def __exit__(self, *exc) -> None:
+        self._closing.set()
         self._server.shutdown()
         self._server.server_close()

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -532,6 +533,32 @@ def test_a_suite_that_stops_keeps_the_suites_before_it(tmp_path):
     assert rec["stopped"]["suite"] == "quality" and "no usable logprobs" in rec["stopped"]["error"]
     assert rec["suites"]["published"]["groups"][0]["summary"]["e2e_tok_s"]["n"] == 1
     assert (tmp_path / "r.md").is_file()
+
+
+def test_ctrl_c_keeps_the_suites_that_finished(tmp_path):
+    """Ctrl-C during the second suite: the first suite's figures are written, as for a suite that stops, and the
+    exit status is 130; Ctrl-C before any suite finished writes nothing (there is nothing to keep)."""
+    from tests._openai_standin import StandIn
+    for answers, kept in ((["ok", "hang"], True), (["hang"], False)):
+        with StandIn(answers=answers) as srv:
+            argv = [sys.executable, "-m", "onespark",
+                    *_bench_args(srv, tmp_path, "--suite", "published,depth", "--depths", "0")]
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            assert srv.hung.wait(120), proc.communicate(timeout=60)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, out, err)
+        last = err.strip().splitlines()[-1]
+        if kept:
+            assert last == (f"onespark bench: error: depth stopped (interrupted (Ctrl-C)); what the suites before it "
+                            f"measured is kept in {tmp_path / 'r.json'}"), last
+            rec = json.loads((tmp_path / "r.json").read_text())
+            assert rec["stopped"] == {"suite": "depth", "error": "interrupted (Ctrl-C)"} and "running" not in rec
+            assert rec["suites"]["published"]["groups"][0]["summary"]["e2e_tok_s"]["n"] == 1
+            (tmp_path / "r.json").unlink()
+        else:
+            assert last == "onespark bench: interrupted", last
+            assert not (tmp_path / "r.json").exists()
 
 
 @pytest.mark.parametrize("key", ["sk-line-break-0123456789\n", "sk-carriage-0123456789\r\nX-Other: 1",
