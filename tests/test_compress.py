@@ -276,7 +276,21 @@ def test_api_key_is_checked_and_forwarded(standin, compressor):
 def test_unreachable_upstream_is_a_502(compressor):
     with Proxy("http://127.0.0.1:9", compressor, log=lambda m: None) as p:
         r = httpx.post(p.base_url + compress.CHAT, json=chat("hi"))
-    assert r.status_code == 502 and "cannot reach vLLM" in r.json()["error"]["message"]
+    assert r.status_code == 502 and "cannot reach vLLM at http://127.0.0.1:9 " in r.json()["error"]["message"]
+    # an IPv6 upstream is named as a URL (in brackets), and credentials in --upstream are never echoed
+    with Proxy("http://user:s3cret@[::1]:9", compressor, log=lambda m: None) as p:
+        r = httpx.post(p.base_url + compress.CHAT, json=chat("hi"))
+    message = r.json()["error"]["message"]
+    assert r.status_code == 502 and "cannot reach vLLM at http://[::1]:9 " in message and "s3cret" not in message
+
+
+def test_the_printed_url_is_where_this_machine_reaches_the_proxy(standin):
+    """--host 0.0.0.0 binds every interface; the URL it prints (and a client on this machine uses) is loopback's,
+    as serve prints its own (launch.base_url)."""
+    with Proxy(standin.base_url, None, host="0.0.0.0", log=lambda m: None) as p:
+        assert p.base_url.startswith("http://127.0.0.1:")
+        r = httpx.get(p.base_url + "/v1/models")
+    assert r.status_code == 200
 
 
 def test_concurrent_requests(proxy, standin):

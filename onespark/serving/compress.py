@@ -49,6 +49,7 @@ from urllib.parse import urlsplit
 
 from onespark import options, shape
 from onespark.errors import UserError, plain_key, read_secret
+from onespark.serving import launch
 
 FIELD = "onespark_compress"
 HEADER = "X-Onespark-Compress"
@@ -356,6 +357,8 @@ class Proxy:
                  key: str | None = None, defaults: Ask | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  upstream_timeout_s: float = 3600.0, log=None):
         self.scheme, self.up_host, self.up_port = upstream_of(upstream)
+        up = f"[{self.up_host}]" if ":" in self.up_host else self.up_host
+        self.upstream_url = f"{self.scheme}://{up}:{self.up_port}"  # no credentials a --upstream URL may carry
         self.compressor, self.key, self.timeout_s = compressor, key, timeout_s
         self.upstream_timeout_s = upstream_timeout_s
         self.defaults = defaults or Ask(DEFAULT_RATE, DEFAULT_MIN_TOKENS)
@@ -366,7 +369,7 @@ class Proxy:
         self.server = (_Server6 if ":" in host else ThreadingHTTPServer)((host, port), _handler(self))
         self.server.daemon_threads = True
         bound = self.server.server_address[1]
-        self.base_url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
+        self.base_url = launch.base_url(host, bound)  # where this machine reaches it, as serve prints its own
 
     def __enter__(self) -> Proxy:
         # a short poll: shutdown() waits for it (tests start and stop many proxies)
@@ -502,7 +505,7 @@ def _handler(proxy: Proxy):
                                  headers={**headers, "Content-Length": str(len(raw))})
                     resp = conn.getresponse()
                 except (OSError, http.client.HTTPException) as e:
-                    self._reply(502, _error(f"cannot reach vLLM at {proxy.scheme}://{proxy.up_host}:{proxy.up_port} "
+                    self._reply(502, _error(f"cannot reach vLLM at {proxy.upstream_url} "
                                             f"({type(e).__name__}): is it up?", 502), extra)
                     return
                 self._answer(resp, extra, acct)
