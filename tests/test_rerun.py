@@ -126,7 +126,7 @@ def test_an_edited_config_is_repaired(pairs, finished):
     assert digest(finished, REWRITTEN) == want
 
 
-def test_a_killed_run_resumed_with_other_inputs_starts_over(pairs, tmp_path):
+def test_a_killed_run_resumed_with_other_inputs_starts_over(pairs, tmp_path, monkeypatch):
     """The progress record's fingerprint covers the inputs' contents: a run killed on pair A and resumed on
     pair B (same names, shapes and sizes) keeps nothing of A's."""
     a, b = pairs
@@ -143,12 +143,10 @@ def test_a_killed_run_resumed_with_other_inputs_starts_over(pairs, tmp_path):
         calls.append(o.name)
         return real(self, o)
 
-    hy.Writer.write = die_after_one
-    try:
+    with monkeypatch.context() as mp:
+        mp.setattr(hy.Writer, "write", die_after_one)
         with pytest.raises(KeyboardInterrupt):
             hybrid(a / "int4", str(a / "fp8"), out, log=lambda m: None)
-    finally:
-        hy.Writer.write = real
     logs: list[str] = []
     hybrid(b / "int4", str(b / "fp8"), out, log=logs.append)
     assert "inputs changed since the interrupted run: starting over" in logs, logs
@@ -157,22 +155,19 @@ def test_a_killed_run_resumed_with_other_inputs_starts_over(pairs, tmp_path):
         {k: v for k, v in digest(ref).items() if k not in skip}
 
 
-def test_step_2_killed_between_index_and_manifest_finishes_on_rerun(pairs, finished):
+def test_step_2_killed_between_index_and_manifest_finishes_on_rerun(pairs, finished, monkeypatch):
     """Step 2 writes the index, then records it in step 1's manifest: a run killed between the two is finished by
     the next one (the manifest brought up to date), not "already done" with a manifest that verify refuses."""
     import onespark.checkpoint.mtp as step2
     from onespark.checkpoint.verify import verify
-    real = step2._record_in_manifest
 
     def killed(*a):
         raise KeyboardInterrupt
 
-    step2._record_in_manifest = killed
-    try:
+    with monkeypatch.context() as mp:
+        mp.setattr(step2, "_record_in_manifest", killed)
         with pytest.raises(KeyboardInterrupt):
             step2.mtp(finished, log=lambda m: None)
-    finally:
-        step2._record_in_manifest = real
     logs: list[str] = []
     step2.mtp(finished, log=logs.append)
     assert any("updated to the index an interrupted step 2 wrote" in m for m in logs), logs
@@ -185,7 +180,7 @@ def test_step_2_killed_between_index_and_manifest_finishes_on_rerun(pairs, finis
 @pytest.mark.parametrize("progress", ["[]", '{"fingerprint": "F", "done": []}', '{"fingerprint": "F", "done": {"S": 3}}',
                                       '{"fingerprint": "F", "done": {"S": {}}}', "{not json"],
                          ids=["list", "done-list", "entry-number", "entry-no-size", "not-json"])
-def test_a_damaged_progress_record_starts_over(pairs, tmp_path, progress):
+def test_a_damaged_progress_record_starts_over(pairs, tmp_path, progress, monkeypatch):
     """A killed run's progress record that does not say what was written (another shape, not JSON) is one of
     unknown inputs: the run starts over and finishes, never a traceback, and keeps nothing on its word."""
     a, _ = pairs
@@ -201,12 +196,10 @@ def test_a_damaged_progress_record_starts_over(pairs, tmp_path, progress):
         self.begin()
         raise KeyboardInterrupt
 
-    hy.Writer.resume = dies_at_resume
-    try:
+    with monkeypatch.context() as mp:
+        mp.setattr(hy.Writer, "resume", dies_at_resume)
         with pytest.raises(KeyboardInterrupt):
             hybrid(a / "int4", str(a / "fp8"), out, log=lambda m: None)
-    finally:
-        hy.Writer.resume = real
     (out / SHARD).write_bytes(b"\0" * (a / "int4" / SHARD).stat().st_size)  # a file the record must not vouch for
     (out / hy.PROGRESS_FILE).write_text(progress.replace('"F"', json.dumps(fingerprints[0])).replace('"S"', json.dumps(SHARD)))
     logs: list[str] = []
