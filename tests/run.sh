@@ -6,11 +6,12 @@
 #
 #   tests/run.sh [pytest args...]
 #   ONESPARK_TEST_TRACKS=0.32.0 tests/run.sh tests/test_v032_server.py -x   (one track: 0.19.1 or 0.32.0)
-# Both tracks run at once (two pytest processes: most of each track waits on vLLM servers and image builds, so
-# the 2-core lane's wall time is about the longer track's, not the sum); the first track's output streams, the
-# second's is printed after it (its log file is named at the start). ONESPARK_TEST_SERIAL=1 runs them one after
-# the other. Exit status: the first failing track's (in track order); a track that collects nothing (pytest's 5:
-# e.g. a 0.19.1-only file on the 0.32.0 track) counts as passed when another track ran tests.
+# Both tracks run at once (most of each track waits on vLLM servers and image builds, so the 2-core lane's wall
+# time is about the longest process's, not the sum), the 0.19.1 track as two pytest processes when no test path is
+# given (SPLIT_FILES below); the first process's output streams, the others' are printed after it (their log files
+# are named at the start). ONESPARK_TEST_SERIAL=1 runs the tracks one after the other, whole. Exit status: the
+# first failing process's (in that order); one that collects nothing (pytest's 5: e.g. a 0.19.1-only file on the
+# 0.32.0 track) counts as passed when another ran tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source .ci/stages.sh  # stage: wall time per venv build and per track, for .ci/run's table
@@ -41,11 +42,42 @@ install_venv() {  # VENV REQUIREMENTS OVERRIDES (&&-chained: stage runs it where
     echo "$STAMP" > "$venv/.installed"
 }
 
-run_track() {  # TRACK VENV PYTEST-ARGS...: the track's pytest, its wall time a stage row
-  local track=$1 venv=$2
-  shift 2
-  echo "== tests/run.sh: vLLM $track track ($venv) =="
-  stage "pytest, vLLM $track track" "$venv/bin/python" -m pytest "$@"
+# The 0.19.1 track is the long one (every test but the 0.32.0-only ones): where no test path is given it runs as two
+# pytest processes, these files in the second. They share no session fixture with the rest and keep a core busy
+# on their own (Docker image builds, Triton-interpreter children), so on 2 cores the three processes finish close
+# together instead of the first one running alone for its last ~25 min (a cold lane on a 2-core AMD EPYC Zen 1:
+# 48 min with two processes, docs/development.md).
+SPLIT_FILES=(tests/test_install_demo.py tests/test_turboquant_triton.py tests/test_turboquant_swap.py)
+
+part_name() {  # PART: how the stage table and the log headers name it
+  case $1 in
+    all) echo "all its files" ;;
+    rest) echo "all but ${SPLIT_FILES[*]##*/}" ;;
+    split) echo "${SPLIT_FILES[*]##*/}" ;;
+  esac
+}
+
+run_track() {  # TRACK VENV PART PYTEST-ARGS...: the track's pytest (PART: all, rest or split), its wall time a stage row
+  local track=$1 venv=$2 part=$3 f
+  shift 3
+  local -a extra=()
+  case $part in
+    rest) for f in "${SPLIT_FILES[@]}"; do extra+=("--ignore=$f"); done ;;
+    split) extra=("${SPLIT_FILES[@]}") ;;
+  esac
+  local name="pytest, vLLM $track track"
+  [[ $part == all ]] || name+=" ($part)"
+  echo "== tests/run.sh: vLLM $track track ($venv, $(part_name "$part")) =="
+  stage "$name" "$venv/bin/python" -m pytest "$@" "${extra[@]}"
+}
+
+# Whether any argument names a test path (a file or folder, or FILE::TEST): then the tracks run what was named, whole.
+names_paths() {
+  local arg
+  for arg in "$@"; do
+    [[ $arg != -* && -e ${arg%%::*} ]] && return 0
+  done
+  return 1
 }
 
 BACKGROUND=()  # the pids of the tracks running behind the first (stopped with this script)
@@ -58,32 +90,38 @@ stop_background() {
 }
 
 main() {
-  local track venv rc first_fail=0 ran=0 i wall=""
-  local -a tracks venvs rcs logs
+  local track venv rc first_fail=0 ran=0 i wall="" side=0
+  local -a tracks jtracks jvenvs jparts rcs logs
   # shellcheck disable=SC2206  # word splitting wanted: one track per word
   tracks=(${ONESPARK_TEST_TRACKS:-0.19.1 0.32.0})
+  [[ ${#tracks[@]} -gt 1 && ${ONESPARK_TEST_SERIAL:-0} != 1 ]] && side=1
   for track in "${tracks[@]}"; do  # every venv first: the tracks then run side by side
     case $track in
       0.19.1) venv=.venv; build_venv "$venv" tests/requirements.txt tests/overrides.txt || return ;;
       0.32.0) venv=.venv-032; build_venv "$venv" tests/requirements-032.txt tests/overrides-032.txt || return ;;
       *) echo "tests/run.sh: ONESPARK_TEST_TRACKS has '$track': use 0.19.1 and/or 0.32.0" >&2; return 2 ;;
     esac
-    venvs+=("$venv")
+    if ((side)) && [[ $track == 0.19.1 ]] && ! names_paths "$@"; then
+      jtracks+=("$track" "$track") jvenvs+=("$venv" "$venv") jparts+=(rest split)
+    else
+      jtracks+=("$track") jvenvs+=("$venv") jparts+=(all)
+    fi
   done
-  if [[ ${#tracks[@]} -gt 1 && ${ONESPARK_TEST_SERIAL:-0} != 1 ]]; then
-    # Side by side: each track's row is part of the wall-time row written when both are done (.ci/stage_table.py
-    # sums that one, not the tracks').
+  if ((side)); then
+    # Side by side: each process's row is part of the wall-time row written when all are done (.ci/stage_table.py
+    # sums that one, not theirs).
     trap stop_background INT TERM
     local t0=$SECONDS
-    for ((i = 1; i < ${#tracks[@]}; i++)); do
-      logs[i]=$(mktemp "${TMPDIR:-/tmp}/onespark-track-${tracks[i]}.XXXXXX.log")
-      echo "== tests/run.sh: vLLM ${tracks[i]} track runs alongside; its output follows (log: ${logs[i]}) =="
-      STAGE_WITHIN=1 run_track "${tracks[i]}" "${venvs[i]}" "$@" >"${logs[i]}" 2>&1 &
+    for ((i = 1; i < ${#jtracks[@]}; i++)); do
+      logs[i]=$(mktemp "${TMPDIR:-/tmp}/onespark-track-${jtracks[i]}-${jparts[i]}.XXXXXX.log")
+      echo "== tests/run.sh: vLLM ${jtracks[i]} track ($(part_name "${jparts[i]}")) runs alongside; its output" \
+           "follows (log: ${logs[i]}) =="
+      STAGE_WITHIN=1 run_track "${jtracks[i]}" "${jvenvs[i]}" "${jparts[i]}" "$@" >"${logs[i]}" 2>&1 &
       BACKGROUND+=($!)
     done
     rcs[0]=0
-    STAGE_WITHIN=1 run_track "${tracks[0]}" "${venvs[0]}" "$@" || rcs[0]=$?
-    for ((i = 1; i < ${#tracks[@]}; i++)); do
+    STAGE_WITHIN=1 run_track "${jtracks[0]}" "${jvenvs[0]}" "${jparts[0]}" "$@" || rcs[0]=$?
+    for ((i = 1; i < ${#jtracks[@]}; i++)); do
       rcs[i]=0
       wait "${BACKGROUND[i - 1]}" || rcs[i]=$?
       cat "${logs[i]}" && rm -f "${logs[i]}"
@@ -91,9 +129,9 @@ main() {
     trap - INT TERM
     wall=$((SECONDS - t0))
   else
-    for i in "${!tracks[@]}"; do
+    for i in "${!jtracks[@]}"; do
       rcs[i]=0
-      run_track "${tracks[i]}" "${venvs[i]}" "$@" || rcs[i]=$?
+      run_track "${jtracks[i]}" "${jvenvs[i]}" all "$@" || rcs[i]=$?
     done
   fi
   for rc in "${rcs[@]}"; do
@@ -104,9 +142,9 @@ main() {
     fi
   done
   rc=0
-  if [[ $first_fail -ne 0 ]]; then rc=$first_fail; elif [[ $ran -eq 0 ]]; then rc=5; fi  # 5: no track collected anything
+  if [[ $first_fail -ne 0 ]]; then rc=$first_fail; elif [[ $ran -eq 0 ]]; then rc=5; fi  # 5: nothing collected anywhere
   if [[ -n $wall && -n ${ONESPARK_STAGES:-} ]]; then
-    printf '%s\t%d\t%d\n' "pytest, ${#tracks[@]} tracks side by side" "$wall" "$rc" >>"$ONESPARK_STAGES"
+    printf '%s\t%d\t%d\n' "pytest, ${#jtracks[@]} processes side by side" "$wall" "$rc" >>"$ONESPARK_STAGES"
   fi
   return "$rc"
 }
