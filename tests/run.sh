@@ -43,11 +43,13 @@ install_venv() {  # VENV REQUIREMENTS OVERRIDES (&&-chained: stage runs it where
 }
 
 # The 0.19.1 track is the long one (every test but the 0.32.0-only ones): where no test path is given it runs as two
-# pytest processes, these files in the second. They share no session fixture with the rest and keep a core busy
-# on their own (Docker image builds, Triton-interpreter children), so on 2 cores the three processes finish close
-# together instead of the first one running alone for its last ~25 min (a cold lane on a 2-core AMD EPYC Zen 1:
-# 48 min with two processes, docs/development.md).
-SPLIT_FILES=(tests/test_install_demo.py tests/test_turboquant_triton.py tests/test_turboquant_swap.py)
+# pytest processes, these files in the second. They share no session fixture with the rest (conftest.py's servers
+# and checkpoints) and keep a core busy on their own (Docker image builds, Triton-interpreter and g++ children, Ray
+# nodes), so on 2 cores the three processes finish close together instead of the first one running alone for its
+# last ~25 min (a cold lane on a 2-core AMD EPYC Zen 1: 48 min with two processes, docs/development.md). The list
+# is sized from a warm run there: with its first three files the second process took 18 min, the first 33.
+SPLIT_FILES=(tests/test_install_demo.py tests/test_turboquant_triton.py tests/test_turboquant_swap.py
+             tests/test_cluster.py tests/test_install.py tests/test_turboquant_cuda_cpu.py)
 
 part_name() {  # PART: how the stage table and the log headers name it
   case $1 in

@@ -543,7 +543,10 @@ def test_ctrl_c_keeps_the_suites_that_finished(tmp_path):
         with StandIn(answers=answers) as srv:
             argv = [sys.executable, "-m", "onespark",
                     *_bench_args(srv, tmp_path, "--suite", "published,depth", "--depths", "0")]
-            proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            # SIG_DFL in the child: a lane started in the background by a non-interactive shell (nohup ... &, or
+            # tests/run.sh's other tracks) ignores SIGINT, and Python keeps an ignored SIGINT ignored (no Ctrl-C)
+            proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
             assert srv.hung.wait(120), proc.communicate(timeout=60)
             proc.send_signal(signal.SIGINT)
             out, err = proc.communicate(timeout=120)
