@@ -153,9 +153,9 @@ def choice(name: str) -> str:
 def _read_switches() -> dict[str, bool]:
     """Every technique's switch, by technique. The switches read later or only sometimes (the draft head's INT4
     choice and the TurboQuant backend's choices, once the weights have loaded; the version escape hatch, only for an
-    unsupported vLLM) are checked here
-    too, so that a typo in any of them stops start-up before anything is loaded: one error line naming the variable
-    and its values, and an exit without a traceback through vLLM's plugin loader (which does not catch)."""
+    unsupported vLLM) are checked here too, so that a typo in any of them stops start-up before anything is loaded:
+    one error line naming the variable and its values, and an exit without a traceback through vLLM's plugin loader
+    (which does not catch)."""
     try:
         switch(ENV_ALLOW_ANY_VLLM, False)
         switch(ENV_DRAFT_INT4, False)
