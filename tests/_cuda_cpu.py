@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent / "cuda_cpu"
 REPO = Path(__file__).resolve().parents[1]
 HEADER = REPO / "kernels" / "turboquant_decode.cuh"
 # The header's helpers that hold inline PTX: shim.h defines each for the CPU.
-PTX_HELPERS = ("prmt", "ex2", "mma", "ldsm4", "cp_async", "cp_commit", "cp_wait", "bar_arrive", "bar_sync")
+PTX_HELPERS = ("prmt", "mma", "ldsm4", "cp_async", "cp_commit", "cp_wait", "bar_arrive", "bar_sync")
 
 
 def cpu_source(header_text: str) -> str:

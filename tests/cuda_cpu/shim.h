@@ -2,9 +2,9 @@
 // every thread of a CTA is a fiber (ucontext), switched only at barriers and warp collectives, so a CTA's threads
 // interleave as a GPU may and any missing barrier shows as wrong data. tests/_cuda_cpu.py builds the header with this
 // in place of cuda_fp16.h and cuda_bf16.h and without its inline-PTX helpers, which are here instead: mma.sync
-// m16n8k16, ldmatrix x4, prmt, ex2.approx, cp.async (copies land at cp.async.wait_group, not before), bar.sync / bar.arrive
-// and warp shuffles and votes, from their definitions in the PTX ISA. Wrong code that a GPU would run (a barrier some threads
-// skip) stops here with a deadlock message instead.
+// m16n8k16, ldmatrix x4, prmt, cp.async (copies land at cp.async.wait_group, not before), bar.sync / bar.arrive
+// and warp shuffles and votes, from their definitions in the PTX ISA. Wrong code that a GPU would run (a barrier
+// some threads skip) stops here with a deadlock message instead.
 #pragma once
 #include <ucontext.h>
 
@@ -233,13 +233,6 @@ inline bool __any_sync(unsigned mask, bool v) {
 }
 
 namespace onespark_tq {
-
-// ex2.approx.ftz.f32: 2^x, a result under the smallest normal float flushed to +0 (the approximation's error,
-// 2^-22 relative, is below what these tests resolve)
-inline float ex2(float x) {
-  const float r = std::exp2(x);
-  return r < 1.17549435e-38f ? 0.f : r;
-}
 
 // prmt.b32 (default mode): byte i of the result is byte (selector nibble i & 7) of {b, a}, or that byte's sign
 // replicated when the nibble's bit 3 is set
