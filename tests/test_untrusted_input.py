@@ -351,6 +351,8 @@ def test_an_ipv6_host_gives_a_url_in_brackets(tmp_path):
     assert launch.base_url("::1", 8000) == "http://[::1]:8000"
     assert launch.base_url("::", 8000) == launch.base_url("0.0.0.0", 8000) == "http://127.0.0.1:8000"
     assert launch.base_url("fd00::2", 9) == "http://[fd00::2]:9" and launch.base_url("spark1", 9) == "http://spark1:9"
+    # an upstream (compress --upstream) keeps its scheme and a wildcard address as given: no bind-to-probe mapping
+    assert launch.url("https", "::", 8443) == "https://[::]:8443" and launch.url("http", "0.0.0.0", 1) == "http://0.0.0.0:1"
     assert launch.http(launch.base_url("::1", _free_port()) + "/health", timeout=2) == (0, b"")  # refused, no raise
     (tmp_path / "m").mkdir()
     r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(tmp_path / "m"),

@@ -357,8 +357,7 @@ class Proxy:
                  key: str | None = None, defaults: Ask | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                  upstream_timeout_s: float = 3600.0, log=None):
         self.scheme, self.up_host, self.up_port = upstream_of(upstream)
-        up = f"[{self.up_host}]" if ":" in self.up_host else self.up_host
-        self.upstream_url = f"{self.scheme}://{up}:{self.up_port}"  # no credentials a --upstream URL may carry
+        self.upstream_url = launch.url(self.scheme, self.up_host, self.up_port)  # no credentials --upstream may carry
         self.compressor, self.key, self.timeout_s = compressor, key, timeout_s
         self.upstream_timeout_s = upstream_timeout_s
         self.defaults = defaults or Ask(DEFAULT_RATE, DEFAULT_MIN_TOKENS)

@@ -29,11 +29,15 @@ def probe_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
 
+def url(scheme: str, host: str, port: int) -> str:
+    """SCHEME://HOST:PORT, an IPv6 address in brackets (http://::1:8000 is no URL: httpx raises InvalidURL, curl
+    refuses it)."""
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
+
+
 def base_url(host: str, port: int) -> str:
-    """http://HOST:PORT where this machine reaches a server that binds `host`; an IPv6 address in brackets
-    (http://::1:8000 is no URL: httpx raises InvalidURL, curl refuses it)."""
-    probe = probe_host(host)
-    return f"http://[{probe}]:{port}" if ":" in probe else f"http://{probe}:{port}"
+    """http://HOST:PORT where this machine reaches a server that binds `host`."""
+    return url("http", probe_host(host), port)
 
 
 def add_key_arguments(p: argparse.ArgumentParser) -> None:
