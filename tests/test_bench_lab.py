@@ -22,7 +22,8 @@ SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name not in MODULES)
 
 def test_the_lab_holds_the_benchmarks():
     assert SCRIPTS == ["checkpoint.py", "compile_resources.py", "compressor.py", "draft_head.py", "lm_head.py", "lm_head_glue.py", "turboquant.py",
-                       "turboquant_codebooks.py", "turboquant_cuda.py", "turboquant_quality.py", "turboquant_sass.py",
+                       "turboquant_codebooks.py", "turboquant_cuda.py", "turboquant_cuda_sass.py", "turboquant_quality.py",
+                       "turboquant_sass.py",
                        "turboquant_tiles.py",
                        "vllm_step.py"]
 
@@ -305,3 +306,19 @@ def test_sass_counts_the_decoders_against_the_ones_they_replace():
     assert all(r["per_64_keys"] is None and r["spill_bytes_per_thread"] == 0 for r in spark.values())
     assert spark["once"]["ptx_per_64_keys"]["prmt"] == 1280 and spark["pure"]["ptx_per_64_keys"]["prmt"] >= 4 * 1280
     assert spark["shipped"]["ptx_per_64_keys"] == spark["once"]["ptx_per_64_keys"]
+
+
+def test_cuda_sass_counts_the_shipped_loop(tmp_path):
+    """bench/lab/turboquant_cuda_sass.py on the shipped header (nvcc of the test venv, no GPU): the loop it finds is
+    the 64-key step's, so per warp it holds the step's mma (16 slices x 2 key blocks for Q K^T and 4 x 8 for P V,
+    per row tile) and its 32 code words' decode; the shipped kernel has no rarely taken branch, so `common` is
+    `loop`."""
+    out = tmp_path / "sass.json"
+    r = subprocess.run([sys.executable, str(LAB / "turboquant_cuda_sass.py"), "--out", str(out), "base"],
+                       cwd=LAB.parents[1], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert sorted(row["loop"]) == ["1,2", "1,3", "3,2", "3,3"] and row["common"] == row["loop"]
+    for cfg, c in row["loop"].items():
+        assert c["mma"] == 64 * int(cfg.split(",")[0]) and c["prmt"] >= 320 and c["all"] > c["mma"] + c["prmt"], (cfg, c)
+

@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             common = text
             for old, new in RARE.items():
                 common = common.replace(old, new)
-            row = dict(variant=arg, loop=counts(text, Path(d)), common=counts(common, Path(d)))
+            loop = counts(text, Path(d))
+            row = dict(variant=arg, loop=loop, common=loop if common == text else counts(common, Path(d)))
         rows.append(row)
         for cfg, c in row["common"].items():
             m, s = cfg.split(",")
