@@ -7,8 +7,8 @@
 #   tests/run.sh [pytest args...]
 #   ONESPARK_TEST_TRACKS=0.32.0 tests/run.sh tests/test_v032_server.py -x   (one track: 0.19.1 or 0.32.0)
 # Both tracks run at once (most of each track waits on vLLM servers and image builds, so the 2-core lane's wall
-# time is about the longest process's, not the sum), the 0.19.1 track as two pytest processes when no test path is
-# given (SPLIT_FILES below); the first process's output streams, the others' are printed after it (their log files
+# time is about the longest process's, not the sum), the 0.19.1 track as three pytest processes when no test path
+# is given (DEMO_FILES, SPLIT_FILES below); the first process's output streams, the others' are printed after it (their log files
 # are named at the start). ONESPARK_TEST_SERIAL=1 runs the tracks one after the other, whole. Exit status: the
 # first failing process's (in that order); one that collects nothing (pytest's 5: e.g. a 0.19.1-only file on the
 # 0.32.0 track) counts as passed when another ran tests.
@@ -42,29 +42,33 @@ install_venv() {  # VENV REQUIREMENTS OVERRIDES (&&-chained: stage runs it where
     echo "$STAMP" > "$venv/.installed"
 }
 
-# The 0.19.1 track is the long one (every test but the 0.32.0-only ones): where no test path is given it runs as two
-# pytest processes, these files in the second. They share no session fixture with the rest (conftest.py's servers
-# and checkpoints) and keep a core busy on their own (Docker image builds, Triton-interpreter and g++ children, Ray
-# nodes), so on 2 cores the three processes finish close together instead of the first one running alone for its
-# last ~25 min (a cold lane on a 2-core AMD EPYC Zen 1: 48 min with two processes, docs/development.md). The list
-# is sized from a warm run there: with its first three files the second process took 18 min, the first 33.
-SPLIT_FILES=(tests/test_install_demo.py tests/test_turboquant_triton.py tests/test_turboquant_swap.py
-             tests/test_cluster.py tests/test_install.py tests/test_turboquant_cuda_cpu.py)
+# The 0.19.1 track is the long one (every test but the 0.32.0-only ones): where no test path is given it runs as
+# three pytest processes, DEMO_FILES in the second, SPLIT_FILES in the third. They share no session fixture with the
+# rest (conftest.py's servers and checkpoints) and keep a core busy on their own (Docker image builds,
+# Triton-interpreter and g++ children, Ray nodes), so on 2 cores the processes finish close together instead of one
+# running alone for its last ~25 min (a cold lane on a 2-core AMD EPYC Zen 1: 48 min with two processes). The demo's
+# image builds wait on downloads and the Docker engine (cold: 1,942 s of the 2,620 s its process took with the
+# split files after them, at 81fc061), so the CPU-bound split files run beside them, not after (docs/development.md).
+DEMO_FILES=(tests/test_install_demo.py)
+SPLIT_FILES=(tests/test_turboquant_triton.py tests/test_turboquant_swap.py tests/test_cluster.py tests/test_install.py
+             tests/test_turboquant_cuda_cpu.py)
 
 part_name() {  # PART: how the stage table and the log headers name it
   case $1 in
     all) echo "all its files" ;;
-    rest) echo "all but ${SPLIT_FILES[*]##*/}" ;;
+    rest) echo "all but ${DEMO_FILES[*]##*/} ${SPLIT_FILES[*]##*/}" ;;
+    demo) echo "${DEMO_FILES[*]##*/}" ;;
     split) echo "${SPLIT_FILES[*]##*/}" ;;
   esac
 }
 
-run_track() {  # TRACK VENV PART PYTEST-ARGS...: the track's pytest (PART: all, rest or split), its wall time a stage row
-  local track=$1 venv=$2 part=$3 f
+run_track() {  # TRACK VENV PART PYTEST-ARGS...: the track's pytest (PART: all, rest, demo or split), its wall time a
+  local track=$1 venv=$2 part=$3 f  # stage row
   shift 3
   local -a extra=()
   case $part in
-    rest) for f in "${SPLIT_FILES[@]}"; do extra+=("--ignore=$f"); done ;;
+    rest) for f in "${DEMO_FILES[@]}" "${SPLIT_FILES[@]}"; do extra+=("--ignore=$f"); done ;;
+    demo) extra=("${DEMO_FILES[@]}") ;;
     split) extra=("${SPLIT_FILES[@]}") ;;
   esac
   local name="pytest, vLLM $track track"
@@ -104,7 +108,7 @@ main() {
       *) echo "tests/run.sh: ONESPARK_TEST_TRACKS has '$track': use 0.19.1 and/or 0.32.0" >&2; return 2 ;;
     esac
     if ((side)) && [[ $track == 0.19.1 ]] && ! names_paths "$@"; then
-      jtracks+=("$track" "$track") jvenvs+=("$venv" "$venv") jparts+=(rest split)
+      jtracks+=("$track" "$track" "$track") jvenvs+=("$venv" "$venv" "$venv") jparts+=(rest demo split)
     else
       jtracks+=("$track") jvenvs+=("$venv") jparts+=(all)
     fi

@@ -527,5 +527,13 @@ def test_prefill_refuses_bad_shapes():
 
 @pytest.mark.skipif(CUDA or INTERPRET, reason="kernel cases run in this process")
 def test_interpreter_lane():
+    """Every kernel case in Triton's interpreter, on the 0.19.1 track only: what it checks (the kernels' indexing
+    and arithmetic, run in numpy) is the same source on both tracks, and it was this file's dearest test on the
+    0.32.0 track (264 s of a cold 2-core lane); there Triton 3.7.1's compile of every kernel is
+    tests/test_kernels_compile.py's."""
+    from tests.conftest import vllm_track
+
+    if vllm_track() == "0.32.0":
+        pytest.skip("the interpreter lane runs on the 0.19.1 track (its docstring)")
     out = run_interpreter_lane(__file__, timeout_s=1500)
     assert " skipped" not in out.splitlines()[-1], out[-2000:]  # every kernel case runs in the interpreter
