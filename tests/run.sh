@@ -48,10 +48,13 @@ install_venv() {  # VENV REQUIREMENTS OVERRIDES (&&-chained: stage runs it where
 # Triton-interpreter and g++ children, Ray nodes), so on 2 cores the processes finish close together instead of one
 # running alone for its last ~25 min (a cold lane on a 2-core AMD EPYC Zen 1: 48 min with two processes). The demo's
 # image builds wait on downloads and the Docker engine (cold: 1,942 s of the 2,620 s its process took with the
-# split files after them, at 81fc061), so the CPU-bound split files run beside them, not after (docs/development.md).
+# split files after them, at 81fc061), so the CPU-bound split files run beside them, not after. At 93c2a39 (cold:
+# 41.9 min) the split took 1,604 s, the rest 2,318 s: five more fixture-free files (compiles, an interpreter lane,
+# the lab scripts, the fuzzed readers) moved here after it (docs/development.md).
 DEMO_FILES=(tests/test_install_demo.py)
 SPLIT_FILES=(tests/test_turboquant_triton.py tests/test_turboquant_swap.py tests/test_cluster.py tests/test_install.py
-             tests/test_turboquant_cuda_cpu.py)
+             tests/test_turboquant_cuda_cpu.py tests/test_kernels_compile.py tests/test_kernels_compile_cuda.py
+             tests/test_kernels_lm_head.py tests/test_bench_lab.py tests/test_fuzz_readers.py)
 
 part_name() {  # PART: how the stage table and the log headers name it
   case $1 in
