@@ -8,8 +8,8 @@
 #   ONESPARK_TEST_TRACKS=0.32.0 tests/run.sh tests/test_v032_server.py -x   (one track: 0.19.1 or 0.32.0)
 # Both tracks run at once (most of each track waits on vLLM servers and image builds, so the 2-core lane's wall
 # time is about the longest process's, not the sum), the 0.19.1 track as three pytest processes when no test path
-# is given (DEMO_FILES, SPLIT_FILES below); the first process's output streams, the others' are printed after it (their log files
-# are named at the start). ONESPARK_TEST_SERIAL=1 runs the tracks one after the other, whole. Exit status: the
+# is given (DEMO_FILES, SPLIT_FILES below); the first process's output streams, the others' are printed after it
+# (their log files are named at the start). ONESPARK_TEST_SERIAL=1 runs the tracks one after the other, whole. Exit status: the
 # first failing process's (in that order); one that collects nothing (pytest's 5: e.g. a 0.19.1-only file on the
 # 0.32.0 track) counts as passed when another ran tests.
 set -euo pipefail
@@ -65,8 +65,9 @@ part_name() {  # PART: how the stage table and the log headers name it
   esac
 }
 
-run_track() {  # TRACK VENV PART PYTEST-ARGS...: the track's pytest (PART: all, rest, demo or split), its wall time a
-  local track=$1 venv=$2 part=$3 f  # stage row
+# TRACK VENV PART PYTEST-ARGS...: the track's pytest (PART: all, rest, demo or split), its wall time a stage row
+run_track() {
+  local track=$1 venv=$2 part=$3 f
   shift 3
   local -a extra=()
   case $part in
