@@ -9,10 +9,12 @@
 # Both tracks run at once (most of each track waits on vLLM servers and image builds, so the 2-core lane's wall
 # time is about the longest process's, not the sum), the 0.19.1 track as three pytest processes when no test path
 # is given (DEMO_FILES, SPLIT_FILES below); the first process's output streams, the others' are printed after it
-# (their log files are named at the start). ONESPARK_TEST_SERIAL=1 runs the tracks one after the other, whole. Exit
-# status: the first failing process's (in that order); one that collects nothing (pytest's 5: e.g. a 0.19.1-only file on
-# the 0.32.0 track) counts as passed when another ran tests. t -euo pipefail  "$(dirname "$0")/.." urce .ci/stages.sh  #
-# stage: wall time per venv build and per track, for .ci/run's table
+# (their log files are named at the start). ONESPARK_TEST_SERIAL=1 runs the tracks one after the other, whole.
+# Exit status: the first failing process's (in that order); one that collects nothing (pytest's 5: e.g. a
+# 0.19.1-only file on the 0.32.0 track) counts as passed when another ran tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source .ci/stages.sh  # stage: wall time per venv build and per track, for .ci/run's table
 
 # The requirement files pin what we name; what those pull in (vLLM's ~180 dependencies) resolves as PyPI stood
 # at this instant, so a release tomorrow cannot change the lane. Moving it rebuilds both venvs.
