@@ -27,6 +27,20 @@ HEADER = REPO / "kernels" / "turboquant_decode.cuh"
 PTX_HELPERS = ("prmt", "mma", "ldsm4", "cp_async", "cp_commit", "cp_wait", "bar_arrive", "bar_sync")
 
 
+def patched_header(diffs: list[Path], work: Path) -> str:
+    """kernels/turboquant_decode.cuh with `diffs` applied in order (`git apply` on a copy in work/kernels/, which
+    tests/test_kernels_compile_cuda.py compiles from), as the candidate and diagnostic diffs are taken everywhere;
+    ValueError naming the diff that does not apply."""
+    (work / "kernels").mkdir(parents=True, exist_ok=True)
+    (work / "kernels" / HEADER.name).write_bytes(HEADER.read_bytes())
+    for diff in diffs:
+        r = subprocess.run(["git", "apply", str(Path(diff).resolve())], cwd=work, capture_output=True, text=True,
+                           timeout=60)
+        if r.returncode:
+            raise ValueError(f"{Path(diff).name} does not apply to kernels/{HEADER.name}: {r.stderr.strip()}")
+    return (work / "kernels" / HEADER.name).read_text()
+
+
 def cpu_source(header_text: str) -> str:
     """The header as the CPU build takes it: no CUDA includes, no inline-PTX helpers, the dynamic shared memory
     from the fiber scheduler."""

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._cuda_cpu import patched_header
 from tests.test_kernels_compile import H200, SMEM_LIMIT, SPARK
 
 NVCC = Path(sysconfig.get_paths()["purelib"]) / "nvidia" / "cu13" / "bin" / "nvcc"
@@ -82,11 +83,11 @@ def _patched_build(diff: Path, tmp_path: Path, arch: str) -> str:
     if not NVCC.is_file():
         pytest.fail(f"no nvcc at {NVCC}: tests/requirements.txt installs nvidia-cuda-nvcc into the test venv")
     header = Path(__file__).resolve().parents[1] / "kernels" / "turboquant_decode.cuh"
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / header.name).write_bytes(header.read_bytes())
-    r = subprocess.run(["git", "apply", str(diff)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, f"{diff.name} does not apply to kernels/{header.name}: {r.stderr}"
-    assert (tmp_path / "kernels" / header.name).read_bytes() != header.read_bytes()
+    try:
+        patched = patched_header([diff], tmp_path)
+    except ValueError as e:
+        pytest.fail(str(e))
+    assert patched != header.read_text()
     tu = tmp_path / "tu.cu"
     tu.write_text(f'#include "kernels/{header.name}"\n'
                   + "".join(f"template __global__ void onespark_tq::decode_k4v4<{m}, 3>(const onespark_tq::Params);\n"

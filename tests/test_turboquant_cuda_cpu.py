@@ -6,7 +6,6 @@ The emulation is shown to catch what it is for: a missing barrier, a wrong index
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -42,11 +41,10 @@ def test_the_shipped_kernel_matches_float64_on_the_cpu(shipped, Hq, H, T, lens, 
 
 
 def patched(diff: Path, tmp_path: Path) -> str:
-    (tmp_path / "kernels").mkdir()
-    (tmp_path / "kernels" / cc.HEADER.name).write_bytes(cc.HEADER.read_bytes())
-    r = subprocess.run(["git", "apply", str(diff)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, f"{diff.name} does not apply to kernels/{cc.HEADER.name}: {r.stderr}"
-    return (tmp_path / "kernels" / cc.HEADER.name).read_text()
+    try:
+        return cc.patched_header([diff], tmp_path)
+    except ValueError as e:
+        pytest.fail(str(e))
 
 
 @pytest.mark.parametrize("diff", CANDIDATES, ids=lambda p: p.stem)

@@ -28,9 +28,9 @@ from turboquant_sass import KINDS, loop_body
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from tests._aot import CUOBJDUMP  # noqa: E402
+from tests._cuda_cpu import patched_header  # noqa: E402
 from tests.test_kernels_compile_cuda import NVCC  # noqa: E402
 
-HEADER = ROOT / "kernels" / "turboquant_decode.cuh"
 CONFIGS = [(1, 3), (3, 3), (1, 2), (3, 2)]  # (row tiles, stages): q_len 1 and an MTP-2 verify step (48 rows)
 # The rarely taken branches, as the candidates write them (whole lines of source): removed for `common`.
 RARE = {"    const bool edge = n0 + TILE > min(end, L - p.T + 1);": "    const bool edge = false;",
@@ -38,13 +38,10 @@ RARE = {"    const bool edge = n0 + TILE > min(end, L - p.T + 1);": "    const b
 
 
 def source(arg: str, work: Path) -> str:
-    (work / "kernels").mkdir(parents=True, exist_ok=True)
-    (work / "kernels" / HEADER.name).write_bytes(HEADER.read_bytes())
-    for diff in [] if arg == "base" else arg.split("+"):
-        r = subprocess.run(["git", "apply", str(Path(diff).resolve())], cwd=work, capture_output=True, text=True)
-        if r.returncode:
-            raise SystemExit(f"turboquant_cuda_sass: {diff} does not apply to kernels/{HEADER.name}: {r.stderr.strip()}")
-    return (work / "kernels" / HEADER.name).read_text()
+    try:
+        return patched_header([] if arg == "base" else arg.split("+"), work)
+    except ValueError as e:
+        raise SystemExit(f"turboquant_cuda_sass: {e}") from None
 
 
 def counts(text: str, work: Path) -> dict:
