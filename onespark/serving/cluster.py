@@ -57,6 +57,11 @@ from onespark.serving.vllm_log import likely_cause
 RAY_VERSION = "2.48.0"
 RAY_PINS = f"ray=={RAY_VERSION} msgpack==1.2.4"
 RAY_PORT = 6379
+# Every Ray node's environment. Ray starts its worker processes at nice 15 (its worker_niceness), and vLLM's
+# workers (the GPU's, one per Spark) are Ray actors: at 15 they get the CPU only after everything else on the
+# machine, and the two-node test on a loaded 2-core CI machine stalled in them for minutes (its workers made
+# no progress until the load stopped: tests/test_cluster.py::test_two_ray_nodes_in_two_namespaces).
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_worker_niceness": "0"}
 SERVING_IMAGE = f"onespark/v2:{__version__}"
 RAY_CONTAINER = "onespark-ray"
 LABEL_VERSION = "dev.onespark.version"
@@ -176,7 +181,7 @@ def ray_container_cmd(image: str, model: str, env: dict[str, str], ray_args: lis
     # unlimited locked memory), plus the RDMA devices for NCCL's IB transport.
     parts = [*launch.container_flags(RAY_CONTAINER, model, cache_volume=cache_volume),
              "--device", "/dev/infiniband", "--cap-add", "IPC_LOCK",
-             *launch.env_flags({**env, "RAY_USAGE_STATS_ENABLED": "0"}),
+             *launch.env_flags({**env, **RAY_ENV}),
              "--entrypoint", "ray", image, "start", "--block", "--disable-usage-stats", *ray_args]
     return shlex.join(parts)
 
