@@ -58,8 +58,11 @@ class Int8LMHeadMethod(QuantizeMethodBase):
         if w.is_meta or w.numel() == 0:  # dummy/missing layer (pipeline stage without a head)
             return
         w_int8, scale = quantize_head(w.data)
-        layer.register_buffer("onespark_w_int8", w_int8, persistent=False)
-        layer.register_buffer("onespark_w_scale", scale, persistent=False)
+        # Persistent buffers: vLLM 0.32.0's in-place reload (reload_weights: RL weight sync, sleep mode level 2)
+        # runs this method on a fresh copy of the layer and copies the result into the old tensors, leaving out
+        # non-persistent buffers; as those the old head stayed after a reload (tests/test_plugin_reload.py).
+        layer.register_buffer("onespark_w_int8", w_int8)
+        layer.register_buffer("onespark_w_scale", scale)
         freed = w.numel() * w.element_size()
         held = w_int8.numel() * w_int8.element_size() + scale.numel() * scale.element_size()
         # Keep a `weight` attribute (vLLM code checks hasattr(lm_head, "weight")), but without bytes.
