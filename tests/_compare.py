@@ -39,3 +39,11 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol, what: str, s
         f"max abs err {err.max().item():.3g}, max rel err {rel:.3g}, ||a-e||/||e|| {norm_rel:.3g})\n"
         + "\n".join(lines)
     )
+
+
+def int8_rows_reference(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The INT8 LM head's per-row quantization as documented, independent of onespark.kernels: in fp32,
+    scale = max|w_row| / 127 and q = round-half-even(w / scale) clamped to +-127. Returns (q int8, scale fp32)."""
+    w = w.float()
+    scale = w.abs().amax(dim=1) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale

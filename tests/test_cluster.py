@@ -34,6 +34,7 @@ import pytest
 from onespark import __version__
 from onespark.errors import UserError
 from onespark.serving import cluster, cluster_link
+from tests._compare import int8_rows_reference
 
 ROOT = Path(__file__).resolve().parent.parent
 ID_A = "sha256:" + "a" * 64
@@ -752,10 +753,9 @@ def test_two_ray_nodes_in_two_namespaces(tmp_path):
     # x @ (q * scale).T in float64. A row shard quantizes to the same numbers, so any shard, gather or
     # padding mistake shows up as wrong columns.
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(V, K, generator=g).to(torch.bfloat16).float()
+    w = torch.randn(V, K, generator=g).to(torch.bfloat16)
     x = torch.randn(T, K, generator=g).to(torch.bfloat16).double()
-    scale = w.abs().amax(dim=1) / 127
-    q = torch.round(w / scale[:, None]).clamp(-127, 127)
+    q, scale = int8_rows_reference(w)
     ref = x @ (q.double() * scale.double()[:, None]).T
     for r in got["tp"]:
         out = torch.tensor(r["logits"], dtype=torch.float64)

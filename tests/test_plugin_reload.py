@@ -17,6 +17,8 @@ import textwrap
 
 import pytest
 
+from tests._compare import int8_rows_reference
+
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm032, pytest.mark.timeout(600)]
 
 # Runs in the engine's worker process (apply_model pickles it by reference: it must live in an importable module).
@@ -47,15 +49,11 @@ CHILD = textwrap.dedent("""
 
 
 def quantized_head(model_dir):
-    """The head's per-row INT8 as the quantizer documents it (fp32: scale = max|w_row| / 127, q = round-half-even
-    of w / scale, clamped to +-127), from the checkpoint file, independent of onespark.kernels."""
-    import torch
+    """The checkpoint file's lm_head.weight, quantized by the documented definition (tests/_compare.py)."""
     from safetensors import safe_open
 
     with safe_open(str(model_dir / "model.safetensors"), framework="pt") as f:
-        w = f.get_tensor("lm_head.weight").float()
-    scale = w.abs().amax(dim=1) / 127
-    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+        return int8_rows_reference(f.get_tensor("lm_head.weight"))
 
 
 def test_reload_weights_requantizes_the_int8_head(tmp_path, tiny_model_dir):
