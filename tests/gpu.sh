@@ -55,7 +55,8 @@ export PYTHONPATH="$site:$PWD/$stub" PYTHONUNBUFFERED=1
 # bench/lab/turboquant_cuda_profile.sh), for this GPU and the Spark (one build proves both compile with the real
 # torch binding; kernels/turboquant_cuda.py).
 export ONESPARK_CUDA_BUILD="${ONESPARK_CUDA_BUILD:-$site/cuda-build}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0;12.1a}"
-gpu=$("$py" -c 'import torch; print(torch.cuda.get_device_name().split()[-1].lower())')
+# the lab's short name (h200, h100, gb10): file names agree with the bench results' `gpu` field
+gpu=$(PYTHONPATH="$PWD/bench/lab:$PYTHONPATH" "$py" -c 'from harness import gpu_name; print(gpu_name())')
 rc=0
 
 if ((tests)); then
