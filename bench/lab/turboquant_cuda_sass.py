@@ -1,7 +1,7 @@
 """The CUDA decode kernel's key loop as sm_90 machine code: the shipped header and its candidate diffs side by side.
 
     .venv/bin/python bench/lab/turboquant_cuda_sass.py --out bench/results/turboquant_cuda_sass.json \
-        base bench/lab/turboquant_cuda_candidates/acc2.diff
+        base bench/lab/turboquant_cuda_candidates/occ1.diff
 
 Each argument is `base` (kernels/turboquant_decode.cuh) or a diff against it (`git apply`; A.diff+B.diff applies
 both in order), as bench/lab/turboquant_cuda_variants.sh takes them on a GPU. Compiled here, without a GPU, with the
