@@ -325,3 +325,20 @@ def test_cuda_sass_counts_the_shipped_loop(tmp_path):
         mid = row["common"][cfg]
         assert mid["mma"] == c["mma"] and mid["prmt"] >= 320 and mid["all"] < c["all"], (cfg, mid, c)
 
+
+
+@pytest.mark.parametrize("device, short", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                           ("NVIDIA GB10", "gb10"), ("NVIDIA L40S", "nvidia_l40s")])
+def test_gpu_lane_names_its_files_as_the_lab_names_the_gpu(tmp_path, device, short):
+    """tests/gpu.sh's own line that names gpu_lane_<gpu>.json, run against a torch that reports `device`: the
+    lab's short name, so the lane's files and the bench files' `gpu` field agree (an H100 once gave `hbm3`)."""
+    gpu_sh = LAB.parents[1] / "tests" / "gpu.sh"
+    line = next(s for s in gpu_sh.read_text().splitlines() if s.startswith("gpu=$("))
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(f"class cuda:\n    get_device_name = staticmethod(lambda: {device!r})\n")
+    script = f'py={sys.executable}\n{line}\nprintf %s "$gpu"\n'
+    r = subprocess.run(["bash", "-c", script], cwd=LAB.parents[1], capture_output=True, text=True, timeout=60,
+                       env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == short
