@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import re
+import statistics
 import time
 import urllib.request
 
@@ -279,18 +280,33 @@ def test_published_figure_matches_transport_timing(vllm_server):
     chats = [r for r in transport.records if r["path"] == "/v1/chat/completions"]
     assert len(chats) == len(pub["rows"]) == 15
     by_class: dict[str, list[float]] = {}
+    walls, gaps = [], []
     for row, rec in zip(pub["rows"], chats):  # one stream, in order
         assert rec["body"]["messages"][0]["content"] == prompts[row["group"]]  # the same request
         assert rec["body"]["max_tokens"] == row["max_tokens"]
         wall = rec["t_done"] - rec["t_send"]
-        # The bench's window encloses the transport's, and only by the time it takes to enter and leave it. The
-        # slack allows a scheduling hiccup on a busy 2-core CI machine; a bench that timed anything more (its
-        # /tokenize calls, another request) would be off by a whole request, 0.1 s or more here.
-        assert 0 < wall <= row["latency_s"] < wall + 0.05 + 0.05 * wall
+        # the bench's window (one perf_counter, this process) encloses the transport's and no other exchange: a
+        # bench that timed its /tokenize calls, a /v1/models probe or another request fails here, however fast
+        assert row["t_start"] <= rec["t_send"] < rec["t_done"] <= row["t_end"]
+        assert row["latency_s"] == pytest.approx(row["t_end"] - row["t_start"])
+        inside = [r["path"] for r in transport.records
+                  if r is not rec and r["t_send"] < row["t_end"] and (r["t_done"] or math.inf) > row["t_start"]]
+        assert not inside, f"{row['group']}: the bench timed {inside} with its request"
+        walls.append(wall)
+        gaps.append(row["latency_s"] - wall)
         if not row["warmup"]:
-            by_class.setdefault(row["group"], []).append(row["completion_tokens"] / wall)
-    figure = sum(sum(v) / len(v) for v in by_class.values()) / len(by_class)
-    assert pub["cross_class"]["e2e_tok_s"]["mean"] == pytest.approx(figure, rel=0.05)
+            by_class.setdefault(row["group"], []).append((row["completion_tokens"] / wall,
+                                                          row["completion_tokens"] / row["latency_s"]))
+    # ... and only by the time it takes to enter and leave it; the median leaves out the odd scheduling hiccup of a
+    # busy 2-core CI machine (one row 150 ms late on 2026-12-05, the others not)
+    assert statistics.median(gaps) < 0.05 + 0.05 * statistics.median(walls), gaps
+
+    def figure(i):  # the published method: per class the mean over timed runs, then the mean over classes
+        return statistics.mean(statistics.mean(r[i] for r in runs) for runs in by_class.values())
+
+    mean = pub["cross_class"]["e2e_tok_s"]["mean"]
+    assert mean == pytest.approx(figure(1), rel=1e-9)  # from the bench's own latencies, exactly
+    assert mean == pytest.approx(figure(0), rel=0.1)  # from the transport's: one hiccup in 10 timed rows moves it ~4%
 
 
 def test_quality_recorded_then_compared(vllm_server, tmp_path, capsys):
