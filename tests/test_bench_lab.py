@@ -326,7 +326,6 @@ def test_cuda_sass_counts_the_shipped_loop(tmp_path):
         assert mid["mma"] == c["mma"] and mid["prmt"] >= 320 and mid["all"] < c["all"], (cfg, mid, c)
 
 
-
 @pytest.mark.parametrize("device, short", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
                                            ("NVIDIA GB10", "gb10"), ("NVIDIA L40S", "nvidia_l40s")])
 def test_gpu_lane_names_its_files_as_the_lab_names_the_gpu(tmp_path, device, short):

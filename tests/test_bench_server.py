@@ -279,7 +279,7 @@ def test_published_figure_matches_transport_timing(vllm_server):
     prompts = {c["name"]: c["prompt"] for c in published_classes()["classes"]}
     chats = [r for r in transport.records if r["path"] == "/v1/chat/completions"]
     assert len(chats) == len(pub["rows"]) == 15
-    by_class: dict[str, list[float]] = {}
+    by_class: dict[str, list[tuple[float, float]]] = {}  # tok/s of each timed run: (transport, bench)
     walls, gaps = [], []
     for row, rec in zip(pub["rows"], chats):  # one stream, in order
         assert rec["body"]["messages"][0]["content"] == prompts[row["group"]]  # the same request
