@@ -20,6 +20,12 @@ vLLM 0.26.0) is timed beside ours on the same shapes, depths and batches, each p
 the same bytes per token, and both are checked against float64 attention on the unquantized keys and values
 (`exact_checks`). Without an importable vLLM the result says so (`upstream`: null) and has ours alone.
 
+`tq_ms` is the Triton decode kernel (what ONESPARK_TQ_KERNEL=auto serves on every GPU but at K4V4 verify steps on
+mma.sync-only ones, the Spark's among them). K4V4 rows also time the CUDA C++ decode kernel
+(`cuda_ms`, ONESPARK_TQ_KERNEL=cuda; kernels/turboquant_cuda.py, built for this GPU at the start, or loaded from
+ONESPARK_CUDA_BUILD) and check it against the same float64 attention (`cuda_rel_err`); `cuda_kernel` says whether it
+was built and why not.
+
 Shape: Qwen3.5-122B-A10B full-attention layer: 32 query heads, 2 KV heads, head_dim 256, one layer.
 Times are per layer and decode step, medians of CUDA-graph replays (harness.median_ms; one call per
 graph); each call walks several disjoint copies of the cache (different blocks) so that no config is
@@ -123,9 +129,23 @@ def check_correctness(out_rows):
             print(f"check {name} T={T}: decode rel err {out_rows[-1]['decode_rel_err']:.2e}, encode code mismatch {code_mismatch:.1e}", flush=True)
 
 
-def check_exact(out_rows):
+def cuda_kernel(result):
+    """Build (or load) the CUDA C++ decode kernel for this GPU; result["cuda_kernel"] says how it went."""
+    t0 = time.time()
+    try:
+        tq_cuda.module()
+    except Exception as e:  # no nvcc or a failed compile: the rows go without the CUDA column, and say why
+        result["cuda_kernel"] = dict(built=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    else:
+        result["cuda_kernel"] = dict(built=True, build_s=time.time() - t0, stages=tq_cuda.STAGES)
+    print(f"CUDA decode kernel: {result['cuda_kernel']}", flush=True)
+    return result["cuda_kernel"]["built"]
+
+
+def check_exact(out_rows, with_cuda=False):
     """Ours and upstream's (when installed) against float64 attention on the unquantized K/V: the error a user
-    sees from each cache at the same bytes, two sequences (4096 and 1001 tokens), q_len 1 and 3."""
+    sees from each cache at the same bytes, two sequences (4096 and 1001 tokens), q_len 1 and 3; with_cuda: the
+    CUDA decode kernel's too, for K4V4."""
     g = torch.Generator(device="cuda").manual_seed(1)
     lens = [4096, 1001]
     pages = [-(-n // PAGE) for n in lens]
@@ -149,13 +169,18 @@ def check_exact(out_rows):
             q = torch.randn(2, HQ, T, D, device="cuda", generator=g).to(torch.bfloat16)
             ours = tt.decode_attention(q, cache, lay, bt, sl, seed, SM_SCALE, max(lens))  # [B, HQ, T, D]
             theirs = ups.attend(q.transpose(1, 2).contiguous(), bt, lens, sl) if ups else None  # [B, T, HQ, D]
+            cuda = with_cuda and tq_cuda.supports(p, HQ, HKV, T, D)
+            mine = tq_cuda.decode_attention(q, cache, lay, bt, sl, seed, SM_SCALE, max(lens)) if cuda else None
             for b, (k, v) in enumerate(kv):
                 exact = up.exact_attention(q[b].transpose(0, 1), k, v, SM_SCALE)  # [T, HQ, D]
                 row = dict(preset=name, q_len=T, seq_len=lens[b], ours_rel_err=harness.rel_err(ours[b].transpose(0, 1), exact))
+                if cuda:
+                    row.update(cuda_rel_err=harness.rel_err(mine[b].transpose(0, 1), exact))
                 if ups:
                     row.update(upstream_preset=ups.preset, upstream_rel_err=harness.rel_err(theirs[b], exact))
                 out_rows.append(row)
                 print(f"exact {name} T={T} L={lens[b]}: ours {row['ours_rel_err']:.2e}"
+                      + (f", CUDA kernel {row['cuda_rel_err']:.2e}" if cuda else "")
                       + (f", upstream {ups.preset} {row['upstream_rel_err']:.2e}" if ups else ""), flush=True)
 
 
@@ -528,8 +553,9 @@ def decode(result, quick, out):
     result["copy_gbps"], result["copy_gbps_by_method"] = max(by.values()), by
     print(f"copy bandwidth {result['copy_gbps']:.0f} GB/s", flush=True)
     section(result, "correctness", check_correctness, result["checks"])
+    with_cuda = cuda_kernel(result)
     result["exact_checks"] = []
-    section(result, "against float64 attention", check_exact, result["exact_checks"])
+    section(result, "against float64 attention", check_exact, result["exact_checks"], with_cuda)
     harness.write_result(out, result)
     depths = [8192, 262144] if quick else DEPTHS
     pools = Pools(max_tokens=8 * max(depths))
@@ -553,6 +579,9 @@ def decode(result, quick, out):
         row = dict(preset=name, depth=depth, q_len=T, batch=B, tq_ms=tq_ms, fa_bf16_ms=fa["gqa"],
                    fa_bf16_folded_ms=fa["folded"], bf16_floor_ms=floor, encode_ms=enc,
                    tq_over_floor=tq_ms / floor, tq_gbps=tq_bytes / tq_ms / 1e6, copies=copies)
+        if with_cuda and tq_cuda.supports(p, HQ, HKV, T, D):
+            cuda_ms, _ = bench_config(pools, name, depth, T, B, impl="cuda")
+            row.update(cuda_ms=cuda_ms, cuda_over_tq=cuda_ms / tq_ms)
         if result["upstream"]:
             up_ms, up_bytes = bench_upstream(pools, name, depth, T, B)
             row.update(upstream_preset=up.PAIRS[name], upstream_ms=up_ms,
@@ -562,6 +591,7 @@ def decode(result, quick, out):
         print(f"{name} L={depth:>6} T={T} B={B}: tq {tq_ms * 1000:7.1f} us  fa {(fa['gqa'] or nan) * 1000:7.1f} us"
               f"  fa-folded {(fa['folded'] or nan) * 1000:7.1f} us  floor {floor * 1000:7.1f} us"
               f"  tq/floor {tq_ms / floor:.2f}  tq {row['tq_gbps']:.0f} GB/s  enc {enc * 1000:.1f} us"
+              + (f"  cuda {row['cuda_ms'] * 1000:7.1f} us" if "cuda_ms" in row else "")
               + (f"  upstream {row['upstream_ms'] * 1000:7.1f} us" if "upstream_ms" in row else ""), flush=True)
 
     for name, p in tq.PRESETS.items():
@@ -615,12 +645,13 @@ def main():
     harness.write_result(args.out, result)
     nan = float("nan")
     print(f"\n{'preset':<16} {'depth':>6} {'T':>2} {'B':>2} {'tq_us':>8} {'fold_us':>8} {'tq/fold':>7} {'naive_us':>8}"
-          f" {'floor_us':>8} {'tq/floor':>8} {'upstr_us':>8} {'tq/upstr':>8}")
+          f" {'floor_us':>8} {'tq/floor':>8} {'cuda_us':>8} {'cuda/fold':>9} {'upstr_us':>8} {'tq/upstr':>8}")
     for r in result["rows"]:
         fold = r['fa_bf16_folded_ms'] or nan
         print(f"{r['preset']:<16} {r['depth']:>6} {r['q_len']:>2} {r['batch']:>2} {r['tq_ms'] * 1000:8.1f}"
               f" {fold * 1000:8.1f} {r['tq_ms'] / fold:7.2f} {(r['fa_bf16_ms'] or nan) * 1000:8.1f}"
               f" {r['bf16_floor_ms'] * 1000:8.1f} {r['tq_over_floor']:8.2f}"
+              f" {r.get('cuda_ms', nan) * 1000:8.1f} {r.get('cuda_ms', nan) / fold:9.2f}"
               f" {r.get('upstream_ms', nan) * 1000:8.1f} {r.get('tq_over_upstream', nan):8.2f}")
     print(f"errors: {result.get('errors', [])}")
     print(f"wrote {args.out} in {result['wall_s']:.0f} s")
