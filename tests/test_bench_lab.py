@@ -326,18 +326,25 @@ def test_cuda_sass_counts_the_shipped_loop(tmp_path):
         assert mid["mma"] == c["mma"] and mid["prmt"] >= 320 and mid["all"] < c["all"], (cfg, mid, c)
 
 
+# each script's own line that names its files by the GPU, and the variable it sets (bench.sh appends to `name`)
+NAMING = {"tests/gpu.sh": ("gpu=$(", "gpu", ""), "tests/gpu_vllm/lane.sh": ("gpu=$(", "gpu", ""),
+          "tests/gpu_vllm/bench.sh": ("name=${name}_$(", "name", "turboquant_")}
+
+
+@pytest.mark.parametrize("script", sorted(NAMING))
 @pytest.mark.parametrize("device, short", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
                                            ("NVIDIA GB10", "gb10"), ("NVIDIA L40S", "nvidia_l40s")])
-def test_gpu_lane_names_its_files_as_the_lab_names_the_gpu(tmp_path, device, short):
-    """tests/gpu.sh's own line that names gpu_lane_<gpu>.json, run against a torch that reports `device`: the
-    lab's short name, so the lane's files and the bench files' `gpu` field agree (an H100 once gave `hbm3`)."""
-    gpu_sh = LAB.parents[1] / "tests" / "gpu.sh"
-    line = next(s for s in gpu_sh.read_text().splitlines() if s.startswith("gpu=$("))
+def test_gpu_scripts_name_their_files_as_the_lab_names_the_gpu(tmp_path, script, device, short):
+    """The GPU scripts' lines that name their result files (gpu_lane_<gpu>.json, vllm_gpu_lane_<gpu>.json,
+    turboquant_<gpu>.json), run against a torch that reports `device`: the lab's short name, so the files and the
+    bench files' `gpu` field agree (an H100 once gave `hbm3`; bench.sh once wrote `_h200` on any card)."""
+    prefix, var, before = NAMING[script]
+    line = next(s for s in (LAB.parents[1] / script).read_text().splitlines() if s.startswith(prefix))
     fake = tmp_path / "torch"
     fake.mkdir()
     (fake / "__init__.py").write_text(f"class cuda:\n    get_device_name = staticmethod(lambda: {device!r})\n")
-    script = f'py={sys.executable}\n{line}\nprintf %s "$gpu"\n'
-    r = subprocess.run(["bash", "-c", script], cwd=LAB.parents[1], capture_output=True, text=True, timeout=60,
+    body = f'py={sys.executable}\nname=turboquant\n{line}\nprintf %s "${var}"\n'
+    r = subprocess.run(["bash", "-c", body], cwd=LAB.parents[1], capture_output=True, text=True, timeout=60,
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
     assert r.returncode == 0, r.stderr
-    assert r.stdout == short
+    assert r.stdout == before + short
