@@ -95,6 +95,13 @@ DECODE_ONCE = {"auto": None, "once": True, "pure": False}
 
 
 @functools.lru_cache(maxsize=None)
+def _say_decode_kernel(T: int, device: str, cuda: bool, switch: str) -> None:  # once per process and choice
+    # the builder's start-up line names Triton (prefill, encode); this one names what serves the decode steps
+    logger.info("onespark: TurboQuant decode steps of %d query position(s) on %s: %s kernel (ONESPARK_TQ_KERNEL=%s)",
+                T, device, "CUDA C++" if cuda else "Triton", switch)
+
+
+@functools.lru_cache(maxsize=None)
 def _warn_no_cuda_build(where: str) -> None:  # once per process and build folder
     logger.warning("onespark: no build of the CUDA TurboQuant decode kernel in %s for this torch: Triton serves verify "
                    "steps (build it: python -m onespark.kernels.turboquant_cuda --build)", where)
@@ -371,6 +378,7 @@ class TurboQuantImpl(AttentionImpl[TurboQuantMetadata]):
         key = (T, str(device))
         if key not in self._kernel_for:
             self._kernel_for[key] = self._choose_cuda_kernel(T, device)
+            _say_decode_kernel(T, str(device), self._kernel_for[key], self._kernel)
         return self._kernel_for[key]
 
     def _choose_cuda_kernel(self, T: int, device) -> bool:

@@ -415,6 +415,31 @@ def test_kernel_switch_sends_verify_steps_to_the_cuda_kernel_where_it_was_measur
     assert [impl._cuda_kernel(3, "cuda:0") for _ in range(5)] == [True] * 5 and len(checks) == 1
 
 
+def test_the_log_names_the_kernel_that_serves_decode_steps_once_per_choice(monkeypatch):
+    """The backend's start-up line names Triton (prefill, encode); the first decode step of each query length says
+    which kernel serves it and why, once per process however many layers (impls) ask."""
+    from onespark.kernels import turboquant_cuda as tc
+    from onespark.kernels import turboquant_triton as tt
+
+    tb = _tb()
+    tb._say_decode_kernel.cache_clear()
+    monkeypatch.setattr(tc, "available", lambda: True)
+    monkeypatch.setattr(tt, "_capability", lambda device: (12, 1))
+    said = []
+    monkeypatch.setattr(tb.logger, "info", lambda msg, *args: said.append(msg % args))
+    monkeypatch.setenv("ONESPARK_TQ_KERNEL", "auto")
+    for _ in range(3):  # three layers
+        impl = tb.TurboQuantImpl(32, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")
+        impl._cuda_kernel(3, "cuda:0"), impl._cuda_kernel(1, "cuda:0"), impl._cuda_kernel(3, "cuda:0")
+    assert said == ["onespark: TurboQuant decode steps of 3 query position(s) on cuda:0: CUDA C++ kernel "
+                    "(ONESPARK_TQ_KERNEL=auto)",
+                    "onespark: TurboQuant decode steps of 1 query position(s) on cuda:0: Triton kernel "
+                    "(ONESPARK_TQ_KERNEL=auto)"], said
+    monkeypatch.setenv("ONESPARK_TQ_KERNEL", "triton")
+    tb.TurboQuantImpl(32, D, SCALE, H, kv_cache_dtype="turboquant_k4v4")._cuda_kernel(3, "cuda:0")
+    assert said[-1].endswith("3 query position(s) on cuda:0: Triton kernel (ONESPARK_TQ_KERNEL=triton)"), said
+
+
 def test_wrong_cache_dtype_and_layer_name_are_refused():
     tb = _tb()
     with pytest.raises(ValueError, match="needs --kv-cache-dtype turboquant_k4v4 | turboquant_k4v3"):
