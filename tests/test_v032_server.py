@@ -333,7 +333,13 @@ def test_turboquant_with_mtp2_drafts_and_matches_the_bf16_cache(scripted_qwen35,
         before = spec_counters(srv)
         ids, _ = greedy(srv)
         after = spec_counters(srv)
-        assert_full_decode_graphs(srv.log_text())  # verify steps of 3 tokens: the uniform batch vLLM graphs
+        log = srv.log_text()
+        assert_full_decode_graphs(log)  # verify steps of 3 tokens: the uniform batch vLLM graphs
+    if GPU:  # the decode kernel the verify steps ran on, as the switch asks (auto: Triton on sm_90, CUDA on a Spark)
+        switch = os.environ.get("ONESPARK_TQ_KERNEL", "auto")
+        kernel = {"cuda": "CUDA C\\+\\+", "triton": "Triton"}.get(switch, "(CUDA C\\+\\+|Triton)")
+        assert re.search(rf"TurboQuant decode steps of 3 query position\(s\) on cuda:\d+: {kernel} kernel "
+                         rf"\(ONESPARK_TQ_KERNEL={switch}\)", log), "the log does not name the verify steps' kernel"
     ref, _ = greedy(plain_server)
     pairs = [(a, b) for p, q in zip(ids, ref) for a, b in zip(p, q)]
     agree = sum(a == b for a, b in pairs) / len(pairs)
