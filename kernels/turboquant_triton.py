@@ -11,8 +11,8 @@ Decode attention, one program per (sequence, KV head, split):
     per GPU, preset and q_len, decoded once per tile or in each warp that needs them (decode_once);
   * scores are scaled per key by its stored scale (q . x_hat = scale * (Rq) . c), probabilities per
     value by its scale; online softmax in base 2;
-  * a merge kernel, one program per output row, weighs the splits up to 32 at a time (vector loads over
-    the split axis) and rotates back in its epilogue by the Hadamard transform in registers (R = H diag(s)/16).
+  * a merge kernel, one program per output row, weighs all splits at once (vector loads over the
+    split axis) and applies the inverse rotation R^T in its epilogue.
 Queries are rotated by one matmul with R^T (entries +-1/16: exact in every dtype) before the launch.
 Bytes moved per decode step and KV head: L * (k_bytes + v_bytes + 8), e.g. 264 B/token for K4V4
 against 1024 B for BF16: at 256K tokens, 2 KV heads, 138 MB, a 32 us floor at an H200's 4.27 TB/s copy
@@ -602,14 +602,11 @@ def _tq_decode_kernel(
 
 @triton.jit
 def _tq_merge_kernel(
-    WS_ACC, WS_ML, R, SIGNS, OUT, stride_ob, stride_oh, stride_ot, num_splits,
+    WS_ACC, WS_ML, R, OUT, stride_ob, stride_oh, stride_ot, num_splits,
     H: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, S_BLOCK: tl.constexpr,
-    FWHT: tl.constexpr,
 ):
     """One program per (sequence, KV head, tile row r): weigh the splits' partial sums, S_BLOCK splits
-    per vector load, normalise, and write out = o_rot @ R for that row. ROWS: workspace rows per split.
-    FWHT: o_rot @ R = (o_rot @ H_256) * s / 16 by the in-register Hadamard transform; else R's [256, 256] entries
-    are loaded (256 KB per program, the merge before; kept selectable as MERGES["matrix"] to time against)."""
+    per vector load, normalise, and write out = o_rot @ R for that row. ROWS: workspace rows per split."""
     bh = tl.program_id(0)
     r = tl.program_id(1)
     b = bh // H
@@ -635,38 +632,11 @@ def _tq_merge_kernel(
         o += tl.sum(w[:, None] * tl.load(WS_ACC + row[:, None] * D + cols[None, :], mask=live[:, None], other=0.0), 0)
     l_all = tl.sum(lv, 0)
     o = o / tl.where(l_all > 0, l_all, 1.0)
+    c64 = tl.arange(0, 64)
     optr = OUT + b.to(tl.int64) * stride_ob + (h * G + r // T) * stride_oh + (r % T) * stride_ot
-    if FWHT:
-        x = tl.reshape(_fwht(tl.reshape(o, [1, D]), 1, D), [D])
-        tl.store(optr + cols, (x * tl.load(SIGNS + cols) * (1.0 / tl.sqrt(D * 1.0))).to(OUT.dtype.element_ty))
-    else:
-        c64 = tl.arange(0, 64)
-        for c in tl.static_range(D // 64):
-            rblk = tl.load(R + cols[:, None] * D + c * 64 + c64[None, :])
-            tl.store(optr + c * 64 + c64, tl.sum(o[:, None] * rblk, 0).to(OUT.dtype.element_ty))
-
-
-# How the merge reads splits and rotates back: (splits per load at most, warps, Hadamard transform in registers).
-# "fwht", the default: up to 32 splits a load with 8 warps, so a batch-1 grid of ~130 splits (an H100's) takes five
-# loads instead of nine, and no R operand (256 KB of loads per program); 64 a load leaves ptxas 8 B of stack on
-# sm_90 at a verify step (tests/test_kernels_compile.py). "matrix": the merge before (16 a load, 4 warps, R
-# loaded), kept to time against: bench/lab/turboquant_cuda.py times both.
-MERGES = {"fwht": (32, 8, True), "matrix": (16, 4, False)}
-
-
-def merge(ws_acc, ws_ml, t: dict, out, B: int, H: int, G: int, T: int, rows: int, num_splits: int,
-          how: str = "fwht"):
-    """The split-KV decode's second launch (both decode kernels share its workspace layout): out [B, Hq, T, d]
-    from ws_acc / ws_ml of num_splits splits x `rows` workspace rows per (sequence, KV head)."""
-    if how not in MERGES:
-        raise ValueError(f"merge must be one of {sorted(MERGES)}, got {how!r}")
-    most, warps, fwht = MERGES[how]
-    _tq_merge_kernel[(B * H, G * T)](
-        ws_acc, ws_ml, t["r"], t["signs"], out, out.stride(0), out.stride(1), out.stride(2), num_splits,
-        H=H, G=G, T=T, D=out.shape[-1], ROWS=rows, S_BLOCK=min(most, triton.next_power_of_2(num_splits)),
-        FWHT=fwht, num_warps=warps,
-    )
-    return out
+    for c in tl.static_range(D // 64):
+        rblk = tl.load(R + cols[:, None] * D + c * 64 + c64[None, :])
+        tl.store(optr + c * 64 + c64, tl.sum(o[:, None] * rblk, 0).to(OUT.dtype.element_ty))
 
 
 def _check_attention(Hq: int, d: int, cache, layout: tq.CacheLayout, what: str) -> None:
@@ -774,14 +744,14 @@ def decode_attention(
     q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float, max_seq_len: int,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
     decoder: str = "prmt", waves: int = 4, once: bool | None = None, block_m: int | None = None,
-    lazy: bool = False, out=None, merge_how: str = "fwht",
+    lazy: bool = False, out=None,
 ):
     """q [B, Hq, T, d] -> out [B, Hq, T, d] (q's dtype). seq_lens [B] int32 on the device (no sync);
     max_seq_len: a host-side upper bound that sizes the split grid. block_n, num_warps, once: None picks the
     measured choice for this GPU (decode_block_n, decode_num_warps, decode_once); decoder="gather" is the
     previous decoder (L1 gathers from the codebook), kept selectable. block_m: query rows per tile (a power
     of two >= 16); None is all G * T rows of a KV head in one tile, fewer splits them over programs that each
-    read the KV head's codes. lazy: _attend_tile's conditional rescale. merge_how: MERGES."""
+    read the KV head's codes. lazy: _attend_tile's conditional rescale."""
     B, Hq, T, d = q.shape
     H = layout.num_kv_heads
     check_decode(q, cache, layout, block_table, seq_lens, max_seq_len, "decode_attention")
@@ -821,7 +791,11 @@ def decode_attention(
     )
     if out is None:
         out = torch.empty_like(q)
-    return merge(ws_acc, ws_ml, t, out, B, H, G, T, row_tiles * block_m, num_splits, how=merge_how)
+    _tq_merge_kernel[(B * H, G * T)](
+        ws_acc, ws_ml, t["r"], out, out.stride(0), out.stride(1), out.stride(2), num_splits,
+        H=H, G=G, T=T, D=d, ROWS=row_tiles * block_m, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), num_warps=4,
+    )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

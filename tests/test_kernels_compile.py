@@ -67,7 +67,7 @@ def test_turboquant_kernels_build_for_the_spark_and_the_h200(preset, arch, monke
     launches = _turboquant_launches(preset, arch, monkeypatch)
     names = [launch.kernel.fn.__name__ for launch in launches]
     assert names.count("_tq_decode_kernel") == 2 and names.count("_tq_prefill_kernel") == 1, names
-    assert names.count("_tq_dequant_kernel") == 1 and names.count("_tq_merge_kernel") == 2, names
+    assert names.count("_tq_dequant_kernel") == 1, names
     for launch in launches:
         # the host ran on CPU tensors; on a GPU the 4-bit codes are decoded by the PRMT path
         prmt = {"PRMT": True} if "PRMT" in launch.kwargs else {}
@@ -76,11 +76,6 @@ def test_turboquant_kernels_build_for_the_spark_and_the_h200(preset, arch, monke
         _check_target(c, arch)
         if arch == SPARK and c.name in ("_tq_decode_kernel", "_tq_prefill_kernel", "_tq_dequant_kernel"):
             assert c.spill_stack == 0, f"{c.name} spills {c.spill_stack} B per thread on sm_121 at its chosen tile"
-        if c.name == "_tq_merge_kernel":  # and at a GPU's split count: 32 splits of 256 fp32 a load (MERGES)
-            big = compile_for(launch, arch, S_BLOCK=tt.MERGES["fwht"][0])
-            print(f"sm_{arch} {preset} merge at its most splits a load: {big.registers} registers, "
-                  f"{big.spill_stack} B spilled")
-            assert c.spill_stack == big.spill_stack == 0, f"the merge spills on sm_{arch}"
 
 
 def test_the_h200_verify_tile_spills_on_the_spark(monkeypatch):

@@ -341,22 +341,6 @@ def test_decode_split_count_does_not_change_the_result():
         assert_rel(tt.decode_attention(q, *args, num_splits=s).float(), one, 1e-3, f"{s} splits vs 1")
 
 
-@kernel_case
-@pytest.mark.parametrize("splits", [3, 32, 70, 130])
-def test_both_merges_match_the_reference_over_one_or_several_split_loads(splits):
-    """The merge weighs the splits S_BLOCK at a time and rotates back: "fwht" (32 a load, the Hadamard transform in
-    registers) and "matrix" (16 a load, R's entries loaded) give the float64 reference's attention, and agree with
-    each other to fp32 rounding (one sum in another order) before the output's rounding, at split counts of one
-    load, exactly one full load, a load and a rest, and an H100's batch-1 grid (~130, many splits empty here)."""
-    args, ref = decode_case("turboquant_k4v4", 2, 8, 2, 3, [300, 77], 16)
-    outs = {how: tt.decode_attention(*args, num_splits=splits, merge_how=how).float() for how in tt.MERGES}
-    for how, out in outs.items():
-        assert_rel(out, ref, 3e-3, f"merge {how}, {splits} splits")
-    assert_rel(outs["fwht"], outs["matrix"], 2e-3, f"fwht vs matrix, {splits} splits")
-    with pytest.raises(ValueError, match="merge must be one of"):
-        tt.decode_attention(*args, merge_how="hadamard")
-
-
 def test_decode_refuses_bad_shapes():
     lay = tq.CacheLayout(tq.PRESETS[tq.DEFAULT_PRESET], num_kv_heads=2, page=16)
     bt = torch.zeros(1, 1, dtype=torch.int32)

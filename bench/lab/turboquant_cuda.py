@@ -11,9 +11,6 @@ instruction set (a ranking, not a Spark time).
 First every case is checked against float64 attention on reference-encoded codes (`checks`: odd lengths, one split
 and many, q_len 1 to 4); then decode is timed at 32K to 256K keys, batch 1 and 8, q_len 1 and 3 (an MTP-2 verify
 step). Times: medians of CUDA-graph replays over disjoint cache copies (turboquant.py's bench_config / bench_fa).
-Each case also times both kernels with the merge before (turboquant_triton.MERGES["matrix"]: `triton_matrix_ms`,
-`cuda_matrix_ms`) and the merge alone at each MERGE_SWEEP setting (`merge`), so the shipped merge is side by side
-with the one it replaced.
 """
 
 from __future__ import annotations
@@ -31,7 +28,6 @@ if MMA_SYNC:  # before Triton compiles anything (as in turboquant_tiles.py): eve
 
 import harness  # noqa: E402
 import torch  # noqa: E402
-import triton  # noqa: E402
 import turboquant as lab  # noqa: E402
 
 from onespark.kernels import turboquant as tq  # noqa: E402
@@ -57,31 +53,6 @@ def check(lens, T, num_splits) -> dict:
     triton = tt.decode_attention(*args, num_splits=num_splits)
     return dict(lens=lens, q_len=T, num_splits=num_splits, rel_err=max(harness.rel_err(o.double().cpu(), ref) for o in ours),
                 triton_rel_err=harness.rel_err(triton.double().cpu(), ref))
-
-
-# the merge alone, on the CUDA kernel's workspace for a case: (splits a load at most, warps, Hadamard transform)
-MERGE_SWEEP = {"matrix": (16, 4, False), "fwht": (32, 8, True), "fwht16w4": (16, 4, True), "fwht128": (128, 8, True)}
-
-
-def merge_alone(B, T, depth) -> dict:
-    """ms per merge launch over a workspace of the size the CUDA kernel writes for this case (its split count), for
-    each MERGE_SWEEP setting; one workspace, read again each launch, as the merge reads the one the decode just
-    wrote (in L2 where it fits)."""
-    H, G, d = lab.HKV, lab.HQ // lab.HKV, lab.D
-    splits = tq_cuda.num_splits_for(B, H, depth, tq_cuda._slots(0, G * T, tq_cuda.STAGES), 1)
-    t = tt._tables(tq.PRESETS[NAME], tq.rotation_seed(0), torch.device("cuda"), d)
-    rows = B * H * splits * G * T
-    ws = [(torch.randn(rows * d, device="cuda"), torch.randn(rows * 2, device="cuda"))]
-    out = torch.empty(B, lab.HQ, T, d, device="cuda", dtype=torch.bfloat16)
-    times = {}
-    for name, (most, warps, fwht) in MERGE_SWEEP.items():
-        def launch(i, most=most, warps=warps, fwht=fwht):
-            tt._tq_merge_kernel[(B * H, G * T)](
-                ws[i][0], ws[i][1], t["r"], t["signs"], out, out.stride(0), out.stride(1), out.stride(2), splits,
-                H=H, G=G, T=T, D=d, ROWS=G * T, S_BLOCK=min(most, triton.next_power_of_2(splits)), FWHT=fwht,
-                num_warps=warps)
-        times[name] = harness.median_ms(launch)
-    return times
 
 
 def main() -> int:
@@ -139,17 +110,10 @@ def main() -> int:
                     best = min(row["cuda"], key=row["cuda"].get)
                     cu = row["cuda"][best]
                     row.update(cuda_ms=row["cuda"][DEFAULT], cuda_best=best, cuda_best_over_folded=cu / fold)
-                    # both kernels again with the merge before (MERGES["matrix"]): the default merge side by side
-                    row["triton_matrix_ms"], _ = lab.bench_config(pools, NAME, depth, T, B, merge_how="matrix")
-                    row["cuda_matrix_ms"], _ = lab.bench_config(pools, NAME, depth, T, B, impl="cuda",
-                                                                merge_how="matrix")
-                    row["merge"] = merge_alone(B, T, depth)
                     result["rows"].append(row)
                     print(f"{depth:>6} B{B} T{T}  triton {tri / fold:.3f}  "
                           + "  ".join(f"{k} {v / fold:.3f}" for k, v in row["cuda"].items())
-                          + f"  (x folded {fold * 1e3:.1f} us); merge before: triton "
-                          f"{row['triton_matrix_ms'] / fold:.3f} cuda {row['cuda_matrix_ms'] / fold:.3f}; merge alone us "
-                          + " ".join(f"{k} {v * 1e3:.1f}" for k, v in row["merge"].items()), flush=True)
+                          + f"  (x folded {fold * 1e3:.1f} us)", flush=True)
     result["wall_s"] = time.time() - t0
     harness.write_result(args.out, result)
     print(f"errors: {result['errors']}\nwrote {args.out} in {result['wall_s']:.0f} s")
