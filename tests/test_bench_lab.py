@@ -348,3 +348,18 @@ def test_gpu_scripts_name_their_files_as_the_lab_names_the_gpu(tmp_path, script,
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert r.stdout == before + short
+
+
+def test_the_merge_candidate_still_applies_to_the_tree(tmp_path):
+    """bench/lab/turboquant_merge_candidates/fwht.diff is the next merge change's start, timed on an H200 against the
+    shipped merge; it must keep applying as the kernels move (refresh or drop it when it does not). Checked in a
+    copy of the files it touches, so the checkout is never patched."""
+    root = LAB.parents[1]
+    diff = LAB / "turboquant_merge_candidates" / "fwht.diff"
+    touched = sorted({line[6:] for line in diff.read_text().splitlines() if line.startswith("+++ b/")})
+    assert "kernels/turboquant_triton.py" in touched, touched
+    for rel in touched:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes((root / rel).read_bytes())
+    r = subprocess.run(["git", "apply", "--check", str(diff)], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, f"{diff.name} no longer applies: {r.stderr}"
