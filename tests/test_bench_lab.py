@@ -350,12 +350,12 @@ def test_gpu_scripts_name_their_files_as_the_lab_names_the_gpu(tmp_path, script,
     assert r.stdout == before + short
 
 
-def test_the_merge_candidate_still_applies_to_the_tree(tmp_path):
-    """bench/lab/turboquant_merge_candidates/fwht.diff is the next merge change's start, timed on an H200 against the
-    shipped merge; it must keep applying as the kernels move (refresh or drop it when it does not). Checked in a
-    copy of the files it touches, so the checkout is never patched."""
+@pytest.mark.parametrize("diff", sorted((LAB / "turboquant_merge_candidates").glob("*.diff")), ids=lambda p: p.stem)
+def test_the_merge_candidates_still_apply_to_the_tree(diff, tmp_path):
+    """bench/lab/turboquant_merge_candidates/*.diff are the next merge change's start (one timed on an H200 against
+    the shipped merge, one to time next); they must keep applying as the kernels move (refresh or drop one when it
+    does not). Checked in a copy of the files each touches, so the checkout is never patched."""
     root = LAB.parents[1]
-    diff = LAB / "turboquant_merge_candidates" / "fwht.diff"
     touched = sorted({line[6:] for line in diff.read_text().splitlines() if line.startswith("+++ b/")})
     assert "kernels/turboquant_triton.py" in touched, touched
     for rel in touched:
