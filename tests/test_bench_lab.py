@@ -363,3 +363,32 @@ def test_the_merge_candidates_still_apply_to_the_tree(diff, tmp_path):
         (tmp_path / rel).write_bytes((root / rel).read_bytes())
     r = subprocess.run(["git", "apply", "--check", str(diff)], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode == 0, f"{diff.name} no longer applies: {r.stderr}"
+
+
+def test_the_merge_ab_script_refuses_bad_input_in_one_line(tmp_path):
+    """bench/lab/turboquant_merge_ab.sh (one device call: the shipped merge, then a candidate) says what is wrong
+    before anything is installed or a GPU is asked for: no diff, no wheel, a diff name that cannot name a file."""
+    script = LAB / "turboquant_merge_ab.sh"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "WORK": str(tmp_path / "work")}
+
+    def run(*args, **extra):
+        r = subprocess.run([str(script), *args], capture_output=True, text=True, env={**env, **extra}, timeout=60)
+        return r.returncode, r.stderr.strip().splitlines()
+
+    rc, err = run()
+    assert rc == 2 and not err
+    rc, err = run(str(tmp_path / "none.diff"), ONESPARK_WHEEL="x.whl")
+    assert rc == 2 and err == [f"turboquant_merge_ab.sh: no diff file '{tmp_path / 'none.diff'}' (e.g. "
+                               "bench/lab/turboquant_merge_candidates/auto.diff)"], err
+    diff = LAB / "turboquant_merge_candidates" / "auto.diff"
+    rc, err = run(str(diff))
+    assert rc != 0 and len(err) == 1 and "set ONESPARK_WHEEL" in err[0], err
+    rc, err = run(str(diff), ONESPARK_WHEEL=str(tmp_path / "none.whl"))
+    assert rc == 2 and err == [f"turboquant_merge_ab.sh: ONESPARK_WHEEL: no file '{tmp_path / 'none.whl'}' (build it: "
+                               "python3 -m pip wheel --no-deps -w DIR .)"], err
+    bad, wheel = tmp_path / "a b.diff", tmp_path / "x.whl"
+    bad.write_text(diff.read_text())
+    wheel.write_bytes(b"")
+    rc, err = run(str(bad), ONESPARK_WHEEL=str(wheel))
+    assert rc == 2 and err == ["turboquant_merge_ab.sh: name the diff [A-Za-z0-9_-].diff, got 'a b'"], err
+    assert not (tmp_path / "work").exists()  # nothing prepared
