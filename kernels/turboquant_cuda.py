@@ -130,9 +130,11 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, slots: int, 
 
 
 def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float,
-                     max_seq_len: int, num_splits: int | None = None, waves: int = 1, stages: int = STAGES, out=None):
+                     max_seq_len: int, num_splits: int | None = None, waves: int = 1, stages: int = STAGES, out=None,
+                     merge_how: str = "auto"):
     """As turboquant_triton.decode_attention (q [B, Hq, T, d] fp16/bf16 -> out, q's dtype), for K4V4 and at most
-    MAX_ROWS = G x T rows. stages: cp.async pipeline depth (2 or 3); waves: full waves of CTAs (num_splits_for)."""
+    MAX_ROWS = G x T rows. stages: cp.async pipeline depth (2 or 3); waves: full waves of CTAs (num_splits_for);
+    merge_how: turboquant_triton.MERGES."""
     tt = _tt()
     B, Hq, T, d = q.shape
     H = layout.num_kv_heads
@@ -155,11 +157,7 @@ def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, se
                          list(tt.prmt_tables(tq.codebook(4).levels)), stages)
     if out is None:
         out = torch.empty_like(q)
-    tt._tq_merge_kernel[(B * H, G * T)](
-        ws_acc, ws_ml, t["r"], out, out.stride(0), out.stride(1), out.stride(2), num_splits,
-        H=H, G=G, T=T, D=d, ROWS=G * T, S_BLOCK=min(16, tt.triton.next_power_of_2(num_splits)), num_warps=4,
-    )
-    return out
+    return tt.merge(ws_acc, ws_ml, t, out, B, H, G, T, G * T, num_splits, how=merge_how)
 
 
 def main(argv=None) -> int:

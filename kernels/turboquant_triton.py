@@ -11,8 +11,9 @@ Decode attention, one program per (sequence, KV head, split):
     per GPU, preset and q_len, decoded once per tile or in each warp that needs them (decode_once);
   * scores are scaled per key by its stored scale (q . x_hat = scale * (Rq) . c), probabilities per
     value by its scale; online softmax in base 2;
-  * a merge kernel, one program per output row, weighs all splits at once (vector loads over the
-    split axis) and applies the inverse rotation R^T in its epilogue.
+  * a merge kernel, one program per output row, weighs the splits (vector loads over the split axis) and
+    rotates back in its epilogue: by the Hadamard transform in registers (R = H diag(s)/16) where the grid is
+    large, by R's entries where it is small (merge_config).
 Queries are rotated by one matmul with R^T (entries +-1/16: exact in every dtype) before the launch.
 Bytes moved per decode step and KV head: L * (k_bytes + v_bytes + 8), e.g. 264 B/token for K4V4
 against 1024 B for BF16: at 256K tokens, 2 KV heads, 138 MB, a 32 us floor at an H200's 4.27 TB/s copy
@@ -602,41 +603,80 @@ def _tq_decode_kernel(
 
 @triton.jit
 def _tq_merge_kernel(
-    WS_ACC, WS_ML, R, OUT, stride_ob, stride_oh, stride_ot, num_splits,
+    WS_ACC, WS_ML, R, SIGNS, OUT, stride_ob, stride_oh, stride_ot, num_splits,
     H: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, S_BLOCK: tl.constexpr,
+    S_ML: tl.constexpr, FWHT: tl.constexpr,
 ):
-    """One program per (sequence, KV head, tile row r): weigh the splits' partial sums, S_BLOCK splits
-    per vector load, normalise, and write out = o_rot @ R for that row. ROWS: workspace rows per split."""
+    """One program per (sequence, KV head, tile row r): weigh the splits' partial sums, normalise, and write
+    out = o_rot @ R for that row. ROWS: workspace rows per split. Built for few programs (batch 1: 32-96 of them)
+    as much as for many: every split's (max, sum) in one load of S_ML (>= num_splits), and the partial sums S_BLOCK
+    splits a load with no load waiting on another (an empty split's never-written sums are read and dropped after).
+    FWHT: o_rot @ R = (o_rot @ H_256) * s / 16 by the in-register Hadamard transform; else R's [256, 256] entries
+    are loaded (256 KB per program)."""
     bh = tl.program_id(0)
     r = tl.program_id(1)
     b = bh // H
     h = bh % H
-    sv = tl.arange(0, S_BLOCK)
     cols = tl.arange(0, D)
     first = bh.to(tl.int64) * num_splits * ROWS + r  # workspace row of split 0
-    mv = tl.full([S_BLOCK], float("-inf"), tl.float32)
-    for s0 in range(0, num_splits, S_BLOCK):
-        s = s0 + sv
-        mv = tl.maximum(mv, tl.load(WS_ML + (first + s * ROWS) * 2, mask=s < num_splits, other=float("-inf")))
-    m_all = tl.max(mv, 0)
+    s_all = tl.arange(0, S_ML)
+    ml = WS_ML + (first + s_all * ROWS) * 2
+    m = tl.load(ml, mask=s_all < num_splits, other=float("-inf"))
+    m_all = tl.max(m, 0)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
+    l_all = tl.sum(tl.exp2(m - m_safe) * tl.load(ml + 1, mask=s_all < num_splits, other=0.0), 0)  # empty: m = -inf
+    sv = tl.arange(0, S_BLOCK)
     o = tl.zeros([D], tl.float32)
-    lv = tl.zeros([S_BLOCK], tl.float32)
     for s0 in range(0, num_splits, S_BLOCK):
         s = s0 + sv
         smask = s < num_splits
         row = first + s * ROWS
-        w = tl.exp2(tl.load(WS_ML + row * 2, mask=smask, other=float("-inf")) - m_safe)  # empty split: m = -inf, w = 0
-        lv += w * tl.load(WS_ML + row * 2 + 1, mask=smask, other=0.0)
-        live = smask & (w > 0)  # an empty split's accumulators were never written (see _tq_decode_kernel)
-        o += tl.sum(w[:, None] * tl.load(WS_ACC + row[:, None] * D + cols[None, :], mask=live[:, None], other=0.0), 0)
-    l_all = tl.sum(lv, 0)
+        w = tl.exp2(tl.load(WS_ML + row * 2, mask=smask, other=float("-inf")) - m_safe)  # in L1 since the first load
+        acc = tl.load(WS_ACC + row[:, None] * D + cols[None, :], mask=smask[:, None], other=0.0)
+        o += tl.sum(w[:, None] * tl.where((w > 0)[:, None], acc, 0.0), 0)  # a select: garbage never reaches o
     o = o / tl.where(l_all > 0, l_all, 1.0)
-    c64 = tl.arange(0, 64)
     optr = OUT + b.to(tl.int64) * stride_ob + (h * G + r // T) * stride_oh + (r % T) * stride_ot
-    for c in tl.static_range(D // 64):
-        rblk = tl.load(R + cols[:, None] * D + c * 64 + c64[None, :])
-        tl.store(optr + c * 64 + c64, tl.sum(o[:, None] * rblk, 0).to(OUT.dtype.element_ty))
+    if FWHT:
+        x = tl.reshape(_fwht(tl.reshape(o, [1, D]), 1, D), [D])
+        tl.store(optr + cols, (x * tl.load(SIGNS + cols) * (1.0 / tl.sqrt(D * 1.0))).to(OUT.dtype.element_ty))
+    else:
+        c64 = tl.arange(0, 64)
+        for c in tl.static_range(D // 64):
+            rblk = tl.load(R + cols[:, None] * D + c * 64 + c64[None, :])
+            tl.store(optr + c * 64 + c64, tl.sum(o[:, None] * rblk, 0).to(OUT.dtype.element_ty))
+
+
+MAX_SPLITS = 256  # both decode kernels' num_splits_for cap; the merge loads every split's (max, sum) at once
+# (splits a load at most, warps, Hadamard transform in registers), by the grid. On an H200 (82c196e,
+# bench/lab/turboquant_merge_candidates/) the transform took 4.8-5.0 us against R's loads' 8.0-17.2 at batch 8
+# (256-768 programs) and more than them at batch 1 (32-96 programs): "auto" takes it where the grid has at least
+# one program per SM. "matrix" is the merge as shipped before (R loaded, 16 splits a load, 4 warps).
+MERGES = {"auto": None, "fwht": (16, 4, True), "wide": (128, 8, False), "matrix": (16, 4, False)}
+
+
+def merge_config(how: str, programs: int, num_sms: int) -> tuple[int, int, bool]:
+    if how not in MERGES:
+        raise ValueError(f"merge must be one of {sorted(MERGES)}, got {how!r}")
+    if how == "auto":
+        return MERGES["fwht"] if programs >= num_sms else MERGES["wide"]
+    return MERGES[how]
+
+
+def merge(ws_acc, ws_ml, t: dict, out, B: int, H: int, G: int, T: int, rows: int, num_splits: int,
+          how: str = "auto", config: tuple[int, int, bool] | None = None):
+    """The split-KV decode's second launch (both decode kernels share its workspace layout): out [B, Hq, T, d]
+    from ws_acc / ws_ml of num_splits splits x `rows` workspace rows per (sequence, KV head). config: (splits a
+    load, warps, transform) instead of MERGES[how] (the lab's sweep)."""
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    sms = torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 4
+    most, warps, fwht = config or merge_config(how, B * H * G * T, sms)
+    _tq_merge_kernel[(B * H, G * T)](
+        ws_acc, ws_ml, t["r"], t["signs"], out, out.stride(0), out.stride(1), out.stride(2), num_splits,
+        H=H, G=G, T=T, D=out.shape[-1], ROWS=rows, S_BLOCK=min(most, triton.next_power_of_2(num_splits)),
+        S_ML=triton.next_power_of_2(num_splits), FWHT=fwht, num_warps=warps,
+    )
+    return out
 
 
 def _check_attention(Hq: int, d: int, cache, layout: tq.CacheLayout, what: str) -> None:
@@ -744,14 +784,14 @@ def decode_attention(
     q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float, max_seq_len: int,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
     decoder: str = "prmt", waves: int = 4, once: bool | None = None, block_m: int | None = None,
-    lazy: bool = False, out=None,
+    lazy: bool = False, out=None, merge_how: str = "auto",
 ):
     """q [B, Hq, T, d] -> out [B, Hq, T, d] (q's dtype). seq_lens [B] int32 on the device (no sync);
     max_seq_len: a host-side upper bound that sizes the split grid. block_n, num_warps, once: None picks the
     measured choice for this GPU (decode_block_n, decode_num_warps, decode_once); decoder="gather" is the
     previous decoder (L1 gathers from the codebook), kept selectable. block_m: query rows per tile (a power
     of two >= 16); None is all G * T rows of a KV head in one tile, fewer splits them over programs that each
-    read the KV head's codes. lazy: _attend_tile's conditional rescale."""
+    read the KV head's codes. lazy: _attend_tile's conditional rescale. merge_how: MERGES."""
     B, Hq, T, d = q.shape
     H = layout.num_kv_heads
     check_decode(q, cache, layout, block_table, seq_lens, max_seq_len, "decode_attention")
@@ -791,11 +831,7 @@ def decode_attention(
     )
     if out is None:
         out = torch.empty_like(q)
-    _tq_merge_kernel[(B * H, G * T)](
-        ws_acc, ws_ml, t["r"], out, out.stride(0), out.stride(1), out.stride(2), num_splits,
-        H=H, G=G, T=T, D=d, ROWS=row_tiles * block_m, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), num_warps=4,
-    )
-    return out
+    return merge(ws_acc, ws_ml, t, out, B, H, G, T, row_tiles * block_m, num_splits, how=merge_how)
 
 
 # ---------------------------------------------------------------------------------------------

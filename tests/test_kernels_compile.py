@@ -67,7 +67,7 @@ def test_turboquant_kernels_build_for_the_spark_and_the_h200(preset, arch, monke
     launches = _turboquant_launches(preset, arch, monkeypatch)
     names = [launch.kernel.fn.__name__ for launch in launches]
     assert names.count("_tq_decode_kernel") == 2 and names.count("_tq_prefill_kernel") == 1, names
-    assert names.count("_tq_dequant_kernel") == 1, names
+    assert names.count("_tq_dequant_kernel") == 1 and names.count("_tq_merge_kernel") == 2, names
     for launch in launches:
         # the host ran on CPU tensors; on a GPU the 4-bit codes are decoded by the PRMT path
         prmt = {"PRMT": True} if "PRMT" in launch.kwargs else {}
@@ -76,6 +76,13 @@ def test_turboquant_kernels_build_for_the_spark_and_the_h200(preset, arch, monke
         _check_target(c, arch)
         if arch == SPARK and c.name in ("_tq_decode_kernel", "_tq_prefill_kernel", "_tq_dequant_kernel"):
             assert c.spill_stack == 0, f"{c.name} spills {c.spill_stack} B per thread on sm_121 at its chosen tile"
+        if c.name == "_tq_merge_kernel":  # and every MERGES setting at the most splits there may be
+            for how, (most, warps, fwht) in ((k, v) for k, v in tt.MERGES.items() if v):
+                big = compile_for(launch, arch, S_BLOCK=most, S_ML=tt.MAX_SPLITS, FWHT=fwht, num_warps=warps)
+                print(f"sm_{arch} {preset} merge {how} at {tt.MAX_SPLITS} splits: {big.registers} registers, "
+                      f"{big.spill_stack} B spilled")
+                assert big.spill_stack == 0, f"the merge ({how}) spills on sm_{arch}"
+            assert c.spill_stack == 0, f"the merge spills on sm_{arch}"
 
 
 def test_the_h200_verify_tile_spills_on_the_spark(monkeypatch):

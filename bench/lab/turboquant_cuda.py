@@ -11,6 +11,9 @@ instruction set (a ranking, not a Spark time).
 First every case is checked against float64 attention on reference-encoded codes (`checks`: odd lengths, one split
 and many, q_len 1 to 4); then decode is timed at 32K to 256K keys, batch 1 and 8, q_len 1 and 3 (an MTP-2 verify
 step). Times: medians of CUDA-graph replays over disjoint cache copies (turboquant.py's bench_config / bench_fa).
+Each case also times both kernels with the merge that loads R (turboquant_triton.MERGES["matrix"]: `triton_matrix_ms`,
+`cuda_matrix_ms`) beside the default ("auto") and the merge alone at each MERGE_SWEEP setting and "auto" (`merge`); at batch 1 the
+CUDA kernel also at a half and a quarter of its split count (`cuda_by_splits`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,26 @@ def check(lens, T, num_splits) -> dict:
     triton = tt.decode_attention(*args, num_splits=num_splits)
     return dict(lens=lens, q_len=T, num_splits=num_splits, rel_err=max(harness.rel_err(o.double().cpu(), ref) for o in ours),
                 triton_rel_err=harness.rel_err(triton.double().cpu(), ref))
+
+
+# the merge alone, on the CUDA kernel's workspace for a case: (splits a load at most, warps, Hadamard transform)
+MERGE_SWEEP = {f"{most}x{warps}{'_fwht' if fwht else ''}": (most, warps, fwht)
+               for most in (16, 32, 128) for warps in (4, 8) for fwht in (False, True)}
+
+
+def merge_alone(B, T, depth) -> dict:
+    """ms per merge launch over a workspace of the size the CUDA kernel writes for this case (its split count), for
+    each MERGE_SWEEP setting and "auto"; one workspace, read again each launch, as the merge reads the one the decode
+    just wrote (in L2 where it fits)."""
+    H, G, d = lab.HKV, lab.HQ // lab.HKV, lab.D
+    splits = tq_cuda.num_splits_for(B, H, depth, tq_cuda._slots(0, G * T, tq_cuda.STAGES), 1)
+    t = tt._tables(tq.PRESETS[NAME], tq.rotation_seed(0), torch.device("cuda"), d)
+    rows = B * H * splits * G * T
+    acc, ml = torch.randn(rows * d, device="cuda"), torch.randn(rows * 2, device="cuda")
+    out = torch.empty(B, lab.HQ, T, d, device="cuda", dtype=torch.bfloat16)
+    configs = {**MERGE_SWEEP, "auto": None}
+    return {name: harness.median_ms(lambda i, cfg=cfg: tt.merge(acc, ml, t, out, B, H, G, T, G * T, splits, config=cfg))
+            for name, cfg in configs.items()}
 
 
 def main() -> int:
@@ -110,10 +133,25 @@ def main() -> int:
                     best = min(row["cuda"], key=row["cuda"].get)
                     cu = row["cuda"][best]
                     row.update(cuda_ms=row["cuda"][DEFAULT], cuda_best=best, cuda_best_over_folded=cu / fold)
+                    # both kernels again with the merge before (MERGES["matrix"]): the default merge side by side
+                    row["triton_matrix_ms"], _ = lab.bench_config(pools, NAME, depth, T, B, merge_how="matrix")
+                    row["cuda_matrix_ms"], _ = lab.bench_config(pools, NAME, depth, T, B, impl="cuda",
+                                                                merge_how="matrix")
+                    row["merge"] = merge_alone(B, T, depth)
+                    if B == 1:  # fewer, longer splits: less workspace and merge, less of the GPU filled
+                        full = tq_cuda.num_splits_for(B, lab.HKV, depth, tq_cuda._slots(0, lab.HQ // lab.HKV * T,
+                                                                                        tq_cuda.STAGES), 1)
+                        row["cuda_by_splits"] = {n: lab.bench_config(pools, NAME, depth, T, B, impl="cuda",
+                                                                     num_splits=n)[0]
+                                                 for n in (full, full // 2, full // 4)}
                     result["rows"].append(row)
                     print(f"{depth:>6} B{B} T{T}  triton {tri / fold:.3f}  "
                           + "  ".join(f"{k} {v / fold:.3f}" for k, v in row["cuda"].items())
-                          + f"  (x folded {fold * 1e3:.1f} us)", flush=True)
+                          + f"  (x folded {fold * 1e3:.1f} us); merge before: triton "
+                          f"{row['triton_matrix_ms'] / fold:.3f} cuda {row['cuda_matrix_ms'] / fold:.3f}; merge alone us "
+                          + " ".join(f"{k} {v * 1e3:.1f}" for k, v in row["merge"].items())
+                          + "".join(f"; cuda at {n} splits {v / fold:.3f}" for n, v in row.get("cuda_by_splits", {}).items()),
+                          flush=True)
     result["wall_s"] = time.time() - t0
     harness.write_result(args.out, result)
     print(f"errors: {result['errors']}\nwrote {args.out} in {result['wall_s']:.0f} s")
