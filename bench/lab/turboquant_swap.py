@@ -177,8 +177,4 @@ def decode_attention_swap(
     )
     if out is None:
         out = torch.empty_like(q)
-    tt._tq_merge_kernel[(B * H, G * T)](
-        ws_acc, ws_ml, t["r"], out, out.stride(0), out.stride(1), out.stride(2), num_splits,
-        H=H, G=G, T=T, D=d, ROWS=block_m, S_BLOCK=min(16, triton.next_power_of_2(num_splits)), num_warps=4,
-    )
-    return out
+    return tt.merge(ws_acc, ws_ml, t, out, B, H, G, T, block_m, num_splits)
