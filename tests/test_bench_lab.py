@@ -350,21 +350,6 @@ def test_gpu_scripts_name_their_files_as_the_lab_names_the_gpu(tmp_path, script,
     assert r.stdout == before + short
 
 
-@pytest.mark.parametrize("diff", sorted((LAB / "turboquant_merge_candidates").glob("*.diff")), ids=lambda p: p.stem)
-def test_the_merge_candidates_still_apply_to_the_tree(diff, tmp_path):
-    """bench/lab/turboquant_merge_candidates/*.diff are the next merge change's start (one timed on an H200 against
-    the shipped merge, one to time next); they must keep applying as the kernels move (refresh or drop one when it
-    does not). Checked in a copy of the files each touches, so the checkout is never patched."""
-    root = LAB.parents[1]
-    touched = sorted({line[6:] for line in diff.read_text().splitlines() if line.startswith("+++ b/")})
-    assert "kernels/turboquant_triton.py" in touched, touched
-    for rel in touched:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_bytes((root / rel).read_bytes())
-    r = subprocess.run(["git", "apply", "--check", str(diff)], cwd=tmp_path, capture_output=True, text=True)
-    assert r.returncode == 0, f"{diff.name} no longer applies: {r.stderr}"
-
-
 def test_the_merge_ab_script_refuses_bad_input_in_one_line(tmp_path):
     """bench/lab/turboquant_merge_ab.sh (one device call: the shipped merge, then a candidate) says what is wrong
     before anything is installed or a GPU is asked for: no diff, no wheel, a diff name that cannot name a file."""
@@ -378,9 +363,10 @@ def test_the_merge_ab_script_refuses_bad_input_in_one_line(tmp_path):
     rc, err = run()
     assert rc == 2 and not err
     rc, err = run(str(tmp_path / "none.diff"), ONESPARK_WHEEL="x.whl")
-    assert rc == 2 and err == [f"turboquant_merge_ab.sh: no diff file '{tmp_path / 'none.diff'}' (e.g. "
-                               "bench/lab/turboquant_merge_candidates/auto.diff)"], err
-    diff = LAB / "turboquant_merge_candidates" / "auto.diff"
+    assert rc == 2 and err == [f"turboquant_merge_ab.sh: no diff file '{tmp_path / 'none.diff'}' (a candidate "
+                               "under bench/lab/turboquant_merge_candidates/)"], err
+    diff = tmp_path / "cand.diff"
+    diff.write_text("--- a/kernels/turboquant_triton.py\n+++ b/kernels/turboquant_triton.py\n")
     rc, err = run(str(diff))
     assert rc != 0 and len(err) == 1 and "set ONESPARK_WHEEL" in err[0], err
     rc, err = run(str(diff), ONESPARK_WHEEL=str(tmp_path / "none.whl"))

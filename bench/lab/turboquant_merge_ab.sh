@@ -2,7 +2,7 @@
 # A split-merge candidate (bench/lab/turboquant_merge_candidates/*.diff) timed against the shipped merge on one GPU,
 # in one device call:
 #
-#   ONESPARK_WHEEL=onespark.whl bench/lab/turboquant_merge_ab.sh bench/lab/turboquant_merge_candidates/auto.diff
+#   ONESPARK_WHEEL=onespark.whl bench/lab/turboquant_merge_ab.sh bench/lab/turboquant_merge_candidates/NAME.diff
 #
 # The wheel (built at this commit) runs the checkout's bench/lab/turboquant_cuda.py as shipped
 # (OUT/turboquant_cuda_<gpu>_shipped.json). Then a copy of the files the diff touches is patched, the copy of the wheel
@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 me=turboquant_merge_ab.sh
 (($# == 1)) || { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 diff=$1
-[[ -f $diff ]] || { echo "$me: no diff file '$diff' (e.g. bench/lab/turboquant_merge_candidates/auto.diff)" >&2; exit 2; }
+[[ -f $diff ]] || { echo "$me: no diff file '$diff' (a candidate under bench/lab/turboquant_merge_candidates/)" >&2; exit 2; }
 PKG_PATH=${ONESPARK_WHEEL:?$me: set ONESPARK_WHEEL to the onespark wheel built at this commit}
 [[ -f $PKG_PATH ]] || { echo "$me: ONESPARK_WHEEL: no file '$PKG_PATH' (build it: python3 -m pip wheel --no-deps -w DIR .)" >&2; exit 2; }
 name=$(basename "$diff" .diff)
