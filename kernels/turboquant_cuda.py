@@ -123,12 +123,9 @@ def _slots(device_index: int, rows: int, stages: int) -> int:
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, slots: int, waves: int) -> int:
-    """Splits per (request, KV head) for `waves` full waves of CTAs, each split >= 8 steps of keys: the pipeline's
-    fill and the split's workspace row and merge share pay off over 8 steps, not 4 (H100, batch 1, 32K keys: 64
-    splits take 5-8% less time than 128 at one query and at a verify step; at 128K and up the waves bound the grid
-    either way: bench/results/turboquant_cuda_h100.json at 492e33f, "cuda at N splits"). Host-known sizes only, so
-    a CUDA graph captured for max_seq_len stays valid."""
-    most = max(1, -(-max_seq_len // (8 * TILE)))
+    """Splits per (request, KV head) for `waves` full waves of CTAs, each split >= 4 steps of keys. Host-known sizes
+    only, so a CUDA graph captured for max_seq_len stays valid."""
+    most = max(1, -(-max_seq_len // (4 * TILE)))
     return max(1, min(256, most, waves * slots // (batch * num_kv_heads)))
 
 
