@@ -350,6 +350,21 @@ def test_gpu_scripts_name_their_files_as_the_lab_names_the_gpu(tmp_path, script,
     assert r.stdout == before + short
 
 
+@pytest.mark.parametrize("diff", sorted((LAB / "turboquant_merge_candidates").glob("*.diff")), ids=lambda p: p.stem)
+def test_the_merge_candidates_still_apply_to_the_tree(diff, tmp_path):
+    """bench/lab/turboquant_merge_candidates/*.diff are decode changes timed (or to time) against the shipped tree
+    with turboquant_merge_ab.sh; they must keep applying as the kernels move (refresh or drop one when it does not).
+    Checked in a copy of the files each touches, so the checkout is never patched."""
+    root = LAB.parents[1]
+    touched = sorted({line[6:] for line in diff.read_text().splitlines() if line.startswith("+++ b/")})
+    assert any(rel.startswith("kernels/") for rel in touched), touched
+    for rel in touched:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes((root / rel).read_bytes())
+    r = subprocess.run(["git", "apply", "--check", str(diff)], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, f"{diff.name} no longer applies: {r.stderr}"
+
+
 def test_the_merge_ab_script_refuses_bad_input_in_one_line(tmp_path):
     """bench/lab/turboquant_merge_ab.sh (one device call: the shipped merge, then a candidate) says what is wrong
     before anything is installed or a GPU is asked for: no diff, no wheel, a diff name that cannot name a file."""
@@ -378,3 +393,32 @@ def test_the_merge_ab_script_refuses_bad_input_in_one_line(tmp_path):
     rc, err = run(str(bad), ONESPARK_WHEEL=str(wheel))
     assert rc == 2 and err == ["turboquant_merge_ab.sh: name the diff [A-Za-z0-9_-].diff, got 'a b'"], err
     assert not (tmp_path / "work").exists()  # nothing prepared
+
+
+def test_the_merge_ab_script_times_a_candidate_that_touches_only_kernels(tmp_path):
+    """The A/B script's prepare half on a candidate that leaves bench/lab/ alone (splits8.diff: kernels/ and a
+    test): the candidate tree gets the lab's modules, the candidate's wheel copy its patched kernel, the shipped
+    copy none of it, and one table comes out. python3 is a stand-in (pip, the GPU's name, each bench's JSON) that
+    hands the table to the real interpreter; the 2026-12-05 device call stopped at the lab copy here."""
+    script, diff = LAB / "turboquant_merge_ab.sh", LAB / "turboquant_merge_candidates" / "splits8.diff"
+    fake = tmp_path / "bin" / "python3"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!/bin/bash
+if [[ $1 == -m ]]; then for a; do [[ $prev == --target ]] && mkdir -p "$a/onespark/kernels"; prev=$a; done; exit 0; fi
+if [[ $1 == -c ]]; then echo fake; exit 0; fi
+if [[ $1 == - ]]; then exec {sys.executable} "$@"; fi
+echo '{{"rows": [{{"depth": 32768, "batch": 1, "q_len": 3, "fa_bf16_folded_ms": 0.06, "triton_ms": 0.05, "cuda_ms": 0.057}}]}}' >"$3"
+echo "errors: []"
+""")
+    fake.chmod(0o755)
+    work = tmp_path / "work"
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "OUT": str(tmp_path), "WORK": str(work),
+           "ONESPARK_WHEEL": str(script), "ONESPARK_CUDA_BUILD": str(tmp_path / "build")}
+    r = subprocess.run([str(script), str(diff)], capture_output=True, text=True, env=env, timeout=60,
+                       cwd=LAB.parents[1])
+    assert r.returncode == 0, r.stderr
+    assert (work / "tree_splits8" / "bench" / "lab" / "harness.py").is_file()
+    cand = (work / "site_splits8" / "onespark" / "kernels" / "turboquant_cuda.py").read_text()
+    assert "8 * TILE" in cand and "8 * TILE" not in (LAB.parents[1] / "kernels" / "turboquant_cuda.py").read_text()
+    assert not (work / "site_shipped" / "onespark" / "kernels" / "turboquant_cuda.py").exists()
+    assert r.stdout.splitlines()[-1].split() == ["32768", "1", "3", "60.0", "0.833", "0.833", "0.950", "0.950"]

@@ -34,7 +34,7 @@ for rel in "${touched[@]}"; do
   mkdir -p "$tree/$(dirname "$rel")"
   cp "$rel" "$tree/$rel"
 done
-cp -r bench/lab/. "$tree/bench/lab/"  # the lab's other modules (harness, turboquant) beside its patched script
+mkdir -p "$tree/bench/lab" && cp -r bench/lab/. "$tree/bench/lab/"  # the lab's other modules (harness, turboquant) beside its patched script
 patch -s -p1 -d "$tree" <"$diff" || { echo "$me: $diff does not apply to this checkout" >&2; exit 2; }
 for v in shipped "$name"; do
   rm -rf "$work/site_$v"
