@@ -60,7 +60,7 @@ def check(lens, T, num_splits) -> dict:
 
 # the merge alone, on the CUDA kernel's workspace for a case: (splits a load at most, warps, Hadamard transform)
 MERGE_SWEEP = {f"{most}x{warps}{'_fwht' if fwht else ''}": (most, warps, fwht)
-               for most in (16, 32, 128) for warps in (4, 8) for fwht in (False, True)}
+               for most in (16, 32, 64, 128) for warps in (4, 8) for fwht in (False, True)}
 
 
 def merge_alone(B, T, depth) -> dict:
