@@ -10,8 +10,13 @@ scattered blocks, skipped slots, empty splits.
 
 from __future__ import annotations
 
+import importlib.util
 import operator
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -364,6 +369,43 @@ def test_auto_merge_takes_the_transform_where_the_grid_fills_the_gpu():
     768 programs), R's entries below (batch 1: 32 or 96), as the H200 run at 82c196e measured."""
     assert tt.merge_config("auto", 256, 132) == tt.MERGES["fwht"] and tt.merge_config("auto", 96, 132) == tt.MERGES["wide"]
     assert tt.merge_config("matrix", 768, 132) == tt.MERGES["matrix"]
+
+
+MERGE_CANDIDATES = [d for d in sorted((Path(__file__).resolve().parents[1] / "bench" / "lab" /
+                                      "turboquant_merge_candidates").glob("*.diff"))
+                    if "+++ b/kernels/turboquant_triton.py" in d.read_text()]
+
+
+def candidate_module(diff: Path, tmp_path: Path):
+    """kernels/turboquant_triton.py with a candidate's hunks for it, loaded as a module of onespark.kernels beside
+    the shipped one (its relative imports resolve to the shipped package); the checkout is never patched."""
+    root, rel = Path(__file__).resolve().parents[1], "kernels/turboquant_triton.py"
+    for touched in {line[6:] for line in diff.read_text().splitlines() if line.startswith("+++ b/")}:
+        (tmp_path / touched).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / touched, tmp_path / touched)
+    # patch(1), not git: the GPU lane's host runs this test too, and has patch (bench/lab/turboquant_merge_ab.sh)
+    r = subprocess.run(["patch", "-s", "-p1", "-d", str(tmp_path), "-i", str(diff)], capture_output=True, text=True)
+    assert r.returncode == 0, f"{diff.name} does not apply: {r.stdout}{r.stderr}"
+    name = f"onespark.kernels._candidate_{diff.stem}"
+    spec = importlib.util.spec_from_file_location(name, tmp_path / rel)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@kernel_case
+@pytest.mark.parametrize("splits", [3, 130])
+@pytest.mark.parametrize("diff", MERGE_CANDIDATES, ids=lambda d: d.stem)
+def test_each_merge_candidate_matches_the_reference(diff, splits, tmp_path):
+    """A merge candidate in bench/lab/turboquant_merge_candidates/ reaches a GPU with its indexing checked: each of
+    its MERGES settings gives the float64 reference's attention at a verify step, at one load of splits and at an
+    H100's batch-1 grid (many splits empty: never-written sums read and dropped)."""
+    cand = candidate_module(diff, tmp_path)
+    args, ref = decode_case("turboquant_k4v4", 2, 8, 2, 3, [300, 77], 16)
+    for how in cand.MERGES:
+        assert_rel(cand.decode_attention(*args, num_splits=splits, merge_how=how).float(), ref, 3e-3,
+                   f"{diff.stem}: merge {how}, {splits} splits")
 
 
 def test_decode_refuses_bad_shapes():
