@@ -123,9 +123,12 @@ def _slots(device_index: int, rows: int, stages: int) -> int:
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, slots: int, waves: int) -> int:
-    """Splits per (request, KV head) for `waves` full waves of CTAs, each split >= 4 steps of keys. Host-known sizes
-    only, so a CUDA graph captured for max_seq_len stays valid."""
-    most = max(1, -(-max_seq_len // (4 * TILE)))
+    """Splits per (request, KV head) for `waves` full waves of CTAs, each split >= 8 steps of keys: the pipeline's
+    fill and the split's workspace row and merge share pay off over 8 steps, not 4 (H100, batch 1: 5-10% less time
+    at 32K and 64K keys, one query; 6% and 1.5% at a verify step; at 128K and up the waves bound the grid either way:
+    bench/results/turboquant_cuda_h100_4e5fee5_splits8.json against ..._4e5fee5.json). Host-known sizes only, so a
+    CUDA graph captured for max_seq_len stays valid."""
+    most = max(1, -(-max_seq_len // (8 * TILE)))
     return max(1, min(256, most, waves * slots // (batch * num_kv_heads)))
 
 

@@ -4,6 +4,7 @@ as a sibling module) and prints its usage; the harness's result file and relativ
 
 from __future__ import annotations
 
+import difflib
 import json
 import subprocess
 import sys
@@ -396,11 +397,15 @@ def test_the_merge_ab_script_refuses_bad_input_in_one_line(tmp_path):
 
 
 def test_the_merge_ab_script_times_a_candidate_that_touches_only_kernels(tmp_path):
-    """The A/B script's prepare half on a candidate that leaves bench/lab/ alone (splits8.diff: kernels/ and a
-    test): the candidate tree gets the lab's modules, the candidate's wheel copy its patched kernel, the shipped
+    """The A/B script's prepare half on a candidate that leaves bench/lab/ alone (as splits8.diff did: kernels/
+    only): the candidate tree gets the lab's modules, the candidate's wheel copy its patched kernel, the shipped
     copy none of it, and one table comes out. python3 is a stand-in (pip, the GPU's name, each bench's JSON) that
     hands the table to the real interpreter; the 2026-12-05 device call stopped at the lab copy here."""
-    script, diff = LAB / "turboquant_merge_ab.sh", LAB / "turboquant_merge_candidates" / "splits8.diff"
+    script, diff = LAB / "turboquant_merge_ab.sh", tmp_path / "kernelonly.diff"
+    shipped = (LAB.parents[1] / "kernels" / "turboquant_cuda.py").read_text().splitlines(keepends=True)
+    marker = "# kernel-only candidate\n"
+    diff.write_text("".join(difflib.unified_diff(shipped, [marker] + shipped, "a/kernels/turboquant_cuda.py",
+                                                 "b/kernels/turboquant_cuda.py")))
     fake = tmp_path / "bin" / "python3"
     fake.parent.mkdir()
     fake.write_text(f"""#!/bin/bash
@@ -417,8 +422,8 @@ echo "errors: []"
     r = subprocess.run([str(script), str(diff)], capture_output=True, text=True, env=env, timeout=60,
                        cwd=LAB.parents[1])
     assert r.returncode == 0, r.stderr
-    assert (work / "tree_splits8" / "bench" / "lab" / "harness.py").is_file()
-    cand = (work / "site_splits8" / "onespark" / "kernels" / "turboquant_cuda.py").read_text()
-    assert "8 * TILE" in cand and "8 * TILE" not in (LAB.parents[1] / "kernels" / "turboquant_cuda.py").read_text()
+    assert (work / "tree_kernelonly" / "bench" / "lab" / "harness.py").is_file()
+    cand = (work / "site_kernelonly" / "onespark" / "kernels" / "turboquant_cuda.py").read_text()
+    assert cand == marker + "".join(shipped)
     assert not (work / "site_shipped" / "onespark" / "kernels" / "turboquant_cuda.py").exists()
     assert r.stdout.splitlines()[-1].split() == ["32768", "1", "3", "60.0", "0.833", "0.833", "0.950", "0.950"]
