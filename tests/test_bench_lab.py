@@ -427,3 +427,31 @@ echo "errors: []"
     assert cand == marker + "".join(shipped)
     assert not (work / "site_shipped" / "onespark" / "kernels" / "turboquant_cuda.py").exists()
     assert r.stdout.splitlines()[-1].split() == ["32768", "1", "3", "60.0", "0.833", "0.833", "0.950", "0.950"]
+
+
+def test_targets_read_24s_cases_off_the_decode_rows(capsys):
+    """The decode table's verdict for #24: K4V4 at depth >= 32K by the kernel that serves on the GPU
+    (ONESPARK_TQ_KERNEL=auto: CUDA at verify steps on mma.sync-only GPUs, Triton elsewhere), and every other preset's
+    GB/s against K4V4's at the same case. 8K rows are not targets; one slow case fails the whole."""
+    import turboquant
+
+    def row(preset, depth, T, tq_ms, cuda_ms=None, gbps=100.0):
+        r = dict(preset=preset, depth=depth, q_len=T, batch=1, tq_ms=tq_ms, fa_bf16_folded_ms=0.1, tq_gbps=gbps)
+        return r | ({"cuda_ms": cuda_ms} if cuda_ms else {})
+
+    rows = [row("turboquant_k4v4", 8192, 1, 0.5), row("turboquant_k4v4", 32768, 1, 0.05, 0.07),
+            row("turboquant_k4v4", 32768, 3, 0.08, 0.055), row("turboquant_k4v3", 32768, 1, 0.05, gbps=101.0),
+            row("turboquant_k4v3", 32768, 3, 0.05, gbps=99.0), row("turboquant_k8v4", 8192, 1, 0.05, gbps=1.0)]
+    hopper, spark = turboquant.targets(rows, (9, 0)), turboquant.targets(rows, (12, 1))
+    assert [(c["depth"], c["q_len"]) for c in hopper["decode"]] == [(32768, 1), (32768, 3)]
+    assert [(c["served"], round(c["served_over_fold"], 2), c["best"], c["met"]) for c in hopper["decode"]] == [
+        ("triton", 0.5, "triton", True), ("triton", 0.8, "cuda", False)]
+    assert [(c["served"], round(c["served_over_fold"], 2), c["met"]) for c in spark["decode"]] == [
+        ("triton", 0.5, True), ("cuda", 0.55, True)]
+    assert [(c["preset"], c["q_len"], c["met"]) for c in spark["per_byte"]] == [("turboquant_k4v3", 1, True),
+                                                                                 ("turboquant_k4v3", 3, False)]
+    assert not hopper["met"] and not spark["met"]  # the K4V3 verify case is slower per byte
+    assert turboquant.targets(rows[:3], (12, 1))["met"] and not turboquant.targets([], (9, 0))["met"]
+    turboquant.print_targets(spark)
+    out = capsys.readouterr().out
+    assert "not met" in out and "turboquant_k4v3 32768 T=3 B=1 99 < 100 GB/s" in out

@@ -602,6 +602,47 @@ def decode(result, quick, out):
         harness.write_result(out, result)
 
 
+TARGET = 0.6  # #24: K4V4 decode at most 0.6x folded BF16 at depth >= 32K, q_len 1 and 3, batch 1 and 8
+
+
+def targets(rows, capability):
+    """#24's targets read off the decode rows. Each K4V4 case at depth >= 32K: the served kernel's time over folded
+    BF16 (ONESPARK_TQ_KERNEL=auto on this GPU: turboquant_cuda.chosen) and the best of ours; met when the served
+    one is at most TARGET. Per byte: each other preset's GB/s of its own cache at least K4V4's at the same case."""
+    k4 = {(r["depth"], r["q_len"], r["batch"]): r for r in rows if r["preset"] == "turboquant_k4v4"}
+    decode, per_byte = [], []
+    for (depth, T, B), r in sorted(k4.items()):
+        fold = r["fa_bf16_folded_ms"]
+        if depth < 32768 or not fold:
+            continue
+        cuda = r.get("cuda_ms")
+        served = "cuda" if cuda and tq_cuda.chosen(T, capability, tq.PRESETS["turboquant_k4v4"]) else "triton"
+        ms = {"triton": r["tq_ms"], "cuda": cuda}
+        best = min((k for k in ms if ms[k]), key=ms.get)
+        decode.append(dict(depth=depth, q_len=T, batch=B, served=served, served_over_fold=ms[served] / fold,
+                           best=best, best_over_fold=ms[best] / fold, met=ms[served] / fold <= TARGET))
+    for r in rows:
+        base = k4.get((r["depth"], r["q_len"], r["batch"]))
+        if r["preset"] != "turboquant_k4v4" and base and r["depth"] >= 32768:
+            per_byte.append(dict(preset=r["preset"], depth=r["depth"], q_len=r["q_len"], batch=r["batch"],
+                                 gbps=r["tq_gbps"], k4v4_gbps=base["tq_gbps"], met=r["tq_gbps"] >= base["tq_gbps"]))
+    return dict(target=TARGET, decode=decode, per_byte=per_byte,
+                met=bool(decode) and all(c["met"] for c in decode + per_byte))
+
+
+def print_targets(t):
+    print(f"\n#24 targets (K4V4 served / folded BF16 <= {t['target']}, depth >= 32K; other presets' GB/s >= K4V4's): "
+          f"{'met' if t['met'] else 'not met'}")
+    print(f"{'depth':>6} {'T':>2} {'B':>2} {'served':>6} {'x fold':>6} {'best':>6} {'x fold':>6} {'met':>4}")
+    for c in t["decode"]:
+        print(f"{c['depth']:>6} {c['q_len']:>2} {c['batch']:>2} {c['served']:>6} {c['served_over_fold']:6.2f}"
+              f" {c['best']:>6} {c['best_over_fold']:6.2f} {'yes' if c['met'] else 'no':>4}")
+    slow = [c for c in t["per_byte"] if not c["met"]]
+    print(f"per byte: {len(t['per_byte']) - len(slow)} of {len(t['per_byte'])} cases as fast as K4V4"
+          + "".join(f"; {c['preset']} {c['depth']} T={c['q_len']} B={c['batch']} {c['gbps']:.0f} < {c['k4v4_gbps']:.0f} GB/s"
+                    for c in slow))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
@@ -641,6 +682,7 @@ def main():
     decode(result, args.quick, args.out)
     torch.cuda.empty_cache()
     section(result, "needle", needle, result["needle"])
+    result["targets"] = targets(result["rows"], torch.cuda.get_device_capability())
     result["wall_s"] = time.time() - t0
     harness.write_result(args.out, result)
     nan = float("nan")
@@ -653,6 +695,7 @@ def main():
               f" {r['bf16_floor_ms'] * 1000:8.1f} {r['tq_over_floor']:8.2f}"
               f" {r.get('cuda_ms', nan) * 1000:8.1f} {r.get('cuda_ms', nan) / fold:9.2f}"
               f" {r.get('upstream_ms', nan) * 1000:8.1f} {r.get('tq_over_upstream', nan):8.2f}")
+    print_targets(result["targets"])
     print(f"errors: {result.get('errors', [])}")
     print(f"wrote {args.out} in {result['wall_s']:.0f} s")
 
