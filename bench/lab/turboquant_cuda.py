@@ -63,12 +63,17 @@ MERGE_SWEEP = {f"{most}x{warps}{'_fwht' if fwht else ''}": (most, warps, fwht)
                for most in (16, 32, 64, 128) for warps in (4, 8) for fwht in (False, True)}
 
 
+def cuda_splits(B, T, depth) -> int:
+    """The CUDA kernel's split count for a case, as decode_attention picks it (one wave)."""
+    return tq_cuda.num_splits_for(B, lab.HKV, depth, tq_cuda._slots(0, lab.HQ // lab.HKV * T, tq_cuda.STAGES), 1)
+
+
 def merge_alone(B, T, depth) -> dict:
     """ms per merge launch over a workspace of the size the CUDA kernel writes for this case (its split count), for
     each MERGE_SWEEP setting and "auto"; one workspace, read again each launch, as the merge reads the one the decode
     just wrote (in L2 where it fits)."""
     H, G, d = lab.HKV, lab.HQ // lab.HKV, lab.D
-    splits = tq_cuda.num_splits_for(B, H, depth, tq_cuda._slots(0, G * T, tq_cuda.STAGES), 1)
+    splits = cuda_splits(B, T, depth)
     t = tt._tables(tq.PRESETS[NAME], tq.rotation_seed(0), torch.device("cuda"), d)
     rows = B * H * splits * G * T
     acc, ml = torch.randn(rows * d, device="cuda"), torch.randn(rows * 2, device="cuda")
@@ -139,8 +144,7 @@ def main() -> int:
                                                                 merge_how="matrix")
                     row["merge"] = merge_alone(B, T, depth)
                     if B == 1:  # fewer, longer splits: less workspace and merge, less of the GPU filled
-                        full = tq_cuda.num_splits_for(B, lab.HKV, depth, tq_cuda._slots(0, lab.HQ // lab.HKV * T,
-                                                                                        tq_cuda.STAGES), 1)
+                        full = cuda_splits(B, T, depth)
                         row["cuda_by_splits"] = {n: lab.bench_config(pools, NAME, depth, T, B, impl="cuda",
                                                                      num_splits=n)[0]
                                                  for n in (full, full // 2, full // 4)}
