@@ -7,9 +7,12 @@ decode step with MTP on) on mma.sync-only GPUs, the DGX Spark's GB10 among them.
 tile spreads 4 warps over the 48 query rows, so a key is decoded in every warp that reads it; this kernel decodes
 each code once, straight into the mma operand. Timed on an H200 with the Triton kernel's Spark code beside it
 (bench/results/turboquant_cuda_h200_mma_sync.json, at 036cf1a): 1.26-2.27x less time at a verify step, 32K-256K
-keys, batch 1 and 8; at one query position 6% slower at 64K, batch 1 (faster elsewhere), so the Triton kernel
-keeps those. On the H200's own code path (wgmma) Triton stays: the CUDA kernel is faster at 7 of 8 verify
-cases but slower at 32K, batch 1 (bench/results/turboquant_cuda_h200.json). No Spark has timed either.
+keys, batch 1 and 8; at one query position slower at 32K and 64K, batch 1 (6-7% on an H100 at 492e33f:
+turboquant_cuda_h100_mma_sync_492e33f.json), so the Triton kernel keeps those. On sm_90 (the H100's and H200's
+own Triton code, wgmma) it serves every K4V4 step: less time than Triton at 15 of 16 cases on an H200 at 82c196e
+(turboquant_cuda_h200_merge_82c196e.json: 1.4-1.6x less at batch 8 verify steps) and 14 of 16 on an H100 at
+4e5fee5 with this split grid (turboquant_cuda_h100_4e5fee5_splits8.json); Triton wins the 32K batch-1 verify step
+by ~13% on both. No Spark has timed either.
 
 Build: torch.utils.cpp_extension (nvcc, ninja) for TORCH_CUDA_ARCH_LIST, or the GPU present, into BUILD_DIR
 (ONESPARK_CUDA_BUILD; the v2-tq image builds it for its 12.1a at image build: `python -m onespark.kernels.turboquant_cuda
@@ -112,8 +115,10 @@ def supports(preset: tq.Preset, num_q_heads: int, num_kv_heads: int, q_len: int,
 
 
 def chosen(q_len: int, capability: tuple[int, int] | None, preset: tq.Preset) -> bool:
-    """The measured choice (module docstring): K4V4 verify steps on mma.sync-only GPUs."""
-    return q_len > 1 and (preset.k_bits, preset.v_bits) == (4, 4) and _tt()._mma_sync_only(capability)
+    """The measured choice (module docstring): K4V4 verify steps on mma.sync-only GPUs, every K4V4 step on sm_90."""
+    if (preset.k_bits, preset.v_bits) != (4, 4):
+        return False
+    return capability == (9, 0) or (q_len > 1 and _tt()._mma_sync_only(capability))
 
 
 @functools.lru_cache(maxsize=None)
@@ -123,9 +128,12 @@ def _slots(device_index: int, rows: int, stages: int) -> int:
 
 
 def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, slots: int, waves: int) -> int:
-    """Splits per (request, KV head) for `waves` full waves of CTAs, each split >= 4 steps of keys. Host-known sizes
-    only, so a CUDA graph captured for max_seq_len stays valid."""
-    most = max(1, -(-max_seq_len // (4 * TILE)))
+    """Splits per (request, KV head) for `waves` full waves of CTAs, each split >= 8 steps of keys: the pipeline's
+    fill and the split's workspace row and merge share pay off over 8 steps, not 4 (H100, batch 1: 5-10% less time
+    at 32K and 64K keys, one query; 6% and 1.5% at a verify step; at 128K and up the waves bound the grid either way:
+    bench/results/turboquant_cuda_h100_4e5fee5_splits8.json against ..._4e5fee5.json). Host-known sizes only, so a
+    CUDA graph captured for max_seq_len stays valid."""
+    most = max(1, -(-max_seq_len // (8 * TILE)))
     return max(1, min(256, most, waves * slots // (batch * num_kv_heads)))
 
 

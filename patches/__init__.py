@@ -56,7 +56,8 @@ An entry: `NAME=DEFAULT`, what it does, then `Speed/memory:` what it costs and g
       batch 8; the Spark's code on an H200, once 5-22% less time at a verify step (docs/concepts/turboquant.md).
   ONESPARK_TQ_KERNEL=auto
       (read by the TurboQuant backend, not a 1/0 switch) which kernel serves decode steps on CUDA: `auto` the
-      CUDA C++ kernel (`kernels/turboquant_decode.cuh`) at K4V4 verify steps on mma.sync-only GPUs (the Spark),
+      CUDA C++ kernel (`kernels/turboquant_decode.cuh`) at K4V4 verify steps on mma.sync-only GPUs (the Spark)
+      and at every K4V4 step on sm_90 (H100, H200),
       Triton elsewhere, and Triton with one warning line wherever the image's build of the CUDA kernel is
       missing; `triton` always Triton; `cuda` the CUDA kernel at every K4V4 decode step (built on first use if
       missing; K4V3 and K8V4 refused at start).

@@ -363,7 +363,7 @@ def test_decode_switch_is_validated_and_reaches_the_kernel(monkeypatch):
 def test_kernel_switch_sends_verify_steps_to_the_cuda_kernel_where_it_was_measured_to_win(monkeypatch):
     """ONESPARK_TQ_KERNEL=auto (the default): K4V4 verify steps on an mma.sync-only GPU (the Spark's capability) go to
     the CUDA kernel when its build is there; without a build Triton serves them and one warning names the build
-    command; q_len 1, sm_90 and K4V3 stay on Triton. triton: never; cuda: every K4V4 step; cuda with K4V3 and any
+    command; q_len 1 there, K4V3, and other GPUs (sm_100) stay on Triton; on sm_90 every K4V4 step goes to it. triton: never; cuda: every K4V4 step; cuda with K4V3 and any
     other value are refused when the backend starts. (Both kernels replaced by recorders: no GPU here.)"""
     from types import SimpleNamespace
 
@@ -396,7 +396,10 @@ def test_kernel_switch_sends_verify_steps_to_the_cuda_kernel_where_it_was_measur
     assert kernel("auto", 1) == "triton" and kernel("auto", 3, "turboquant_k4v3") == "triton"
     assert kernel("triton", 3) == "triton" and kernel("cuda", 1) == "cuda"
     capability[0] = (9, 0)
-    assert kernel("auto", 3) == "triton" and kernel("cuda", 3) == "cuda"
+    assert kernel("auto", 3) == "cuda" and kernel("auto", 1) == "cuda" and kernel("triton", 3) == "triton"
+    assert kernel("auto", 3, "turboquant_k4v3") == "triton"
+    capability[0] = (10, 0)
+    assert kernel("auto", 3) == "triton" and kernel("auto", 1) == "triton" and kernel("cuda", 3) == "cuda"
     capability[0], built[0] = (12, 1), False
     tb._warn_no_cuda_build.cache_clear()
     warned = []

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from onespark.kernels import turboquant_cuda as tc
 from tests import _cuda_cpu as cc
 from tests.test_turboquant_cuda import CASES, case
 from tests.test_turboquant_triton import assert_rel
@@ -83,3 +84,15 @@ def test_the_cpu_check_catches_a_broken_kernel(name):
         return
     with pytest.raises(AssertionError):
         assert_rel(out, ref, tol(torch.bfloat16), name)
+
+
+def test_the_split_grid_fills_the_gpu_with_splits_of_at_least_8_steps():
+    """num_splits_for: one wave of CTAs (an H100 holds 132 x 3 of the one-query kernel), splits of >= 8 steps of 64
+    keys, at most 256 (the merge's cap)."""
+    slots = 132 * 3
+    assert tc.num_splits_for(1, 2, 32768, slots, 1) == 64  # 512 keys each (4 steps: 128 splits, 5-8% slower)
+    assert tc.num_splits_for(1, 2, 65536, slots, 1) == 128
+    assert tc.num_splits_for(1, 2, 131072, slots, 1) == 198  # the wave bounds it
+    assert tc.num_splits_for(8, 2, 262144, slots, 1) == 24
+    assert tc.num_splits_for(1, 2, 100, slots, 1) == 1
+    assert tc.num_splits_for(1, 1, 1 << 24, 1 << 12, 1) == 256

@@ -20,8 +20,8 @@ vLLM 0.26.0) is timed beside ours on the same shapes, depths and batches, each p
 the same bytes per token, and both are checked against float64 attention on the unquantized keys and values
 (`exact_checks`). Without an importable vLLM the result says so (`upstream`: null) and has ours alone.
 
-`tq_ms` is the Triton decode kernel (what ONESPARK_TQ_KERNEL=auto serves on every GPU but at K4V4 verify steps on
-mma.sync-only ones, the Spark's among them). K4V4 rows also time the CUDA C++ decode kernel
+`tq_ms` is the Triton decode kernel (what ONESPARK_TQ_KERNEL=auto serves on every GPU but sm_90, and at K4V4 verify
+steps on mma.sync-only ones, the Spark's among them). K4V4 rows also time the CUDA C++ decode kernel
 (`cuda_ms`, ONESPARK_TQ_KERNEL=cuda; kernels/turboquant_cuda.py, built for this GPU at the start, or loaded from
 ONESPARK_CUDA_BUILD) and check it against the same float64 attention (`cuda_rel_err`); `cuda_kernel` says whether it
 was built and why not.
