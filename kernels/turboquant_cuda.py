@@ -11,8 +11,9 @@ keys, batch 1 and 8; at one query position slower at 32K and 64K, batch 1 (6-7% 
 turboquant_cuda_h100_mma_sync_492e33f.json), so the Triton kernel keeps those. On sm_90 (the H100's and H200's
 own Triton code, wgmma) it serves every K4V4 step: less time than Triton at 15 of 16 cases on an H200 at 82c196e
 (turboquant_cuda_h200_merge_82c196e.json: 1.4-1.6x less at batch 8 verify steps) and 14 of 16 on an H100 at
-4e5fee5 with this split grid (turboquant_cuda_h100_4e5fee5_splits8.json); Triton wins the 32K batch-1 verify step
-by ~13% on both. No Spark has timed either.
+4e5fee5 with this split grid (turboquant_cuda_h100_4e5fee5_splits8.json). Triton's sm_90 code wins the batch-1
+verify step at short contexts: 14% less time at 32K and 24% at 8K on an H100 at bc4ec90 (turboquant_h100.json); from
+64K on this kernel wins every case. No Spark has timed either.
 
 Build: torch.utils.cpp_extension (nvcc, ninja) for TORCH_CUDA_ARCH_LIST, or the GPU present, into BUILD_DIR
 (ONESPARK_CUDA_BUILD; the v2-tq image builds it for its 12.1a at image build: `python -m onespark.kernels.turboquant_cuda
@@ -137,6 +138,12 @@ def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, slots: int, 
     return max(1, min(256, most, waves * slots // (batch * num_kv_heads)))
 
 
+def splits_for(batch: int, num_kv_heads: int, rows: int, max_seq_len: int, device_index: int = 0,
+               stages: int = STAGES, waves: int = 1) -> int:
+    """The split count decode_attention picks for these sizes (rows = query rows per KV head) on this GPU."""
+    return num_splits_for(batch, num_kv_heads, max_seq_len, _slots(device_index, rows, stages), waves)
+
+
 def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float,
                      max_seq_len: int, num_splits: int | None = None, waves: int = 1, stages: int = STAGES, out=None,
                      merge_how: str = "auto"):
@@ -155,7 +162,7 @@ def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, se
     G = Hq // H
     t = tt._tables(layout.preset, seed, q.device, d)
     if num_splits is None:
-        num_splits = num_splits_for(B, H, max_seq_len, _slots(q.device.index or 0, G * T, stages), waves)
+        num_splits = splits_for(B, H, G * T, max_seq_len, q.device.index or 0, stages, waves)
     qr = torch.matmul(q, t["rt"][q.dtype]).contiguous()  # rounded to fp16 in the kernel, as the Triton kernel does
     rows = B * H * num_splits * G * T
     ws_acc = torch.empty(rows * d, dtype=torch.float32, device=q.device)

@@ -22,7 +22,7 @@ SERVER_STARTS = {
     "test_plugin_server.py": 3,  # the BF16-head and tied-head models, the INT8 side (module fixtures)
     "test_tool_calls_streaming.py": 3,  # patched and stock vLLM trees at --stream-interval 1/3/4/6 (parametrized)
     "test_turboquant_backend.py": 2,  # the TurboQuant cache and its BF16 reference on the patched tree
-    "test_v032_server.py": 1,  # _serve: mtp, plain, bf16, tq servers of the 0.32.0 track (module fixtures)
+    "test_v032_server.py": 1,  # _serve: mtp, plain (module fixtures), bf16, tq servers of the 0.32.0 track
     "vllm_server.py": 2,  # the class itself: its docstring's example and its definition's doc line
 }
 START = re.compile(r"\bVLLMServer\(")

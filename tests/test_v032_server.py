@@ -4,7 +4,7 @@ and MTP speculative decoding (num_speculative_tokens 2): the 0.32.0 track's end-
 One model for everything: `onespark tiny-model --arch qwen3.5-moe` (3 Gated DeltaNet + 1 gated full-attention
 layer, MoE with a shared expert, one MTP layer initialised to agree with the target), scripted by
 tests/_scripted_model.py to answer a chat request like Qwen3.5 (reasoning, then two tool calls); any other
-prompt gets the tiny model's own peaked successor distribution. Three servers, each started once:
+prompt gets the tiny model's own peaked successor distribution. Servers, each started once:
 
   mtp    plugin defaults (INT8 head) + MTP-2 + the image's parsers: logs, /metrics, greedy output, tool calls
   plain  plugin defaults, no speculative decoding: the greedy reference for `mtp`, and the INT8 side of the
@@ -67,9 +67,11 @@ def plain_server(scripted_qwen35):
 
 
 @pytest.fixture(scope="module")
-def bf16_server(scripted_qwen35):
+def bf16_run(scripted_qwen35):
+    """What the tests need from the BF16-head server (its log, its teacher-forced scores), taken at once so the
+    server stops before the next starts: the module's servers otherwise all live to its end (~3 GB each on CPU)."""
     with _serve(scripted_qwen35[0], env={"ONESPARK_INT8_LM_HEAD": "0"}) as srv:
-        yield srv
+        return srv.log_text(), score(srv)
 
 
 def spec_counters(srv: VLLMServer) -> dict[str, float]:
@@ -112,7 +114,7 @@ def served_vllm() -> str:
         return version("vllm")  # the GPU lane's 0.26.0
 
 
-def test_log_names_the_int8_head_the_shared_draft_head_and_mtp(mtp_server, bf16_server, scripted_qwen35):
+def test_log_names_the_int8_head_the_shared_draft_head_and_mtp(mtp_server, bf16_run, scripted_qwen35):
     log = mtp_server.log_text()
     assert f"onespark plugin active on vLLM {served_vllm()}: hybrid-fp8, int8-lm-head, turboquant-backend" in log
     assert "Resolved architecture: Qwen3_5MoeForConditionalGeneration" in log
@@ -126,7 +128,7 @@ def test_log_names_the_int8_head_the_shared_draft_head_and_mtp(mtp_server, bf16_
         assert int(freed) == int(rows) * int(hidden) * 2  # the BF16 weight, vocab padded to 64
     # After both heads were quantized, vLLM gives the draft the target's module (the draft's own is dropped):
     assert log.index("Sharing target model lm_head weights with the draft model") > log.rindex("INT8 LM head")
-    other = bf16_server.log_text()
+    other = bf16_run[0]
     assert "INT8 LM head" not in other and "off: int8-lm-head (ONESPARK_INT8_LM_HEAD=0)" in other
 
 
@@ -168,8 +170,8 @@ def agreement(x: dict, ref: dict) -> tuple[int, float, list[float]]:
     return len(pairs), sum(a == b for a, b in pairs) / len(pairs), dlp
 
 
-def test_int8_head_matches_bf16_head_teacher_forced(plain_server, bf16_server, record_property):
-    n, agree, dlp = agreement(score(plain_server), score(bf16_server))
+def test_int8_head_matches_bf16_head_teacher_forced(plain_server, bf16_run, record_property):
+    n, agree, dlp = agreement(score(plain_server), bf16_run[1])
     lp_diff = max(dlp)
     summary = (f"INT8 vs BF16 head on Qwen3.5-MoE: top-1 identical at {agree:.2%} of {n} teacher-forced "
                f"positions; max |logprob diff| {lp_diff:.4f}")
@@ -263,7 +265,7 @@ def tq_vllm(tmp_path_factory) -> Path:
     return make_patched_tree(tmp_path_factory.mktemp("vllm-tq-032"), diffs=((TQ_DIFF, targets),))
 
 
-@pytest.fixture(scope="module", params=TQ_PRESETS_032)
+@pytest.fixture(params=TQ_PRESETS_032)  # per test: each preset's server stops before the next starts
 def tq_server(request, scripted_qwen35, tq_vllm):
     args = ["--kv-cache-dtype", request.param, "--attention-backend", "CUSTOM"]
     with _serve(scripted_qwen35[0], args, env=_tq_env(tq_vllm)) as srv:

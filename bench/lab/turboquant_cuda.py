@@ -65,7 +65,7 @@ MERGE_SWEEP = {f"{most}x{warps}{'_fwht' if fwht else ''}": (most, warps, fwht)
 
 def cuda_splits(B, T, depth) -> int:
     """The CUDA kernel's split count for a case, as decode_attention picks it (one wave)."""
-    return tq_cuda.num_splits_for(B, lab.HKV, depth, tq_cuda._slots(0, lab.HQ // lab.HKV * T, tq_cuda.STAGES), 1)
+    return tq_cuda.splits_for(B, lab.HKV, lab.HQ // lab.HKV * T, depth)
 
 
 def merge_alone(B, T, depth) -> dict:
