@@ -146,7 +146,7 @@ def splits_for(batch: int, num_kv_heads: int, rows: int, max_seq_len: int, devic
 
 def decode_attention(q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float,
                      max_seq_len: int, num_splits: int | None = None, waves: int = 1, stages: int = STAGES, out=None,
-                     merge_how: str = "auto"):
+                     merge_how: str = "fwht"):
     """As turboquant_triton.decode_attention (q [B, Hq, T, d] fp16/bf16 -> out, q's dtype), for K4V4 and at most
     MAX_ROWS = G x T rows. stages: cp.async pipeline depth (2 or 3); waves: full waves of CTAs (num_splits_for);
     merge_how: turboquant_triton.MERGES."""

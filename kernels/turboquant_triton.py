@@ -12,8 +12,7 @@ Decode attention, one program per (sequence, KV head, split):
   * scores are scaled per key by its stored scale (q . x_hat = scale * (Rq) . c), probabilities per
     value by its scale; online softmax in base 2;
   * a merge kernel, one program per output row, weighs the splits (vector loads over the split axis) and
-    rotates back in its epilogue: by the Hadamard transform in registers (R = H diag(s)/16) where the grid is
-    large, by R's entries where it is small (merge_config).
+    rotates back in its epilogue by the Hadamard transform in registers (R = H diag(s)/16).
 Queries are rotated by one matmul with R^T (entries +-1/16: exact in every dtype) before the launch.
 Bytes moved per decode step and KV head: L * (k_bytes + v_bytes + 8), e.g. 264 B/token for K4V4
 against 1024 B for BF16: at 256K tokens, 2 KV heads, 138 MB, a 32 us floor at an H200's 4.27 TB/s copy
@@ -602,6 +601,27 @@ def _tq_decode_kernel(
 
 
 @triton.jit
+def _fwht64(x):
+    """x [1, 64] -> x @ H_64 (Sylvester, unnormalised): with H_256 = H_4 (x) H_64, a 256-vector's transform is
+    this on each 64-column chunk, then sums and differences across the chunks (_tq_merge_kernel)."""
+    x = _butterfly(x, 1, 1, 64)
+    x = _butterfly(x, 2, 1, 64)
+    x = _butterfly(x, 4, 1, 64)
+    x = _butterfly(x, 8, 1, 64)
+    x = _butterfly(x, 16, 1, 64)
+    return _butterfly(x, 32, 1, 64)
+
+
+@triton.jit
+def _rotate_chunk(o0, o1, o2, o3, R, c: tl.constexpr, D: tl.constexpr):
+    """Output columns 64c .. 64c+63 of (o0 o1 o2 o3) @ R, R's [256, 256] entries loaded (the merge before)."""
+    r64 = tl.arange(0, 64)
+    blk = R + r64[:, None] * D + c * 64 + r64[None, :]
+    return (tl.sum(o0[:, None] * tl.load(blk), 0) + tl.sum(o1[:, None] * tl.load(blk + 64 * D), 0)
+            + tl.sum(o2[:, None] * tl.load(blk + 128 * D), 0) + tl.sum(o3[:, None] * tl.load(blk + 192 * D), 0))
+
+
+@triton.jit
 def _tq_merge_kernel(
     WS_ACC, WS_ML, R, SIGNS, OUT, stride_ob, stride_oh, stride_ot, num_splits,
     H: tl.constexpr, G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, S_BLOCK: tl.constexpr,
@@ -610,14 +630,15 @@ def _tq_merge_kernel(
     """One program per (sequence, KV head, tile row r): weigh the splits' partial sums, normalise, and write
     out = o_rot @ R for that row. ROWS: workspace rows per split. Built for few programs (batch 1: 32-96 of them)
     as much as for many: every split's (max, sum) in one load of S_ML (>= num_splits), and the partial sums S_BLOCK
-    splits a load with no load waiting on another (an empty split's never-written sums are read and dropped after).
-    FWHT: o_rot @ R = (o_rot @ H_256) * s / 16 by the in-register Hadamard transform; else R's [256, 256] entries
-    are loaded (256 KB per program)."""
+    splits a load as four 64-column tiles with no load waiting on another: each a sum of its own, so the compiler
+    keeps the tiles in registers (loads in flight) without spilling where one [S_BLOCK, 256] tile spilled.
+    FWHT: o_rot @ R = (o_rot @ H_256) * s / 16, H_256 = H_4 (x) H_64 in registers; else R's entries are loaded
+    (256 KB per program)."""
+    tl.static_assert(D == 256)
     bh = tl.program_id(0)
     r = tl.program_id(1)
     b = bh // H
     h = bh % H
-    cols = tl.arange(0, D)
     first = bh.to(tl.int64) * num_splits * ROWS + r  # workspace row of split 0
     s_all = tl.arange(0, S_ML)
     ml = WS_ML + (first + s_all * ROWS) * 2
@@ -626,51 +647,64 @@ def _tq_merge_kernel(
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_all = tl.sum(tl.exp2(m - m_safe) * tl.load(ml + 1, mask=s_all < num_splits, other=0.0), 0)  # empty: m = -inf
     sv = tl.arange(0, S_BLOCK)
-    o = tl.zeros([D], tl.float32)
+    c64 = tl.arange(0, 64)
+    o0 = tl.zeros([64], tl.float32)
+    o1 = tl.zeros([64], tl.float32)
+    o2 = tl.zeros([64], tl.float32)
+    o3 = tl.zeros([64], tl.float32)
     for s0 in range(0, num_splits, S_BLOCK):
         s = s0 + sv
         smask = s < num_splits
         row = first + s * ROWS
         w = tl.exp2(tl.load(WS_ML + row * 2, mask=smask, other=float("-inf")) - m_safe)  # in L1 since the first load
-        acc = tl.load(WS_ACC + row[:, None] * D + cols[None, :], mask=smask[:, None], other=0.0)
-        o += tl.sum(w[:, None] * tl.where((w > 0)[:, None], acc, 0.0), 0)  # a select: garbage never reaches o
-    o = o / tl.where(l_all > 0, l_all, 1.0)
+        keep = (w > 0)[:, None]  # an empty split's never-written sums are dropped by a select, not by the load
+        tile = WS_ACC + row[:, None] * D + c64[None, :]
+        a0 = tl.load(tile, mask=smask[:, None], other=0.0)
+        a1 = tl.load(tile + 64, mask=smask[:, None], other=0.0)
+        a2 = tl.load(tile + 128, mask=smask[:, None], other=0.0)
+        a3 = tl.load(tile + 192, mask=smask[:, None], other=0.0)
+        o0 += tl.sum(w[:, None] * tl.where(keep, a0, 0.0), 0)
+        o1 += tl.sum(w[:, None] * tl.where(keep, a1, 0.0), 0)
+        o2 += tl.sum(w[:, None] * tl.where(keep, a2, 0.0), 0)
+        o3 += tl.sum(w[:, None] * tl.where(keep, a3, 0.0), 0)
+    inv = 1.0 / tl.where(l_all > 0, l_all, 1.0)
     optr = OUT + b.to(tl.int64) * stride_ob + (h * G + r // T) * stride_oh + (r % T) * stride_ot
+    et = OUT.dtype.element_ty
     if FWHT:
-        x = tl.reshape(_fwht(tl.reshape(o, [1, D]), 1, D), [D])
-        tl.store(optr + cols, (x * tl.load(SIGNS + cols) * (1.0 / tl.sqrt(D * 1.0))).to(OUT.dtype.element_ty))
+        y0 = tl.reshape(_fwht64(tl.reshape(o0, [1, 64])), [64])
+        y1 = tl.reshape(_fwht64(tl.reshape(o1, [1, 64])), [64])
+        y2 = tl.reshape(_fwht64(tl.reshape(o2, [1, 64])), [64])
+        y3 = tl.reshape(_fwht64(tl.reshape(o3, [1, 64])), [64])
+        inv = inv * (1.0 / tl.sqrt(D * 1.0))
+        tl.store(optr + c64, ((y0 + y1 + y2 + y3) * inv * tl.load(SIGNS + c64)).to(et))
+        tl.store(optr + 64 + c64, ((y0 - y1 + y2 - y3) * inv * tl.load(SIGNS + 64 + c64)).to(et))
+        tl.store(optr + 128 + c64, ((y0 + y1 - y2 - y3) * inv * tl.load(SIGNS + 128 + c64)).to(et))
+        tl.store(optr + 192 + c64, ((y0 - y1 - y2 + y3) * inv * tl.load(SIGNS + 192 + c64)).to(et))
     else:
-        c64 = tl.arange(0, 64)
-        for c in tl.static_range(D // 64):
-            rblk = tl.load(R + cols[:, None] * D + c * 64 + c64[None, :])
-            tl.store(optr + c * 64 + c64, tl.sum(o[:, None] * rblk, 0).to(OUT.dtype.element_ty))
+        for c in tl.static_range(4):
+            tl.store(optr + c * 64 + c64, (_rotate_chunk(o0, o1, o2, o3, R, c, D) * inv).to(et))
 
 
 MAX_SPLITS = 256  # both decode kernels' num_splits_for cap; the merge loads every split's (max, sum) at once
-# (splits a load at most, warps, Hadamard transform in registers), by the grid. On an H200 (82c196e,
-# bench/lab/turboquant_merge_candidates/) the transform took 4.8-5.0 us against R's loads' 8.0-17.2 at batch 8
-# (256-768 programs) and more than them at batch 1 (32-96 programs): "auto" takes it where the grid has at least
-# one program per SM. "matrix" is the merge as shipped before (R loaded, 16 splits a load, 4 warps).
-MERGES = {"auto": None, "fwht": (16, 4, True), "wide": (128, 8, False), "matrix": (16, 4, False)}
-
-
-def merge_config(how: str, programs: int, num_sms: int) -> tuple[int, int, bool]:
-    if how not in MERGES:
-        raise ValueError(f"merge must be one of {sorted(MERGES)}, got {how!r}")
-    if how == "auto":
-        return MERGES["fwht"] if programs >= num_sms else MERGES["wide"]
-    return MERGES[how]
+# (splits a load at most, warps, Hadamard transform in registers). On an H100 (four runs of 2026-12-05, the
+# `merge` key of bench/results/turboquant_cuda_h100_492e33f.json and the three beside it) the fastest setting at
+# every case was 128 splits a load over 4 warps with the transform, one [128, 256] tile in registers (4.8-7.9 us at
+# batch 1 against 8.9-11.8 for the grid-picked setting, the best at batch 8 too), but it spilled 88 B; the tile as
+# four 64-column tiles holds 64 splits a load over 4 warps in ~166 registers without spilling. "matrix" loads R's
+# entries (16 splits a load), the baseline.
+MERGES = {"fwht": (64, 4, True), "matrix": (16, 4, False)}
 
 
 def merge(ws_acc, ws_ml, t: dict, out, B: int, H: int, G: int, T: int, rows: int, num_splits: int,
-          how: str = "auto", config: tuple[int, int, bool] | None = None):
+          how: str = "fwht", config: tuple[int, int, bool] | None = None):
     """The split-KV decode's second launch (both decode kernels share its workspace layout): out [B, Hq, T, d]
     from ws_acc / ws_ml of num_splits splits x `rows` workspace rows per (sequence, KV head). config: (splits a
     load, warps, transform) instead of MERGES[how] (the lab's sweep)."""
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    sms = torch.cuda.get_device_properties(out.device).multi_processor_count if out.is_cuda else 4
-    most, warps, fwht = config or merge_config(how, B * H * G * T, sms)
+    if how not in MERGES:
+        raise ValueError(f"merge must be one of {sorted(MERGES)}, got {how!r}")
+    most, warps, fwht = config or MERGES[how]
     _tq_merge_kernel[(B * H, G * T)](
         ws_acc, ws_ml, t["r"], t["signs"], out, out.stride(0), out.stride(1), out.stride(2), num_splits,
         H=H, G=G, T=T, D=out.shape[-1], ROWS=rows, S_BLOCK=min(most, triton.next_power_of_2(num_splits)),
@@ -784,7 +818,7 @@ def decode_attention(
     q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int, sm_scale: float, max_seq_len: int,
     num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None, num_stages: int = 2,
     decoder: str = "prmt", waves: int = 4, once: bool | None = None, block_m: int | None = None,
-    lazy: bool = False, out=None, merge_how: str = "auto",
+    lazy: bool = False, out=None, merge_how: str = "fwht",
 ):
     """q [B, Hq, T, d] -> out [B, Hq, T, d] (q's dtype). seq_lens [B] int32 on the device (no sync);
     max_seq_len: a host-side upper bound that sizes the split grid. block_n, num_warps, once: None picks the

@@ -12,8 +12,8 @@ First every case is checked against float64 attention on reference-encoded codes
 and many, q_len 1 to 4); then decode is timed at 32K to 256K keys, batch 1 and 8, q_len 1 and 3 (an MTP-2 verify
 step). Times: medians of CUDA-graph replays over disjoint cache copies (turboquant.py's bench_config / bench_fa).
 Each case also times both kernels with the merge that loads R (turboquant_triton.MERGES["matrix"]: `triton_matrix_ms`,
-`cuda_matrix_ms`) beside the default ("auto") and the merge alone at each MERGE_SWEEP setting and "auto" (`merge`); at batch 1 the
-CUDA kernel also at a half and a quarter of its split count (`cuda_by_splits`).
+`cuda_matrix_ms`) beside the default (MERGES["fwht"]), and the merge alone at each MERGE_SWEEP setting and the
+default (`merge`); at batch 1 the CUDA kernel also at a half and a quarter of its split count (`cuda_by_splits`).
 """
 
 from __future__ import annotations
@@ -70,15 +70,15 @@ def cuda_splits(B, T, depth) -> int:
 
 def merge_alone(B, T, depth) -> dict:
     """ms per merge launch over a workspace of the size the CUDA kernel writes for this case (its split count), for
-    each MERGE_SWEEP setting and "auto"; one workspace, read again each launch, as the merge reads the one the decode
-    just wrote (in L2 where it fits)."""
+    each MERGE_SWEEP setting and the default ("default"); one workspace, read again each launch, as the merge reads
+    the one the decode just wrote (in L2 where it fits)."""
     H, G, d = lab.HKV, lab.HQ // lab.HKV, lab.D
     splits = cuda_splits(B, T, depth)
     t = tt._tables(tq.PRESETS[NAME], tq.rotation_seed(0), torch.device("cuda"), d)
     rows = B * H * splits * G * T
     acc, ml = torch.randn(rows * d, device="cuda"), torch.randn(rows * 2, device="cuda")
     out = torch.empty(B, lab.HQ, T, d, device="cuda", dtype=torch.bfloat16)
-    configs = {**MERGE_SWEEP, "auto": None}
+    configs = {**MERGE_SWEEP, "default": None}
     return {name: harness.median_ms(lambda i, cfg=cfg: tt.merge(acc, ml, t, out, B, H, G, T, G * T, splits, config=cfg))
             for name, cfg in configs.items()}
 
