@@ -27,15 +27,23 @@ HEADER = REPO / "kernels" / "turboquant_decode.cuh"
 PTX_HELPERS = ("prmt", "mma", "ldsm4", "cp_async", "cp_commit", "cp_wait", "bar_arrive", "bar_sync")
 
 
+# Candidate diffs that change the header: the CUDA kernel's own, and the merge candidates that touch it too (their
+# other files are the Triton side, checked in tests/test_turboquant_triton.py).
+LAB = REPO / "bench" / "lab"
+HEADER_CANDIDATES = sorted([*(LAB / "turboquant_cuda_candidates").glob("*.diff"),
+                            *(d for d in (LAB / "turboquant_merge_candidates").glob("*.diff")
+                              if f"+++ b/kernels/{HEADER.name}" in d.read_text())])
+
+
 def patched_header(diffs: list[Path], work: Path) -> str:
-    """kernels/turboquant_decode.cuh with `diffs` applied in order (`git apply` on a copy in work/kernels/, which
-    tests/test_kernels_compile_cuda.py compiles from), as the candidate and diagnostic diffs are taken everywhere;
-    ValueError naming the diff that does not apply."""
+    """kernels/turboquant_decode.cuh with `diffs` applied in order (`git apply` of their hunks for it on a copy in
+    work/kernels/, which tests/test_kernels_compile_cuda.py compiles from), as the candidate and diagnostic diffs
+    are taken everywhere; ValueError naming the diff that does not apply."""
     (work / "kernels").mkdir(parents=True, exist_ok=True)
     (work / "kernels" / HEADER.name).write_bytes(HEADER.read_bytes())
     for diff in diffs:
-        r = subprocess.run(["git", "apply", str(Path(diff).resolve())], cwd=work, capture_output=True, text=True,
-                           timeout=60)
+        r = subprocess.run(["git", "apply", f"--include=kernels/{HEADER.name}", str(Path(diff).resolve())], cwd=work,
+                           capture_output=True, text=True, timeout=60)
         if r.returncode:
             raise ValueError(f"{Path(diff).name} does not apply to kernels/{HEADER.name}: {r.stderr.strip()}")
     return (work / "kernels" / HEADER.name).read_text()

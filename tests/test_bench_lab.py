@@ -412,7 +412,8 @@ def test_the_merge_ab_script_times_a_candidate_that_touches_only_kernels(tmp_pat
 if [[ $1 == -m ]]; then for a; do [[ $prev == --target ]] && mkdir -p "$a/onespark/kernels"; prev=$a; done; exit 0; fi
 if [[ $1 == -c ]]; then echo fake; exit 0; fi
 if [[ $1 == - ]]; then exec {sys.executable} "$@"; fi
-echo '{{"rows": [{{"depth": 32768, "batch": 1, "q_len": 3, "fa_bf16_folded_ms": 0.06, "triton_ms": 0.05, "cuda_ms": 0.057}}]}}' >"$3"
+echo '{{"rows": [{{"depth": 32768, "batch": 1, "q_len": 3, "fa_bf16_folded_ms": 0.06, "triton_ms": 0.05, "cuda_ms": 0.057,
+  "triton_served_grid_ms": 0.054, "cuda_served_grid_ms": 0.06}}]}}' >"$3"
 echo "errors: []"
 """)
     fake.chmod(0o755)
@@ -426,7 +427,8 @@ echo "errors: []"
     cand = (work / "site_kernelonly" / "onespark" / "kernels" / "turboquant_cuda.py").read_text()
     assert cand == marker + "".join(shipped)
     assert not (work / "site_shipped" / "onespark" / "kernels" / "turboquant_cuda.py").exists()
-    assert r.stdout.splitlines()[-1].split() == ["32768", "1", "3", "60.0", "0.833", "0.833", "0.950", "0.950"]
+    assert r.stdout.splitlines()[-1].split() == ["32768", "1", "3", "60.0", "0.833", "0.833", "0.950", "0.950",
+                                                 "grid:", "0.900", "0.900", "1.000", "1.000"]
 
 
 def test_targets_read_24s_cases_off_the_decode_rows(capsys):

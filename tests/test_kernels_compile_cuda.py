@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._cuda_cpu import patched_header
+from tests._cuda_cpu import HEADER_CANDIDATES, patched_header
 from tests.test_kernels_compile import H200, SMEM_LIMIT, SPARK
 
 NVCC = Path(sysconfig.get_paths()["purelib"]) / "nvidia" / "cu13" / "bin" / "nvcc"
@@ -74,7 +74,7 @@ def test_the_build_stamp_is_written_whole_by_writers_at_once(tmp_path):
 
 LAB = Path(__file__).resolve().parents[1] / "bench" / "lab"
 DIAGNOSTICS = sorted((LAB / "turboquant_cuda_diagnostics").glob("*.diff"))
-CANDIDATES = sorted((LAB / "turboquant_cuda_candidates").glob("*.diff"))
+CANDIDATES = HEADER_CANDIDATES  # the CUDA kernel's candidates and the merge candidates that change its header
 
 
 def _patched_build(diff: Path, tmp_path: Path, arch: str) -> str:
@@ -111,9 +111,10 @@ def test_each_diagnostic_variant_applies_to_the_kernel_and_builds(diff, tmp_path
 @pytest.mark.parametrize("diff", CANDIDATES, ids=lambda p: p.stem)
 def test_each_candidate_variant_applies_and_builds_without_spills(diff, arch, tmp_path):
     """bench/lab/turboquant_cuda_candidates/*.diff (changes made for the Spark's one CTA per SM, timed and checked
-    against float64 by bench/lab/turboquant_cuda_variants.sh) apply to the header as it is and build for the Spark
-    and the H200 with no spill at q_len 1 and 3: a candidate that spills would be timed on its spills."""
-    assert CANDIDATES, "bench/lab/turboquant_cuda_candidates/ holds no diff"
+    against float64 by bench/lab/turboquant_cuda_variants.sh) and the merge candidates' hunks for the header apply
+    to it as it is and build for the Spark and the H200 with no spill at q_len 1 and 3: a candidate that spills
+    would be timed on its spills."""
+    assert CANDIDATES, "no candidate diff changes the header"
     found = re.findall(r"(\d+) bytes spill stores.*?Used (\d+) registers", _patched_build(diff, tmp_path, arch), re.S)
     assert len(found) == 2, "ptxas reported no registers"
     assert all(int(spill) == 0 for spill, _ in found), f"{diff.name} spills on sm_{arch}: {found}"

@@ -17,7 +17,7 @@ from tests.test_turboquant_cuda import CASES, case
 from tests.test_turboquant_triton import assert_rel
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-CANDIDATES = sorted((Path(__file__).resolve().parents[1] / "bench" / "lab" / "turboquant_cuda_candidates").glob("*.diff"))
+CANDIDATES = cc.HEADER_CANDIDATES  # the CUDA kernel's candidates and the merge candidates that change it
 SPLITS = 4  # where a GPU case lets the occupancy decide
 
 

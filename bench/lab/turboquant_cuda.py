@@ -9,11 +9,13 @@ turboquant_tiles.py), on this GPU: the CUDA kernel is the same code on both, so 
 instruction set (a ranking, not a Spark time).
 
 First every case is checked against float64 attention on reference-encoded codes (`checks`: odd lengths, one split
-and many, q_len 1 to 4); then decode is timed at 32K to 256K keys, batch 1 and 8, q_len 1 and 3 (an MTP-2 verify
+and many, q_len 1 to 4); then decode is timed at 8K to 256K keys, batch 1 and 8, q_len 1 and 3 (an MTP-2 verify
 step). Times: medians of CUDA-graph replays over disjoint cache copies (turboquant.py's bench_config / bench_fa).
 Each case also times both kernels with the merge that loads R (turboquant_triton.MERGES["matrix"]: `triton_matrix_ms`,
 `cuda_matrix_ms`) beside the default (MERGES["fwht"]), and the merge alone at each MERGE_SWEEP setting and the
-default (`merge`); at batch 1 the CUDA kernel also at a half and a quarter of its split count (`cuda_by_splits`).
+default (`merge`); at batch 1 the CUDA kernel also at a half and a quarter of its split count (`cuda_by_splits`);
+and both kernels on a server's split grid, max_seq_len = max_model_len (`triton_served_grid_ms`, `cuda_served_grid_ms`:
+vLLM's CUDA graphs fix the grid from it, so below it a server runs other splits than the depth's own grid).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from onespark.kernels import turboquant_cuda as tq_cuda  # noqa: E402
 from onespark.kernels import turboquant_triton as tt  # noqa: E402
 
 NAME = "turboquant_k4v4"
-DEPTHS = (32768, 65536, 131072, 262144)
+DEPTHS = (8192, 32768, 65536, 131072, 262144)
 BATCHES = (1, 8)
 VARIANTS = [dict(stages=3, waves=1), dict(stages=2, waves=1)]
 DEFAULT = f"stages={tq_cuda.STAGES},waves=1"  # turboquant_cuda.decode_attention's defaults: the `cuda_ms` field
@@ -143,6 +145,10 @@ def main() -> int:
                     row["cuda_matrix_ms"], _ = lab.bench_config(pools, NAME, depth, T, B, impl="cuda",
                                                                 merge_how="matrix")
                     row["merge"] = merge_alone(B, T, depth)
+                    # both kernels on a server's split grid (max_seq_len = max_model_len; turboquant.py's docstring)
+                    grid = dict(max_len=lab.SERVED_MAX_LEN)
+                    row["triton_served_grid_ms"] = lab.bench_config(pools, NAME, depth, T, B, **grid)[0]
+                    row["cuda_served_grid_ms"] = lab.bench_config(pools, NAME, depth, T, B, impl="cuda", **grid)[0]
                     if B == 1:  # fewer, longer splits: less workspace and merge, less of the GPU filled
                         full = cuda_splits(B, T, depth)
                         row["cuda_by_splits"] = {n: lab.bench_config(pools, NAME, depth, T, B, impl="cuda",
@@ -151,7 +157,9 @@ def main() -> int:
                     result["rows"].append(row)
                     print(f"{depth:>6} B{B} T{T}  triton {tri / fold:.3f}  "
                           + "  ".join(f"{k} {v / fold:.3f}" for k, v in row["cuda"].items())
-                          + f"  (x folded {fold * 1e3:.1f} us); merge before: triton "
+                          + f"  (x folded {fold * 1e3:.1f} us); on a server's grid: triton "
+                          f"{row['triton_served_grid_ms'] / fold:.3f} cuda {row['cuda_served_grid_ms'] / fold:.3f}"
+                          f"; merge before: triton "
                           f"{row['triton_matrix_ms'] / fold:.3f} cuda {row['cuda_matrix_ms'] / fold:.3f}; merge alone us "
                           + " ".join(f"{k} {v * 1e3:.1f}" for k, v in row["merge"].items())
                           + "".join(f"; cuda at {n} splits {v / fold:.3f}" for n, v in row.get("cuda_by_splits", {}).items()),

@@ -55,10 +55,15 @@ PYTHONPATH=$work/site_$name python3 "$tree/bench/lab/turboquant_cuda.py" --out "
 python3 - "$out/turboquant_cuda_${gpu}_shipped.json" "$out/turboquant_cuda_${gpu}_$name.json" "$name" <<'EOF'
 import json, sys
 base, cand, name = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3]
-print(f"depth   B T  folded_us  triton:shipped triton:{name}  cuda:shipped cuda:{name}   (x folded BF16, each run's own)")
+print(f"depth   B T  folded_us  triton:shipped triton:{name}  cuda:shipped cuda:{name}   (x folded BF16, each run's own;"
+      " then the same on a server's split grid, max_seq_len = max_model_len)")
 for a, b in zip(base["rows"], cand["rows"]):
     fa, fb = a["fa_bf16_folded_ms"], b["fa_bf16_folded_ms"]
-    print(f"{a['depth']:>6} {a['batch']:>2} {a['q_len']} {fa * 1e3:9.1f}  {a['triton_ms'] / fa:14.3f} "
-          f"{b['triton_ms'] / fb:{len(name) + 7}.3f}  {a['cuda_ms'] / fa:12.3f} {b['cuda_ms'] / fb:{len(name) + 5}.3f}")
+    line = (f"{a['depth']:>6} {a['batch']:>2} {a['q_len']} {fa * 1e3:9.1f}  {a['triton_ms'] / fa:14.3f} "
+            f"{b['triton_ms'] / fb:{len(name) + 7}.3f}  {a['cuda_ms'] / fa:12.3f} {b['cuda_ms'] / fb:{len(name) + 5}.3f}")
+    if "cuda_served_grid_ms" in a and "cuda_served_grid_ms" in b:
+        line += (f"   grid: {a['triton_served_grid_ms'] / fa:.3f} {b['triton_served_grid_ms'] / fb:.3f}"
+                 f"  {a['cuda_served_grid_ms'] / fa:.3f} {b['cuda_served_grid_ms'] / fb:.3f}")
+    print(line)
 EOF
 exit "$rc"

@@ -48,6 +48,7 @@ inline float bf16_to_float(uint16_t b) {
 inline float2 __bfloat1622float2(__nv_bfloat162 v) { return {bf16_to_float(v.x), bf16_to_float(v.y)}; }
 inline uint32_t __umulhi(uint32_t a, uint32_t b) { return static_cast<uint32_t>((uint64_t{a} * b) >> 32); }
 inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a < b ? b : a; }
 
 namespace sim {
 
