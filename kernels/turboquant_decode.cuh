@@ -33,6 +33,7 @@ constexpr int D = 256;          // head_dim
 constexpr int ROW_BYTES = 128;  // 4-bit codes of one token, one KV head
 constexpr int NW = 4;           // warps; P @ V gives warp w code bytes [32w, 32w + 32)
 constexpr int TILE = 64;        // keys per step: 16 per warp in Q @ K^T
+constexpr int MIN_SPLIT = 8 * TILE;  // keys a split takes at least (turboquant_cuda.num_splits_for's floor)
 constexpr int KV_STRIDE = 144;  // bytes per key row in shared memory: 128 + 16 keeps the LDS.128 and LDS.32 reads
                                 // below free of bank conflicts (row r starts at bank 4r mod 32)
 constexpr int Q_STRIDE = D + 8;     // halves: ldmatrix rows 528 B apart, conflict-free
@@ -177,7 +178,9 @@ __global__ void __launch_bounds__(NW * 32) decode_k4v4(const Params p) {
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5, g = lane >> 2, c = lane & 3;
   const int bh = blockIdx.x, split = blockIdx.y, b = bh / p.H, h = bh % p.H;
   const int GT = p.G * p.T, L = p.seq_lens[b];
-  const int per = ((L + p.num_splits - 1) / p.num_splits + TILE - 1) / TILE * TILE;
+  // At least MIN_SPLIT keys a split, whatever num_splits: a server's CUDA graphs size the grid for max_model_len, so
+  // a shorter request leaves the splits past its keys empty instead of running many short ones.
+  const int per = max(MIN_SPLIT, ((L + p.num_splits - 1) / p.num_splits + TILE - 1) / TILE * TILE);
   const int start = split * per, end = min(L, start + per);
   const int64_t ws0 = (static_cast<int64_t>(bh) * p.num_splits + split) * GT;  // workspace row of tile row 0
 

@@ -646,15 +646,19 @@ def _tq_merge_kernel(
     m_all = tl.max(m, 0)
     m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
     l_all = tl.sum(tl.exp2(m - m_safe) * tl.load(ml + 1, mask=s_all < num_splits, other=0.0), 0)  # empty: m = -inf
+    # The splits that saw a key of this row are a prefix (split s holds keys s * per on, and a row sees keys up to
+    # its position): the partial sums past it are never read. A server's grid for max_model_len is mostly empty
+    # splits at short contexts.
+    live = tl.sum((m > float("-inf")).to(tl.int32), 0)
     sv = tl.arange(0, S_BLOCK)
     c64 = tl.arange(0, 64)
     o0 = tl.zeros([64], tl.float32)
     o1 = tl.zeros([64], tl.float32)
     o2 = tl.zeros([64], tl.float32)
     o3 = tl.zeros([64], tl.float32)
-    for s0 in range(0, num_splits, S_BLOCK):
+    for s0 in range(0, live, S_BLOCK):
         s = s0 + sv
-        smask = s < num_splits
+        smask = s < live
         row = first + s * ROWS
         w = tl.exp2(tl.load(WS_ML + row * 2, mask=smask, other=float("-inf")) - m_safe)  # in L1 since the first load
         keep = (w > 0)[:, None]  # an empty split's never-written sums are dropped by a select, not by the load

@@ -102,9 +102,10 @@ def _ptr(t: torch.Tensor):
 
 
 def decode_attention(lib: ctypes.CDLL, q, cache, layout: tq.CacheLayout, block_table, seq_lens, seed: int,
-                     sm_scale: float, max_seq_len: int, num_splits: int, stages: int = 3):
+                     sm_scale: float, max_seq_len: int, num_splits: int, stages: int = 3, split_max: list | None = None):
     """As kernels/turboquant_cuda.decode_attention (same positional arguments after `lib`; max_seq_len unused: the
-    split count is given), on CPU tensors: q [B, Hq, T, 256] fp16 or bf16 -> fp32."""
+    split count is given), on CPU tensors: q [B, Hq, T, 256] fp16 or bf16 -> fp32. split_max: a list that gets
+    each split's running max m, [B * H, num_splits, G * T] (-inf: the split saw no key of that row)."""
     B, Hq, T, d = q.shape
     H = layout.num_kv_heads
     G = Hq // H
@@ -127,6 +128,8 @@ def decode_attention(lib: ctypes.CDLL, q, cache, layout: tq.CacheLayout, block_t
     # the merge (turboquant_triton._tq_merge_kernel): splits weighed by 2^(m - max m), normalised, rotated back
     acc = ws_acc.view(B * H, num_splits, G * T, d)
     m, l = ws_ml.view(B * H, num_splits, G * T, 2).unbind(-1)
+    if split_max is not None:
+        split_max.append(m.clone())
     m_all = m.amax(1, keepdim=True)
     w = torch.exp2(m - torch.where(m_all == float("-inf"), 0.0, m_all))
     live = w > 0  # an empty split's accumulator is never written (NaN here): weighed 0, not read

@@ -96,3 +96,15 @@ def test_the_split_grid_fills_the_gpu_with_splits_of_at_least_8_steps():
     assert tc.num_splits_for(8, 2, 262144, slots, 1) == 24
     assert tc.num_splits_for(1, 2, 100, slots, 1) == 1
     assert tc.num_splits_for(1, 1, 1 << 24, 1 << 12, 1) == 256
+
+
+def test_a_server_grid_leaves_the_splits_past_a_short_request_empty(shipped):
+    """A server's CUDA graphs size the grid for max_model_len: 64 splits here. A 1,000-key request still runs splits
+    of at least 8 steps of 64 keys (the kernel's MIN_SPLIT, num_splits_for's floor), so splits 0 and 1 hold its keys
+    and the other 62 are empty (m = -inf: the merge stops at the live prefix); the result is float64's."""
+    args, ref = case(32, 2, 3, [1000], 16, torch.float16)
+    m = []
+    out = cc.decode_attention(shipped, *args, num_splits=64, split_max=m)
+    assert_rel(out, ref, tol(torch.float16), "a 1,000-key request on a 64-split grid")
+    live = (m[0] > float("-inf")).all(dim=(0, 2))
+    assert live.tolist() == [True, True] + [False] * 62, f"live splits {live.nonzero().flatten().tolist()}, want [0, 1]"
