@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent / "cuda_cpu"
 REPO = Path(__file__).resolve().parents[1]
 HEADER = REPO / "kernels" / "turboquant_decode.cuh"
 # The header's helpers that hold inline PTX: shim.h defines each for the CPU.
-PTX_HELPERS = ("prmt", "mma", "ldsm4", "cp_async", "cp_commit", "cp_wait", "bar_arrive", "bar_sync")
+PTX_HELPERS = ("prmt", "mma", "ldsm4", "cp_async", "cp_commit", "cp_wait", "bar_arrive", "bar_sync", "smid")
 
 
 # Candidate diffs that change the header: the CUDA kernel's own, and the merge candidates that touch it too (their
@@ -123,6 +123,8 @@ def decode_attention(lib: ctypes.CDLL, q, cache, layout: tq.CacheLayout, block_t
                        num_splits, ctypes.c_float(sm_scale * tt.LOG2E), tab, stages)
     if rc == 3:
         raise RuntimeError(f"the kernel stopped: {lib.tq_error().decode()}")
+    if rc == 4:
+        raise RuntimeError("the kernel left its ticket counters non-zero: the next launch would take wrong items")
     if rc:
         raise ValueError(f"tq_decode refused the arguments (code {rc})")
     # the merge (turboquant_triton._tq_merge_kernel): splits weighed by 2^(m - max m), normalised, rotated back
