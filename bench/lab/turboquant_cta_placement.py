@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-import torch
-from torch.utils.cpp_extension import load_inline
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import harness  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.cpp_extension import load_inline  # noqa: E402
 
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 
@@ -93,13 +95,8 @@ def main() -> int:
             r = rows[-1]
             print(f"T={T} {grid:<16} splits {splits:>3}: {r['working_ctas']:>3} working of {r['ctas']:>3} CTAs on "
                   f"{r['sms_used']:>3} of {sms} SMs, at most {r['most_on_one_sm']} on one ({per_sm} fit an SM)", flush=True)
-    result = {"schema_version": 1, "git_sha": args.git_sha, "command": " ".join(["python"] + sys.argv),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "device": torch.cuda.get_device_name(),
-              "sms": sms, "torch": torch.__version__, "rows": rows, "wall_s": time.time() - t0}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, args.out)
+    result = {**harness.header(args.git_sha), "sms": sms, "rows": rows, "wall_s": time.time() - t0}
+    harness.write_result(args.out, result)
     print(f"wrote {args.out} in {result['wall_s']:.0f} s")
     return 0
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 import time
@@ -95,14 +94,8 @@ def main() -> int:
                          "graph_us": ms * 1e3, "kernels_us": kernels})
             top = ", ".join(f"{k} {v:.1f}" for k, v in list(kernels.items())[:4])
             print(f"{depth:>6} T={T} {grid:<6} splits {splits:>3}: graph {ms * 1e3:6.1f} us; profiler: {top}", flush=True)
-    result = {"schema_version": 1, "git_sha": args.git_sha, "command": " ".join(["python"] + sys.argv),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "gpu": harness.gpu_name(),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "calls": CALLS, "rows": rows,
-              "wall_s": time.time() - t0}
-    tmp = args.out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, args.out)
+    result = {**harness.header(args.git_sha), "calls": CALLS, "rows": rows, "wall_s": time.time() - t0}
+    harness.write_result(args.out, result)
     print(f"wrote {args.out} in {result['wall_s']:.0f} s")
     return 0
 
