@@ -23,9 +23,8 @@ SCRIPTS = sorted(p.name for p in LAB.glob("*.py") if p.name not in MODULES)
 
 def test_the_lab_holds_the_benchmarks():
     assert SCRIPTS == ["checkpoint.py", "compile_resources.py", "compressor.py", "draft_head.py", "lm_head.py", "lm_head_glue.py", "turboquant.py",
-                       "turboquant_codebooks.py", "turboquant_cuda.py", "turboquant_cuda_sass.py", "turboquant_quality.py",
-                       "turboquant_sass.py",
-                       "turboquant_tiles.py",
+                       "turboquant_codebooks.py", "turboquant_cta_placement.py", "turboquant_cuda.py", "turboquant_cuda_sass.py",
+                       "turboquant_grid_profile.py", "turboquant_quality.py", "turboquant_sass.py", "turboquant_tiles.py",
                        "vllm_step.py"]
 
 
@@ -394,6 +393,30 @@ def test_the_merge_ab_script_refuses_bad_input_in_one_line(tmp_path):
     rc, err = run(str(bad), ONESPARK_WHEEL=str(wheel))
     assert rc == 2 and err == ["turboquant_merge_ab.sh: name the diff [A-Za-z0-9_-].diff, got 'a b'"], err
     assert not (tmp_path / "work").exists()  # nothing prepared
+
+
+def test_the_session_script_refuses_bad_input_in_one_line(tmp_path):
+    """tests/gpu_vllm/session.sh (one device call of a GPU session) says what is wrong before it asks the GPU
+    anything or stashes a piece: a mode it has not, a SHA that is not one, no OUT, no wheel."""
+    script = Path(__file__).resolve().parent / "gpu_vllm" / "session.sh"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}
+
+    def run(*args, **extra):
+        r = subprocess.run([str(script), *args], capture_output=True, text=True, env={**env, **extra}, timeout=60)
+        return r.returncode, r.stderr.strip().splitlines(), r.stdout
+
+    rc, err, out = run()
+    assert rc == 2 and not err and "lane SHA" in out
+    rc, err, _ = run("profile", "abc1234")
+    assert rc == 2 and err == ["tests/gpu_vllm/session.sh: mode must be lane, stash, bench, ab or cuda, got 'profile'"]
+    rc, err, _ = run("lane", "--rm")
+    assert rc == 2 and err == ["tests/gpu_vllm/session.sh: SHA must be 7-40 hex digits, got '--rm'"], err
+    rc, err, _ = run("lane", "abc1234", OUT="")
+    assert rc != 0 and len(err) == 1 and "set OUT" in err[0], err
+    rc, err, _ = run("cuda", "abc1234", WHEEL=str(tmp_path / "none.whl"))
+    assert rc == 2 and err == [f"tests/gpu_vllm/session.sh: no wheel at {tmp_path / 'none.whl'} (python3 -m pip wheel "
+                               "--no-deps -w .gpu-vllm .)"], err
+    assert not list(tmp_path.iterdir())  # nothing written
 
 
 def test_the_merge_ab_script_times_a_candidate_that_touches_only_kernels(tmp_path):
