@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import operator
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -596,4 +597,8 @@ def test_interpreter_lane():
     if vllm_track() == "0.32.0":
         pytest.skip("the interpreter lane runs on the 0.19.1 track (its docstring)")
     out = run_interpreter_lane(__file__, timeout_s=1500)
-    assert " skipped" not in out.splitlines()[-1], out[-2000:]  # every kernel case runs in the interpreter
+    # every kernel case runs in the interpreter; the one skip allowed is a candidate test with no candidate diff for
+    # this file (bench/lab/turboquant_merge_candidates/ may hold only header changes): it has no case to run
+    skipped = re.search(r"(\d+) skipped", out.splitlines()[-1])
+    empty = sum(int(n) for n in re.findall(r"^SKIPPED \[(\d+)\] .*got empty parameter set", out, flags=re.M))
+    assert (int(skipped.group(1)) if skipped else 0) == empty, out[-2000:]
