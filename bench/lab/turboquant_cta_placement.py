@@ -71,7 +71,7 @@ CASES = [(1, 16, 198), (1, 64, 198), (1, 128, 198), (3, 16, 132), (3, 64, 132), 
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--git-sha", default="unknown")
     args = ap.parse_args()
