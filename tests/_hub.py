@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._ports import free_port
+
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
 NEEDS_NGINX = "needs nginx (Debian package nginx; .ci/apt-packages.txt)"
 
@@ -66,9 +68,7 @@ def publish(www: Path, repo: str, sha: str, src: Path) -> None:
 def serve(d: Path):
     """nginx serving d/www on a free port, its access log at d/access.log; yields the endpoint URL."""
     (d / "tmp").mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     (d / "nginx.conf").write_text(NGINX_CONF.format(d=d, port=port))
     proc = subprocess.Popen([NGINX, "-p", str(d), "-c", str(d / "nginx.conf")], stderr=subprocess.PIPE)
     for _ in range(200):

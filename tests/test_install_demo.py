@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._ports import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 CONTAINER = "onespark"  # install.sh --launch's container name (onespark serve's default)
 
@@ -49,11 +51,6 @@ def _demo_v2_image(track: str = "0.19.1") -> str:
         pytest.skip(f"{image} not built (test_install_demo_end_to_end builds it)")
     return image
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _listeners(port: int) -> set[str]:
@@ -103,7 +100,7 @@ def test_install_demo_end_to_end(tmp_path, demo_container):
     reason = _docker_ok()
     if reason:
         pytest.skip(reason)
-    port = _free_port()
+    port = free_port()
     work = tmp_path / "work"
     clone = fresh_clone(tmp_path / "clone")
     env = clean_env()
@@ -188,7 +185,7 @@ def test_install_demo_032_end_to_end(tmp_path, demo_container):
     reason = _docker_ok()
     if reason:
         pytest.skip(reason)
-    port, work = _free_port(), tmp_path / "work"
+    port, work = free_port(), tmp_path / "work"
     clone = fresh_clone(tmp_path / "clone")
     key = "sk-demo-" + os.urandom(8).hex()
     t0 = time.monotonic()
@@ -327,7 +324,7 @@ def test_serve_reports_a_dying_container(tmp_path):
     try:
         # The tiny model allows 2048 positions; ask for 4096 (later flags win over the demo's 1024).
         r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(model),
-                            "--name", name, "--replace", "--port", str(_free_port()), "--timeout", "600",
+                            "--name", name, "--replace", "--port", str(free_port()), "--timeout", "600",
                             "--", "--max-model-len", "4096"],
                            capture_output=True, text=True, timeout=900)
     finally:
@@ -351,7 +348,7 @@ def test_the_image_streams_tool_calls_in_multi_token_steps(tmp_path):
     _demo_v2_image()
     model = tmp_path / "scripted"
     write_scripted_model(model, REPLY)
-    name, port = "onespark-test-tools", _free_port()
+    name, port = "onespark-test-tools", free_port()
     try:
         # flags after `--` add back what the demo drops (the parsers) and set 3 tokens per chunk
         r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(model), "--name", name,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ import pytest
 from onespark import cli
 from onespark.errors import UserError
 from onespark.serving import launch, memory
+from tests._ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LONG_KEY = "sk-live-7f3e9a0c41d2b85e6f7a9c0d1e2f3a4b5c6d7e8f"
@@ -114,11 +114,6 @@ def _fake_docker(tmp: Path, body: str) -> dict:
     return {**env, "PATH": f"{fake}:{os.environ['PATH']}", "XDG_STATE_HOME": str(tmp / "state"), "HOME": str(tmp)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_serve_env_secret_goes_to_docker_by_name(tmp_path):
     """docker's argv (what `ps` shows) and serve's output name HF_TOKEN; only docker's environment has it."""
@@ -133,7 +128,7 @@ def test_serve_env_secret_goes_to_docker_by_name(tmp_path):
         esac
         """)
     r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(model), "--no-memory-guard",
-                        "--port", str(_free_port()), "--env", f"HF_TOKEN={LONG_KEY}", "--env", "MY_PASSWORD=pw-9",
+                        "--port", str(free_port()), "--env", f"HF_TOKEN={LONG_KEY}", "--env", "MY_PASSWORD=pw-9",
                         "--env", "ONESPARK_INT8_LM_HEAD=0"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 1 and r.stderr.splitlines() == ["onespark serve: error: docker run failed: no GPU here"]
@@ -164,7 +159,7 @@ def test_serve_takes_only_a_container_for_a_container_of_its_name(tmp_path):
         esac
         """)
     r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(model),
-                        "--no-memory-guard", "--port", str(_free_port())], cwd=tmp_path, env=env, capture_output=True,
+                        "--no-memory-guard", "--port", str(free_port())], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.stderr.splitlines() == ["onespark serve: error: docker run failed: no GPU here"], r.stderr
     assert not [c for c in (tmp_path / "calls").read_text().splitlines() if c.startswith("rm ")]
@@ -234,7 +229,7 @@ ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 @pytest.mark.parametrize("kind", list(ANSWERS))
 def test_smoke_answers_of_the_wrong_shape_are_one_line(kind, tmp_path):
     models, chat, message = ANSWERS[kind]
-    port = _free_port()
+    port = free_port()
     srv = subprocess.Popen([sys.executable, "-c", SERVER, str(port), models or MODELS_OK, chat or CHAT_OK])
     try:
         for _ in range(100):
@@ -257,7 +252,7 @@ def test_serve_stops_the_container_whose_smoke_answer_is_wrong(kind, tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    port = _free_port()
+    port = free_port()
     (tmp_path / "server.py").write_text(SERVER)
     env = _fake_docker(tmp_path, f"""\
         case "$1 $2" in
@@ -286,7 +281,7 @@ def test_serve_stops_the_container_whose_smoke_answer_is_wrong(kind, tmp_path):
 
 
 def test_a_well_formed_answer_still_passes():
-    port = _free_port()
+    port = free_port()
     srv = subprocess.Popen([sys.executable, "-c", SERVER, str(port), MODELS_OK, CHAT_OK])
     try:
         for _ in range(100):
@@ -353,7 +348,7 @@ def test_an_ipv6_host_gives_a_url_in_brackets(tmp_path):
     assert launch.base_url("fd00::2", 9) == "http://[fd00::2]:9" and launch.base_url("spark1", 9) == "http://spark1:9"
     # an upstream (compress --upstream) keeps its scheme and a wildcard address as given: no bind-to-probe mapping
     assert launch.url("https", "::", 8443) == "https://[::]:8443" and launch.url("http", "0.0.0.0", 1) == "http://0.0.0.0:1"
-    assert launch.http(launch.base_url("::1", _free_port()) + "/health", timeout=2) == (0, b"")  # refused, no raise
+    assert launch.http(launch.base_url("::1", free_port()) + "/health", timeout=2) == (0, b"")  # refused, no raise
     (tmp_path / "m").mkdir()
     r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(tmp_path / "m"),
                         "--dry-run", "--host", "::1"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -383,7 +378,7 @@ def test_serve_refuses_a_name_or_host_that_is_none(tmp_path, flag, value, says):
         esac
         """)
     r = subprocess.run([sys.executable, "-m", "onespark", "serve", "--demo", "--checkpoint", str(model),
-                        "--port", str(_free_port()), f"{flag}={value}"], cwd=tmp_path, env=env, capture_output=True,
+                        "--port", str(free_port()), f"{flag}={value}"], cwd=tmp_path, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and says in r.stderr, r.stderr
     assert not (tmp_path / "calls").exists()  # docker was never called
@@ -424,7 +419,7 @@ def test_a_key_from_the_environment_is_held_to_the_key_files_rule(tmp_path, comm
         "--api-key-file"], r.stderr
     assert all(part not in r.stderr for part in key.split())
     with pytest.raises(UnicodeEncodeError):  # what the smoke request did with it
-        launch.http(f"http://127.0.0.1:{_free_port()}/v1/models", api_key="sk-caf\u00e9")
+        launch.http(f"http://127.0.0.1:{free_port()}/v1/models", api_key="sk-caf\u00e9")
 
 
 def test_doctor_names_a_bad_hf_endpoint_or_token_in_its_check(monkeypatch):

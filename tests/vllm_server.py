@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,15 +43,11 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from tests._ports import free_port
+
 
 class ServerError(RuntimeError):
     """The server did not come up (or died); the message ends with its log tail."""
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 GPU = os.environ.get("ONESPARK_VLLM_GPU") == "1"
