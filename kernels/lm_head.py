@@ -30,7 +30,7 @@ memory (`_SMALL_SMEM_CONFIGS` where none fits) and timed once per (bucket, N, K)
 (never while capturing).
 
 Bytes and floors (Qwen3.5-122B-A10B head, N = 248,320, K = 3,072; H200, 4.26 TB/s measured copy
-rate, read + write, bench/lab/lm_head.py): INT8 762.8 MB weight + 1.0 MB scales -> 0.179 ms;
+rate, read + write, lab/lm_head.py): INT8 762.8 MB weight + 1.0 MB scales -> 0.179 ms;
 BF16 1,525.6 MB -> 0.358 ms; INT4 381.4 MB + 11.9 MB scales -> 0.092 ms.
 Measured speed per M against cuBLAS BF16: bench/results/lm_head_h200.json (the table is in
 docs/concepts/kernels.md; _CONFIGS come from bench/results/lm_head_h200_sweep.json). Where the targets are missed,
@@ -431,7 +431,7 @@ def _int4_mm_kernel(
 # kernel "swap" = _int8_mm_kernel / _int4_mm_kernel (weight as the register operand), "std" =
 # _int8_mm_large_kernel. Small buckets use 2 warps or BLOCK_N < 64 so Triton emits mma.sync, whose
 # int8 register operand loads 4 bytes at a time (kWidth 4); for wgmma's register operand it loads 2
-# and re-packs them (SASS, sm_90). Filled from the H200 sweep (bench/lab/lm_head.py --sweep);
+# and re-packs them (SASS, sm_90). Filled from the H200 sweep (lab/lm_head.py --sweep);
 # later entries need less shared memory (sm_12x parts such as the DGX Spark's GB10 have ~100 KB
 # per block, the H200 227 KB).
 _CONFIGS: dict[tuple[str, int], list[tuple]] = {

@@ -450,7 +450,7 @@ def prefill_attention_sdpa(q, cache, layout: CacheLayout, block_table_row, seq_l
 
 
 # ---------------------------------------------------------------------------------------------
-# Synthetic attention data: what tests/test_turboquant.py's error limits and bench/lab/turboquant_quality.py's
+# Synthetic attention data: what tests/test_turboquant.py's error limits and lab/turboquant_quality.py's
 # report (bench/results/turboquant_quality.json) are measured on. Here, beside the reference, because both use it
 # and neither may import the other (a test never imports a lab script).
 

@@ -1,6 +1,6 @@
 """Step 1's speed against `cp -r` of the same bytes, and its peak memory (a benchmark, not a test).
 
-    python bench/lab/checkpoint.py --work /var/tmp/ckbench [--size-gb 4] [--shard-gb 2] [--repeats 3]
+    python lab/checkpoint.py --work /var/tmp/ckbench [--size-gb 4] [--shard-gb 2] [--repeats 3]
 
 Synthesizes an INT4 checkpoint of about --size-gb (Intel layout, shards of about --shard-gb) and a matching
 FP8 source, then times, alternately and --repeats times each:

@@ -1,6 +1,6 @@
 """Collect the ptxas resource figures tests/test_kernels_compile.py prints (-s) into one result file.
 
-    .venv/bin/python bench/lab/compile_resources.py --out bench/results/kernels_compile_resources.json
+    .venv/bin/python lab/compile_resources.py --out bench/results/kernels_compile_resources.json
 
 Compile facts from this CPU machine (Triton's bundled ptxas and cuobjdump), not timings. The test asserts what
 matters (shared memory within each GPU's limit, no spills on sm_121 at the shipped TurboQuant tiles); this keeps
@@ -19,7 +19,7 @@ from pathlib import Path
 import harness
 import triton
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 FIGURES = r"(?P<registers>\d+) registers, (?P<spill>\d+) B spilled, (?P<shared>\d+) B shared$"
 # "sm_90 turboquant_k4v4 _tq_decode_kernel: ..." and "sm_121 turboquant_k4v4 with the H200 verify tile _tq_decode_kernel: ..."
 TQ_LINE = re.compile(r"^sm_(?P<arch>\d+) (?P<launch>turboquant_\w+(?: with [^_]+)?) (?P<kernel>_\w+): " + FIGURES)

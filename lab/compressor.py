@@ -2,7 +2,7 @@
 PromptCompressor, use_llmlingua2=True) on an xlm-roberta-large-shaped token classifier with random weights,
 built here (no download: the GPU host has no network), at 8K, 16K, 32K and 64K tokens of prose.
 
-    python bench/lab/compressor.py [--tokens 8k,16k,32k,64k] [--rate 0.5] [--runs 3] [--out PATH]
+    python lab/compressor.py [--tokens 8k,16k,32k,64k] [--rate 0.5] [--runs 3] [--out PATH]
 
 Latency depends on the shapes, not the weights: 24 layers of 1024, 16 heads, FFN 4096, FP32 as Microsoft
 publishes the checkpoint, llmlingua's 512-token chunks in batches of 50. Two things differ from the real model

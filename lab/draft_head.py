@@ -1,6 +1,6 @@
 """The MTP draft's subset head against the full INT8 head, real shape (Qwen3.5-122B-A10B: N = 248,320, K = 3,072).
 
-    python bench/lab/draft_head.py --git-sha SHA [--out bench/results/draft_head_<gpu>.json] [--m 1,2,3]
+    python lab/draft_head.py --git-sha SHA [--out bench/results/draft_head_<gpu>.json] [--m 1,2,3]
                                    [--k-sub 32768]
 
 Per row count m (1 = one sequence's draft pass; MTP-2 drafts 1 token per pass per sequence, so m = the number

@@ -1,10 +1,10 @@
-"""The one harness of the lab benchmarks in bench/lab/: CUDA-graph (or eager) median timing, the device copy
+"""The one harness of the lab benchmarks in lab/: CUDA-graph (or eager) median timing, the device copy
 bandwidth, relative error, the GPU's name, and the result file (git SHA, exact command, GPU, torch / Triton
 versions, UTC time; written atomically).
 
-Lab scripts import it as a sibling module: `python bench/lab/X.py` puts bench/lab/ on sys.path. It is no part of
+Lab scripts import it as a sibling module: `python lab/X.py` puts lab/ on sys.path. It is no part of
 the onespark distribution (pyproject ships onespark.bench's own modules only). torch is imported inside the
-functions that need it: bench/lab/checkpoint.py runs on a host without torch.
+functions that need it: lab/checkpoint.py runs on a host without torch.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_VERSION = 1
 
 

@@ -1,7 +1,7 @@
 """LM-head kernel benchmark on the real shape: cuBLAS BF16 vs onespark INT8 vs INT4-draft.
 
-    python bench/lab/lm_head.py --git-sha SHA [--out bench/results/lm_head_<gpu>.json] [--m 1,3,16]
-    python bench/lab/lm_head.py --sweep [--m ...]        # time every candidate config instead
+    python lab/lm_head.py --git-sha SHA [--out bench/results/lm_head_<gpu>.json] [--m 1,3,16]
+    python lab/lm_head.py --sweep [--m ...]        # time every candidate config instead
 
 Shape: Qwen3.5-122B-A10B's head, N = 248,320 x K = 3,072. Inputs are random (never zero): weight
 N(0, 0.02^2) in BF16, then quantized; x N(0.01, 1) in BF16. Each method is timed as a CUDA graph of

@@ -1,6 +1,6 @@
 """The INT8 LM head as the vLLM plugin runs it, against F.linear on the BF16 weight (real shape).
 
-    python bench/lab/lm_head_glue.py --git-sha SHA [--out bench/results/lm_head_glue_h200.json]
+    python lab/lm_head_glue.py --git-sha SHA [--out bench/results/lm_head_glue_h200.json]
 
 What is timed, per M (tokens per logits call: 1 decode, 3 MTP-2 verify, 12 = 4 x 3 concurrent, 96 prefill
 chunk / 32 x 3):

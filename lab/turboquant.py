@@ -1,8 +1,8 @@
 """TurboQuant decode attention on a GPU: speed against BF16 FlashAttention and the BF16 bytes floor,
 correctness against the reference, and the needle test at 32K / 128K / 256K keys.
 
-    python bench/lab/turboquant.py --out bench/results/turboquant_h200.json --git-sha SHA
-    python bench/lab/turboquant.py --prefill --out bench/results/turboquant_prefill_h200.json --git-sha SHA
+    python lab/turboquant.py --out bench/results/turboquant_h200.json --git-sha SHA
+    python lab/turboquant.py --prefill --out bench/results/turboquant_prefill_h200.json --git-sha SHA
 
 --prefill: one 2,048-token prompt chunk (vLLM's default long-prefill chunk here) that continues a sequence at
 depths 2K (a fresh prompt) to 128K. Baseline: torch SDPA on the same keys in BF16, lower-right causal with

@@ -1,7 +1,7 @@
 """What a cheaper 4-bit decode would cost in quality (CPU, float64): the shipped Lloyd-Max codebooks against
 codebooks whose decode takes fewer integer operations per value, on the same coordinate law and attention data.
 
-    python bench/lab/turboquant_codebooks.py --out bench/results/turboquant_codebooks.json
+    python lab/turboquant_codebooks.py --out bench/results/turboquant_codebooks.json
 
 The decode kernel spends 2.5 integer operations per 4-bit value on the Lloyd-Max table (PRMT lookups of
 sign-magnitude codes: kernels/turboquant_triton._byte_asm; 5 with the ascending codes before) and was bound by that
@@ -19,7 +19,7 @@ it (counted from the sequence, not measured):
 
 The s of the fp8 grids is searched (the token scale absorbs it, so it costs nothing at decode). Reported per
 candidate: the per-coordinate MSE on the rotated law, its ratio to Lloyd-Max, and the attention-output relative
-error against unquantized float64 on bench/lab/turboquant_quality.py's data (tq.structured_kv, mean over SEEDS)
+error against unquantized float64 on lab/turboquant_quality.py's data (tq.structured_kv, mean over SEEDS)
 with the candidate used for K and V.
 """
 

@@ -5,7 +5,7 @@ size and shared memory (so the same CTAs fit an SM) records each working CTA's S
 return at once, as the decode kernel's do. All of a launch is resident at once (grid <= SMs x CTAs per SM), so the
 placement at dispatch is the placement for the whole kernel.
 
-    python bench/lab/turboquant_cta_placement.py --out OUT.json [--git-sha SHA]
+    python lab/turboquant_cta_placement.py --out OUT.json [--git-sha SHA]
 
 Needs a GPU and nvcc (torch.utils.cpp_extension.load_inline); writes one JSON and prints one table: per grid, the
 SMs the working CTAs use and the most working CTAs on one SM (1 = each its own SM).
@@ -15,18 +15,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness
+import torch
+from torch.utils.cpp_extension import load_inline
 
-import harness  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.cpp_extension import load_inline  # noqa: E402
-
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"
 
 CUDA = r"""
 #include <torch/extension.h>

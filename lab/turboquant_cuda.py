@@ -1,8 +1,8 @@
 """TurboQuant K4V4 decode on a GPU: the CUDA C++ kernel (kernels/turboquant_decode.cuh: mma.sync, codes decoded into
 mma fragments in registers) beside the shipped Triton kernel and BF16 flash with the GQA heads folded, one run.
 
-    python bench/lab/turboquant_cuda.py --out bench/results/turboquant_cuda_h200.json --git-sha SHA
-    python bench/lab/turboquant_cuda.py --mma-sync --out bench/results/turboquant_cuda_h200_mma_sync.json --git-sha SHA
+    python lab/turboquant_cuda.py --out bench/results/turboquant_cuda_h200.json --git-sha SHA
+    python lab/turboquant_cuda.py --mma-sync --out bench/results/turboquant_cuda_h200_mma_sync.json --git-sha SHA
 
 --mma-sync: the Triton kernel as the DGX Spark runs it (every tl.dot an mma.sync, the Spark's tiles; see
 turboquant_tiles.py), on this GPU: the CUDA kernel is the same code on both, so this ranks the two on the Spark's
@@ -93,7 +93,7 @@ def main() -> int:
                     help="the Triton kernel as the Spark runs it (mma.sync, its tiles; turboquant_tiles.py --mma-sync)")
     ap.add_argument("--unchecked", action="store_true",
                     help="time a diagnostic build that leaves a stage out (wrong output by design: "
-                         "bench/lab/turboquant_cuda_diagnostics/) without the float64 checks; the result says so")
+                         "lab/turboquant_cuda_diagnostics/) without the float64 checks; the result says so")
     ap.add_argument("--one", metavar="DEPTH,BATCH,Q_LEN,IMPL",
                     help="only run that case a few times, untimed (IMPL cuda or triton): for a profiler such as ncu")
     args = ap.parse_args()

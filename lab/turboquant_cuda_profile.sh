@@ -3,12 +3,12 @@
 # ALU, FMA, shared memory), the issue rate, the stall reasons, the DRAM throughput. One kernel launch, clocks left as
 # they are (--clock-control none):
 #
-#   ONESPARK_WHEEL=onespark.whl OUT=DIR bench/lab/turboquant_cuda_profile.sh [DEPTH,BATCH,Q_LEN]   (262144,8,3)
+#   ONESPARK_WHEEL=onespark.whl OUT=DIR lab/turboquant_cuda_profile.sh [DEPTH,BATCH,Q_LEN]   (262144,8,3)
 #
 # Writes DIR/turboquant_cuda_profile_<DEPTH>_<BATCH>_<Q_LEN>.txt (ncu's report, the sha on its first line). Uses the
 # build in ONESPARK_CUDA_BUILD when it is fresh for TORCH_CUDA_ARCH_LIST (tests/gpu.sh keeps its build there).
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 
 case=${1:-262144,8,3}
 [[ $case =~ ^[0-9]+,[0-9]+,[0-9]+$ ]] || { echo "turboquant_cuda_profile.sh: the case is DEPTH,BATCH,Q_LEN (whole numbers), got '$case'" >&2; exit 2; }
@@ -32,10 +32,10 @@ metrics+=,smsp__issue_active.avg.pct_of_peak_sustained_active
 metrics+=,dram__throughput.avg.pct_of_peak_sustained_elapsed
 dest=$out/turboquant_cuda_profile_${case//,/_}.txt
 {
-  echo "# git_sha ${ONESPARK_GIT_SHA:-unknown}: bench/lab/turboquant_cuda_profile.sh $case"
+  echo "# git_sha ${ONESPARK_GIT_SHA:-unknown}: lab/turboquant_cuda_profile.sh $case"
   "$NCU" --clock-control none -k regex:decode_k4v4 -s 1 -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section SchedulerStats --section Occupancy --metrics "$metrics" \
-    python3 bench/lab/turboquant_cuda.py --one "$case,cuda"
+    python3 lab/turboquant_cuda.py --one "$case,cuda"
 } >"$dest.tmp"
 mv "$dest.tmp" "$dest"
 grep -E "hmma|pipe_alu|pipe_fma|pipe_lsu|mem_shared|issue_active|dram__|Warp Cycles Per Issued|Achieved Occupancy" "$dest"

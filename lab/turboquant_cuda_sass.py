@@ -1,16 +1,16 @@
 """The CUDA decode kernel's key loop as sm_90 machine code: the shipped header and its candidate diffs side by side.
 
-    .venv/bin/python bench/lab/turboquant_cuda_sass.py --out bench/results/turboquant_cuda_sass.json \
-        base bench/lab/turboquant_cuda_candidates/occ1.diff
+    .venv/bin/python lab/turboquant_cuda_sass.py --out bench/results/turboquant_cuda_sass.json \
+        base lab/turboquant_cuda_candidates/occ1.diff
 
 Each argument is `base` (kernels/turboquant_decode.cuh) or a diff against it (`git apply`; A.diff+B.diff applies
-both in order), as bench/lab/turboquant_cuda_variants.sh takes them on a GPU. Compiled here, without a GPU, with the
+both in order), as lab/turboquant_cuda_variants.sh takes them on a GPU. Compiled here, without a GPU, with the
 test lane's pinned nvcc (tests/test_kernels_compile_cuda.NVCC) and the flags of the real build
 (kernels/turboquant_cuda.py: -O3 --use_fast_math), disassembled with Triton's bundled cuobjdump, and the loop over
 64-key steps (the largest backward branch) counted by kind, per warp: `loop`. A kernel with branches that most
 steps skip (the mask, taken in a split's last steps only; the accumulator rescale, taken when a row's maximum grows)
 is also compiled with them removed (`common`, the instructions a step in the middle of a split issues); a source
-without them has `common` = `loop`. Static counts, not timings: bench/lab/turboquant_cuda_variants.sh times.
+without them has `common` = `loop`. Static counts, not timings: lab/turboquant_cuda_variants.sh times.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 import harness
 from turboquant_sass import KINDS, loop_body
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from tests._aot import CUOBJDUMP  # noqa: E402
 from tests._cuda_cpu import patched_header  # noqa: E402

@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # Variants of the CUDA decode kernel (kernels/turboquant_decode.cuh) timed side by side on one GPU, one run:
 #
-#   ONESPARK_WHEEL=onespark.whl bench/lab/turboquant_cuda_variants.sh base PATCH.diff ...
+#   ONESPARK_WHEEL=onespark.whl lab/turboquant_cuda_variants.sh base PATCH.diff ...
 #
 # Each argument is `base` (the header as built), a unified diff against kernels/turboquant_decode.cuh (`patch
 # -p1`), or diffs joined by + (applied in order: lean.diff+occ1.diff is the variant lean_occ1). Every variant gets its
 # own copy of the wheel (WORK/site_<name>) and its own build (WORK/build_<name>; all built at once,
-# TORCH_CUDA_ARCH_LIST, 9.0 unless set), then bench/lab/turboquant_cuda.py checks it against float64 and times it
+# TORCH_CUDA_ARCH_LIST, 9.0 unless set), then lab/turboquant_cuda.py checks it against float64 and times it
 # (OUT/<name>.json); a diff named diag_*.diff leaves a stage out on purpose (wrong output), so it is timed unchecked
-# (bench/lab/turboquant_cuda_diagnostics/). Last, one table: each variant's time over BF16 flash with the GQA heads
+# (lab/turboquant_cuda_diagnostics/). Last, one table: each variant's time over BF16 flash with the GQA heads
 # folded, at 3 and at 2 pipeline stages. Variants of 2026-12-04: bench/results/turboquant_cuda_variants_h200/.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 
 (($#)) || { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
-PKG_PATH=${ONESPARK_WHEEL:?bench/lab/turboquant_cuda_variants.sh: set ONESPARK_WHEEL to a built onespark wheel}
+PKG_PATH=${ONESPARK_WHEEL:?lab/turboquant_cuda_variants.sh: set ONESPARK_WHEEL to a built onespark wheel}
 out=${OUT:-bench/results} work=${WORK:-$(mktemp -d)}
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 names=()
@@ -50,7 +50,7 @@ for name in "${names[@]}"; do
   echo "== $name"
   unchecked=()
   [[ $name != diag_* ]] || unchecked=(--unchecked)
-  PYTHONPATH=$work/site_$name ONESPARK_CUDA_BUILD=$work/build_$name python3 bench/lab/turboquant_cuda.py \
+  PYTHONPATH=$work/site_$name ONESPARK_CUDA_BUILD=$work/build_$name python3 lab/turboquant_cuda.py \
     --out "$out/$name.json" --git-sha "${ONESPARK_GIT_SHA:-unknown}+$name" "${unchecked[@]}" | tail -2 || rc=1
 done
 python3 - "$out" "${names[@]}" <<'EOF'

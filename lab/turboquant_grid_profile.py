@@ -7,7 +7,7 @@ profiler, and the call as a whole by CUDA-graph replays, for four grids that tak
   splits     the server's split count, the table unpadded
   server     both, as a vLLM server's CUDA graph runs it
 
-    python bench/lab/turboquant_grid_profile.py --out OUT.json [--git-sha SHA]
+    python lab/turboquant_grid_profile.py --out OUT.json [--git-sha SHA]
 
 Needs a GPU and the CUDA kernel's build (ONESPARK_CUDA_BUILD); writes one JSON and prints one table.
 """
@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness
+import torch
+import turboquant as lab
 
-import harness  # noqa: E402
-import torch  # noqa: E402
-import turboquant as lab  # noqa: E402
-
-from onespark.kernels import turboquant as tq  # noqa: E402
-from onespark.kernels import turboquant_cuda as tq_cuda  # noqa: E402
+from onespark.kernels import turboquant as tq
+from onespark.kernels import turboquant_cuda as tq_cuda
 
 NAME = "turboquant_k4v4"
 CASES = [(8192, 1), (8192, 3), (32768, 1), (32768, 3), (65536, 1), (65536, 3)]

@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# A split-merge candidate (bench/lab/turboquant_merge_candidates/*.diff) timed against the shipped merge on one GPU,
+# A split-merge candidate (lab/turboquant_merge_candidates/*.diff) timed against the shipped merge on one GPU,
 # in one device call:
 #
-#   ONESPARK_WHEEL=onespark.whl bench/lab/turboquant_merge_ab.sh bench/lab/turboquant_merge_candidates/NAME.diff
+#   ONESPARK_WHEEL=onespark.whl lab/turboquant_merge_ab.sh lab/turboquant_merge_candidates/NAME.diff
 #
-# The wheel (built at this commit) runs the checkout's bench/lab/turboquant_cuda.py as shipped
+# The wheel (built at this commit) runs the checkout's lab/turboquant_cuda.py as shipped
 # (OUT/turboquant_cuda_<gpu>_shipped.json). Then a copy of the files the diff touches is patched, the copy of the wheel
 # gets the patched kernels/, and the patched bench runs on it (OUT/turboquant_cuda_<gpu>_<name>.json). Both check
 # both kernels against float64 before timing; the CUDA kernel's sources are the same in both, so they share one
 # build (ONESPARK_CUDA_BUILD, else WORK/build; TORCH_CUDA_ARCH_LIST, 9.0 unless set). Last, one table: each kernel's
 # time over BF16 flash with the GQA heads folded, shipped and candidate, side by side.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 
 me=turboquant_merge_ab.sh
 (($# == 1)) || { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
 diff=$1
-[[ -f $diff ]] || { echo "$me: no diff file '$diff' (a candidate under bench/lab/turboquant_merge_candidates/)" >&2; exit 2; }
+[[ -f $diff ]] || { echo "$me: no diff file '$diff' (a candidate under lab/turboquant_merge_candidates/)" >&2; exit 2; }
 PKG_PATH=${ONESPARK_WHEEL:?$me: set ONESPARK_WHEEL to the onespark wheel built at this commit}
 [[ -f $PKG_PATH ]] || { echo "$me: ONESPARK_WHEEL: no file '$PKG_PATH' (build it: python3 -m pip wheel --no-deps -w DIR .)" >&2; exit 2; }
 name=$(basename "$diff" .diff)
@@ -34,7 +34,7 @@ for rel in "${touched[@]}"; do
   mkdir -p "$tree/$(dirname "$rel")"
   cp "$rel" "$tree/$rel"
 done
-mkdir -p "$tree/bench/lab" && cp -r bench/lab/. "$tree/bench/lab/"  # the lab's other modules (harness, turboquant) beside its patched script
+mkdir -p "$tree/lab" && cp -r lab/. "$tree/lab/"  # the lab's other modules (harness, turboquant) beside its patched script
 patch -s -p1 -d "$tree" <"$diff" || { echo "$me: $diff does not apply to this checkout" >&2; exit 2; }
 for v in shipped "$name"; do
   rm -rf "$work/site_$v"
@@ -44,13 +44,13 @@ for rel in "${touched[@]}"; do  # the wheel's package holds kernels/ as onespark
   [[ $rel != kernels/* ]] || cp "$tree/$rel" "$work/site_$name/onespark/$rel"
 done
 
-gpu=$(PYTHONPATH="$PWD/bench/lab" python3 -c 'from harness import gpu_name; print(gpu_name())')
+gpu=$(PYTHONPATH="$PWD/lab" python3 -c 'from harness import gpu_name; print(gpu_name())')
 rc=0
 echo "== shipped"
-PYTHONPATH=$work/site_shipped python3 bench/lab/turboquant_cuda.py --out "$out/turboquant_cuda_${gpu}_shipped.json" \
+PYTHONPATH=$work/site_shipped python3 lab/turboquant_cuda.py --out "$out/turboquant_cuda_${gpu}_shipped.json" \
   --git-sha "$sha" | tail -2 || rc=1
 echo "== $name"
-PYTHONPATH=$work/site_$name python3 "$tree/bench/lab/turboquant_cuda.py" --out "$out/turboquant_cuda_${gpu}_$name.json" \
+PYTHONPATH=$work/site_$name python3 "$tree/lab/turboquant_cuda.py" --out "$out/turboquant_cuda_${gpu}_$name.json" \
   --git-sha "$sha+$name" | tail -2 || rc=1
 python3 - "$out/turboquant_cuda_${gpu}_shipped.json" "$out/turboquant_cuda_${gpu}_$name.json" "$name" <<'EOF'
 import json, sys

@@ -2,7 +2,7 @@
 bounds, attention-output error against unquantized float64 on random and structured data, the needle test
 at 32K / 128K / 256K keys, and the QJL residual stage measured against spending its bit on the MSE codebook.
 
-    python bench/lab/turboquant_quality.py --out bench/results/turboquant_quality.json
+    python lab/turboquant_quality.py --out bench/results/turboquant_quality.json
 
 Writes the JSON (atomically) and prints a Markdown summary. About a minute on 2 CPU cores.
 """

@@ -1,8 +1,8 @@
 """The TurboQuant decode kernels' key loop as machine code: the shipped kernel, its decode-once choice both ways,
 and the lab's transposed candidate.
 
-    .venv/bin/python bench/lab/turboquant_sass.py --out bench/results/turboquant_sass.json
-    .venv/bin/python bench/lab/turboquant_sass.py --arch 121 --out bench/results/turboquant_sass_sm121.json
+    .venv/bin/python lab/turboquant_sass.py --out bench/results/turboquant_sass.json
+    .venv/bin/python lab/turboquant_sass.py --arch 121 --out bench/results/turboquant_sass_sm121.json
 
 sm_90 is the H200's (wgmma), sm_121 the DGX Spark's GB10 (mma.sync only); the host code picks each one's tiles.
 Machine-code counts (`per_64_keys`) are sm_90 only: Triton 3.6.0 bundles CUDA 12.8's cuobjdump and nvdisasm,
@@ -16,7 +16,7 @@ branch's body) by kind. `per_64_keys` is the loop's instructions x warps x 64 / 
 instructions the SM issues for 64 keys of one KV head, comparable across tiles and warp counts. A static count,
 not a timing: it says where decode work is duplicated across warps (PRMT, the 4-bit decode, at its minimum is
 1,280 per 64 keys: 32,768 values x 10 PRMT per 8 values / 32 lanes) and where spills or shared-memory round
-trips sit in the loop; bench/lab/turboquant.py times the same tiles on the H200.
+trips sit in the loop; lab/turboquant.py times the same tiles on the H200.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import turboquant_swap
 from onespark.kernels import turboquant as tq
 from onespark.kernels import turboquant_triton as tt
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests/_aot.py: the compile-for-a-GPU-that-is-not-here helper the tests use
 from tests._aot import CUOBJDUMP, captured_launches, compile_for  # noqa: E402
 

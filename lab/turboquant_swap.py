@@ -1,6 +1,6 @@
 """A candidate TurboQuant decode kernel with the products transposed ("swap AB"): keys are the tile's M side.
 
-Not shipped and not yet timed (written 2026-12-04 without device time left; `bench/lab/turboquant.py` times it
+Not shipped and not yet timed (written 2026-12-04 without device time left; `lab/turboquant.py` times it
 beside the shipped kernel as the sweep's `impl=swap` rows). The shipped kernel (kernels/turboquant_triton.py)
 computes S = Q K^T with the 16-48 query rows as M, so the decoded K and V tiles are the B operand of every
 product: on sm_90 Triton stores each decoded tile to shared memory for wgmma (64 keys x 256 dims x 2 B, K and V:

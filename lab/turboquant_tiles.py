@@ -1,8 +1,8 @@
 """TurboQuant decode tiles on a GPU: the shipped tile beside the row-tile and lazy-rescale candidates, on the
 H200's own code (wgmma) and on the DGX Spark's (mma.sync), against BF16 flash with the GQA heads folded.
 
-    python bench/lab/turboquant_tiles.py --out bench/results/turboquant_tiles_h200.json --git-sha SHA
-    python bench/lab/turboquant_tiles.py --mma-sync --out bench/results/turboquant_tiles_h200_mma_sync.json --git-sha SHA
+    python lab/turboquant_tiles.py --out bench/results/turboquant_tiles_h200.json --git-sha SHA
+    python lab/turboquant_tiles.py --mma-sync --out bench/results/turboquant_tiles_h200_mma_sync.json --git-sha SHA
 
 --mma-sync times the Spark's code on the H200: Triton's DISABLE_MMA_V3=1 (read at compile time, part of its
 cache key) makes every tl.dot an mma.sync, as on sm_121, which has no wgmma, and the host code is told the GPU is

@@ -1,6 +1,6 @@
 """The decode step of the real Qwen3.5 shapes inside vLLM on a GPU, one technique at a time, with dummy weights.
 
-  python bench/lab/vllm_step.py --out F.json [--models 122b,35b] [--configs stock,...] [--deadline-s 540]
+  python lab/vllm_step.py --out F.json [--models 122b,35b] [--configs stock,...] [--deadline-s 540]
 
 Each (model, config) is a fresh vLLM engine in a child process (`--one`): `--load-format dummy` on the real
 config.json (onespark.checkpoint.synth.make_config with the spec's real dims: AutoRound INT4 experts, 16-bit shared experts,

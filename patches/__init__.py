@@ -74,7 +74,7 @@ An entry: `NAME=DEFAULT`, what it does, then `Speed/memory:` what it costs and g
   ONESPARK_DRAFT_INT4=0
       (read by `draft_head.attach`, not a technique) with the draft vocabulary in use, `1` puts the subset's rows
       in INT4 groups of 128 (`int4_gemv`), quantized from the INT8 rows; changes only which tokens are drafted.
-      Off until measured on a GPU (`bench/lab/draft_head.py`).
+      Off until measured on a GPU (`lab/draft_head.py`).
       Speed/memory: half the draft head's bytes again (52 vs 101 MB): ~0.18 ms less per draft pass on a Spark,
       on paper.
   ONESPARK_ALLOW_ANY_VLLM=0

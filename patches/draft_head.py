@@ -19,7 +19,7 @@ outside it is still produced (the draft is merely rejected there).
 
 Switch: ONESPARK_DRAFT_VOCAB (default on where the file exists; 0 = the draft shares the target's full head;
 1 with no file = an error naming the command that writes it). ONESPARK_DRAFT_INT4=1 (default 0, until a GPU
-measurement says it pays: bench/lab/draft_head.py) keeps the subset's rows in INT4 groups of 128 instead
+measurement says it pays: lab/draft_head.py) keeps the subset's rows in INT4 groups of 128 instead
 (half the bytes again; quantized from the INT8 rows, so twice rounded: it changes only what is drafted).
 A file that does not match the checkpoint (onespark.checkpoint.draft_vocab.check_file: ids in range, unique, specials
 present, this tokenizer.json) stops the server with one line naming the file and the fix.

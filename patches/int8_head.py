@@ -1,6 +1,6 @@
 """The INT8 LM head's arithmetic, free of vLLM: exactly what `Int8LMHeadMethod` runs (patches/lm_head.py).
 
-Kept apart so bench/lab/lm_head_glue.py can time the real call path (every reshape, cast and copy
+Kept apart so lab/lm_head_glue.py can time the real call path (every reshape, cast and copy
 around the kernel) on a GPU host without vLLM, and tests can check it against plain torch.
 
     quantize_head(weight[N, K]) -> (w_int8[N, K] int8, scale[N] fp32)     once, after loading

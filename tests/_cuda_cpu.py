@@ -29,7 +29,7 @@ PTX_HELPERS = ("prmt", "mma", "ldsm4", "cp_async", "cp_commit", "cp_wait", "bar_
 
 # Candidate diffs that change the header: the CUDA kernel's own, and the merge candidates that touch it too (their
 # other files are the Triton side, checked in tests/test_turboquant_triton.py).
-LAB = REPO / "bench" / "lab"
+LAB = REPO / "lab"
 HEADER_CANDIDATES = sorted([*(LAB / "turboquant_cuda_candidates").glob("*.diff"),
                             *(d for d in (LAB / "turboquant_merge_candidates").glob("*.diff")
                               if f"+++ b/kernels/{HEADER.name}" in d.read_text())])

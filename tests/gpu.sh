@@ -5,7 +5,7 @@
 #   tests/gpu.sh [--tests-only | --bench-only] [--bench NAME,...] [--quick]
 #
 # Benchmarks (NAME): turboquant (decode), turboquant_prefill, lm_head, lm_head_glue, draft_head; all by default
-# (the lab scripts in bench/lab/, which share bench/lab/harness.py). On request only: turboquant_tiles and
+# (the lab scripts in lab/, which share lab/harness.py). On request only: turboquant_tiles and
 # turboquant_tiles_mma_sync (the decode tile candidates, on this GPU's code and on the Spark's), turboquant_cuda and
 # turboquant_cuda_mma_sync (the CUDA C++ decode kernel beside the Triton kernel's code for this GPU, for the Spark).
 #
@@ -52,11 +52,11 @@ PKG_PATH=${ONESPARK_WHEEL:-$PWD}  # a wheel built elsewhere (the host's setuptoo
 "$py" -m pip install -q --no-deps --no-build-isolation --no-compile --target "$site" "$PKG_PATH"
 export PYTHONPATH="$site:$PWD/$stub" PYTHONUNBUFFERED=1
 # The CUDA decode kernel is built once, in the scratch folder (or ONESPARK_CUDA_BUILD, kept for a later run such as
-# bench/lab/turboquant_cuda_profile.sh), for this GPU and the Spark (one build proves both compile with the real
+# lab/turboquant_cuda_profile.sh), for this GPU and the Spark (one build proves both compile with the real
 # torch binding; kernels/turboquant_cuda.py).
 export ONESPARK_CUDA_BUILD="${ONESPARK_CUDA_BUILD:-$site/cuda-build}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0;12.1a}"
 # the lab's short name (h200, h100, gb10): file names agree with the bench results' `gpu` field
-gpu=$(PYTHONPATH="$PWD/bench/lab:$PYTHONPATH" "$py" -c 'from harness import gpu_name; print(gpu_name())')
+gpu=$(PYTHONPATH="$PWD/lab:$PYTHONPATH" "$py" -c 'from harness import gpu_name; print(gpu_name())')
 rc=0
 
 if ((tests)); then
@@ -95,21 +95,21 @@ fi
 
 if ((bench)); then
   declare -A cmds=(
-    [turboquant]="bench/lab/turboquant.py --out $out/turboquant_$gpu.json ${quick[*]}"
-    [turboquant_prefill]="bench/lab/turboquant.py --prefill --out $out/turboquant_prefill_$gpu.json ${quick[*]}"
-    [lm_head]="bench/lab/lm_head.py --out $out/lm_head_$gpu.json"
-    [lm_head_glue]="bench/lab/lm_head_glue.py --out $out/lm_head_glue_$gpu.json"
-    [draft_head]="bench/lab/draft_head.py --out $out/draft_head_$gpu.json"
-    [turboquant_tiles]="bench/lab/turboquant_tiles.py --out $out/turboquant_tiles_$gpu.json"
-    [turboquant_tiles_mma_sync]="bench/lab/turboquant_tiles.py --mma-sync --out $out/turboquant_tiles_${gpu}_mma_sync.json"
-    [turboquant_cuda]="bench/lab/turboquant_cuda.py --out $out/turboquant_cuda_$gpu.json"
-    [turboquant_cuda_mma_sync]="bench/lab/turboquant_cuda.py --mma-sync --out $out/turboquant_cuda_${gpu}_mma_sync.json")
+    [turboquant]="lab/turboquant.py --out $out/turboquant_$gpu.json ${quick[*]}"
+    [turboquant_prefill]="lab/turboquant.py --prefill --out $out/turboquant_prefill_$gpu.json ${quick[*]}"
+    [lm_head]="lab/lm_head.py --out $out/lm_head_$gpu.json"
+    [lm_head_glue]="lab/lm_head_glue.py --out $out/lm_head_glue_$gpu.json"
+    [draft_head]="lab/draft_head.py --out $out/draft_head_$gpu.json"
+    [turboquant_tiles]="lab/turboquant_tiles.py --out $out/turboquant_tiles_$gpu.json"
+    [turboquant_tiles_mma_sync]="lab/turboquant_tiles.py --mma-sync --out $out/turboquant_tiles_${gpu}_mma_sync.json"
+    [turboquant_cuda]="lab/turboquant_cuda.py --out $out/turboquant_cuda_$gpu.json"
+    [turboquant_cuda_mma_sync]="lab/turboquant_cuda.py --mma-sync --out $out/turboquant_cuda_${gpu}_mma_sync.json")
   IFS=, read -ra picked <<<"$names"
   for name in "${picked[@]}"; do
     cmd=${cmds[$name]:-}
     [[ -n $cmd ]] || { echo "tests/gpu.sh: unknown benchmark '$name' (${!cmds[*]})" >&2; exit 2; }
     echo "== $cmd"
-    # No -P here: a script's own folder (bench/lab/, the harness) must be on sys.path; the checkout root is not.
+    # No -P here: a script's own folder (lab/, the harness) must be on sys.path; the checkout root is not.
     # shellcheck disable=SC2086  # word splitting wanted: the command's arguments
     "$py" $cmd --git-sha "$sha" || rc=1
   done

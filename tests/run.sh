@@ -52,9 +52,9 @@ install_venv() {  # VENV REQUIREMENTS OVERRIDES (&&-chained: stage runs it where
 # 41.9 min) the split took 1,604 s, the rest 2,318 s: five more fixture-free files (compiles, an interpreter lane,
 # the lab scripts, the fuzzed readers) moved here after it (docs/development.md).
 DEMO_FILES=(tests/test_install_demo.py)
-SPLIT_FILES=(tests/test_turboquant_triton.py tests/test_turboquant_swap.py tests/test_cluster.py tests/test_install.py
+SPLIT_FILES=(tests/test_turboquant_triton.py tests/lab/test_turboquant_swap.py tests/test_cluster.py tests/test_install.py
              tests/test_turboquant_cuda_cpu.py tests/test_kernels_compile.py tests/test_kernels_compile_cuda.py
-             tests/test_kernels_lm_head.py tests/test_bench_lab.py tests/test_fuzz_readers.py)
+             tests/test_kernels_lm_head.py tests/lab/test_lab.py tests/test_fuzz_readers.py)
 
 part_name() {  # PART: how the stage table and the log headers name it
   case $1 in

@@ -98,7 +98,7 @@ def test_the_h200_verify_tile_spills_on_the_spark(monkeypatch):
 
 
 def test_the_spark_code_compiles_for_the_h200_with_wgmma_off(monkeypatch):
-    """bench/lab/turboquant_tiles.py --mma-sync times the Spark's decode code on an H200: with Triton's
+    """lab/turboquant_tiles.py --mma-sync times the Spark's decode code on an H200: with Triton's
     DISABLE_MMA_V3=1 (part of its cache key) the sm_90 build of the Spark's verify tile has no wgmma and the
     same mma.sync and PRMT counts as the sm_121 build; without it, sm_90 takes wgmma."""
     launches = _turboquant_launches(tq.DEFAULT_PRESET, SPARK, monkeypatch)

@@ -72,13 +72,13 @@ def test_the_build_stamp_is_written_whole_by_writers_at_once(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sources.sha256"]
 
 
-LAB = Path(__file__).resolve().parents[1] / "bench" / "lab"
+LAB = Path(__file__).resolve().parents[1] / "lab"
 DIAGNOSTICS = sorted((LAB / "turboquant_cuda_diagnostics").glob("*.diff"))
 CANDIDATES = HEADER_CANDIDATES  # the CUDA kernel's candidates and the merge candidates that change its header
 
 
 def _patched_build(diff: Path, tmp_path: Path, arch: str) -> str:
-    """The header with `diff` applied (git apply, as bench/lab/turboquant_cuda_variants.sh's patch -p1), compiled
+    """The header with `diff` applied (git apply, as lab/turboquant_cuda_variants.sh's patch -p1), compiled
     for sm_<arch> at 1 and 3 row tiles (q_len 1 and an MTP-2 verify step), 3 stages: ptxas's report."""
     if not NVCC.is_file():
         pytest.fail(f"no nvcc at {NVCC}: tests/requirements.txt installs nvidia-cuda-nvcc into the test venv")
@@ -101,8 +101,8 @@ def _patched_build(diff: Path, tmp_path: Path, arch: str) -> str:
 
 @pytest.mark.parametrize("diff", DIAGNOSTICS, ids=lambda p: p.stem)
 def test_each_diagnostic_variant_applies_to_the_kernel_and_builds(diff, tmp_path):
-    """bench/lab/turboquant_cuda_diagnostics/*.diff (each leaves one stage of the kernel out, or does it twice, for
-    bench/lab/turboquant_cuda_variants.sh) still applies to the header as it is and compiles for sm_90: a GPU
+    """lab/turboquant_cuda_diagnostics/*.diff (each leaves one stage of the kernel out, or does it twice, for
+    lab/turboquant_cuda_variants.sh) still applies to the header as it is and compiles for sm_90: a GPU
     call spent on a diff that has rotted is lost."""
     _patched_build(diff, tmp_path, H200)
 
@@ -110,8 +110,8 @@ def test_each_diagnostic_variant_applies_to_the_kernel_and_builds(diff, tmp_path
 @pytest.mark.parametrize("arch", [SPARK, H200])
 @pytest.mark.parametrize("diff", CANDIDATES, ids=lambda p: p.stem)
 def test_each_candidate_variant_applies_and_builds_without_spills(diff, arch, tmp_path):
-    """bench/lab/turboquant_cuda_candidates/*.diff (changes made for the Spark's one CTA per SM, timed and checked
-    against float64 by bench/lab/turboquant_cuda_variants.sh) and the merge candidates' hunks for the header apply
+    """lab/turboquant_cuda_candidates/*.diff (changes made for the Spark's one CTA per SM, timed and checked
+    against float64 by lab/turboquant_cuda_variants.sh) and the merge candidates' hunks for the header apply
     to it as it is and build for the Spark and the H200 with no spill at q_len 1 and 3: a candidate that spills
     would be timed on its spills."""
     assert CANDIDATES, "no candidate diff changes the header"

@@ -1,7 +1,7 @@
 """The CUDA TurboQuant decode kernel's source run on the CPU (tests/_cuda_cpu.py: g++, each CTA's threads as fibers,
 mma.sync / ldmatrix / prmt / cp.async / barriers emulated from the PTX ISA) against the float64 reference: the
 shipped header on the GPU test's cases (tests/test_turboquant_cuda.py), and each candidate variant in
-bench/lab/turboquant_cuda_candidates/, so a variant reaches a GPU with its indexing and barriers already checked.
+lab/turboquant_cuda_candidates/, so a variant reaches a GPU with its indexing and barriers already checked.
 The emulation is shown to catch what it is for: a missing barrier, a wrong index, a barrier some threads skip."""
 
 from __future__ import annotations

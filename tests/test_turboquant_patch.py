@@ -22,7 +22,7 @@ import pytest
 
 from onespark.kernels import turboquant as tq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench" / "lab"))  # the lab's harness, as the lab imports it
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "lab"))  # the lab's harness, as the lab imports it
 import harness  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -66,7 +66,7 @@ def _has_dist(name: str) -> bool:
 
 def make_patched_tree(root: Path, diffs: tuple[tuple[Path, list[str]], ...] = ((DIFF, TARGETS),)) -> Path:
     """A copy of the installed vllm package under root (symlinks) whose target files are patched copies, one
-    (diff, target files) pair after another (bench/lab/harness.patched_vllm, the lab's and the tests' one way to
+    (diff, target files) pair after another (lab/harness.patched_vllm, the lab's and the tests' one way to
     do it): PYTHONPATH=root imports the patched vLLM (the backend and tool-call tests serve from it). Each pair's
     target list must be the files its diff edits."""
     installed_vllm_root()  # skips without a vLLM

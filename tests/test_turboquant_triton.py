@@ -365,7 +365,7 @@ def test_every_merge_matches_the_reference_over_one_or_several_split_loads(split
         tt.decode_attention(*args, num_splits=257)
 
 
-MERGE_CANDIDATES = [d for d in sorted((Path(__file__).resolve().parents[1] / "bench" / "lab" /
+MERGE_CANDIDATES = [d for d in sorted((Path(__file__).resolve().parents[1] / "lab" /
                                       "turboquant_merge_candidates").glob("*.diff"))
                     if "+++ b/kernels/turboquant_triton.py" in d.read_text()]
 
@@ -377,7 +377,7 @@ def candidate_module(diff: Path, tmp_path: Path):
     for touched in {line[6:] for line in diff.read_text().splitlines() if line.startswith("+++ b/")}:
         (tmp_path / touched).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(root / touched, tmp_path / touched)
-    # patch(1), not git: the GPU lane's host runs this test too, and has patch (bench/lab/turboquant_merge_ab.sh)
+    # patch(1), not git: the GPU lane's host runs this test too, and has patch (lab/turboquant_merge_ab.sh)
     r = subprocess.run(["patch", "-s", "-p1", "-d", str(tmp_path), "-i", str(diff)], capture_output=True, text=True)
     assert r.returncode == 0, f"{diff.name} does not apply: {r.stdout}{r.stderr}"
     name = f"onespark.kernels._candidate_{diff.stem}"
@@ -392,7 +392,7 @@ def candidate_module(diff: Path, tmp_path: Path):
 @pytest.mark.parametrize("splits", [3, 130])
 @pytest.mark.parametrize("diff", MERGE_CANDIDATES, ids=lambda d: d.stem)
 def test_each_merge_candidate_matches_the_reference(diff, splits, tmp_path):
-    """A merge candidate in bench/lab/turboquant_merge_candidates/ reaches a GPU with its indexing checked: each of
+    """A merge candidate in lab/turboquant_merge_candidates/ reaches a GPU with its indexing checked: each of
     its MERGES settings gives the float64 reference's attention at a verify step, at one load of splits and at an
     H100's batch-1 grid (many splits empty: never-written sums read and dropped)."""
     cand = candidate_module(diff, tmp_path)
@@ -598,7 +598,7 @@ def test_interpreter_lane():
         pytest.skip("the interpreter lane runs on the 0.19.1 track (its docstring)")
     out = run_interpreter_lane(__file__, timeout_s=1500)
     # every kernel case runs in the interpreter; the one skip allowed is a candidate test with no candidate diff for
-    # this file (bench/lab/turboquant_merge_candidates/ may hold only header changes): it has no case to run
+    # this file (lab/turboquant_merge_candidates/ may hold only header changes): it has no case to run
     skipped = re.search(r"(\d+) skipped", out.splitlines()[-1])
     empty = sum(int(n) for n in re.findall(r"^SKIPPED \[(\d+)\] .*got empty parameter set", out, flags=re.M))
     assert (int(skipped.group(1)) if skipped else 0) == empty, out[-2000:]

@@ -5,7 +5,7 @@ function-level ones too (a function-level import is still a dependency: it only 
 - onespark/checkpoint/: never torch or vllm (nor kernels/ or patches/, which bring them): surgery moves bytes.
 - onespark/serving/: the standard library at module level, also through the onespark modules it imports there
   (`install.sh --dry-run` runs serve before any virtualenv exists); never patches/ or kernels/.
-- bench/ (the shipped benchmark; bench/lab/ measures kernels on purpose): never kernels/ or patches/.
+- bench/ (the shipped benchmark; lab/ measures kernels on purpose): never kernels/ or patches/.
 - No import circle among the distribution's modules; no module imports another module's `_`-prefixed name, and
   a `_`-prefixed module is imported only from inside its own package.
 - Namespaces stop at the edge: no `getattr(args, ...)` outside a command's run() (or the from_args it calls).

@@ -12,13 +12,13 @@ cd "$(dirname "$0")/../.."
 what=${1:-}
 shift || true
 case $what in
-  step) script=bench/lab/vllm_step.py name=vllm_step ;;
-  turboquant) script=bench/lab/turboquant.py name=turboquant ;;
+  step) script=lab/vllm_step.py name=vllm_step ;;
+  turboquant) script=lab/turboquant.py name=turboquant ;;
   *) echo "bench.sh: say which benchmark: step or turboquant" >&2; exit 2 ;;
 esac
 me=bench.sh
 # shellcheck source=tests/gpu_vllm/onespark-env.sh
 source tests/gpu_vllm/onespark-env.sh
-name=${name}_$(PYTHONPATH="$PWD/bench/lab:$PYTHONPATH" "$py" -c 'from harness import gpu_name; print(gpu_name())')
+name=${name}_$(PYTHONPATH="$PWD/lab:$PYTHONPATH" "$py" -c 'from harness import gpu_name; print(gpu_name())')
 "$py" "$script" --out "$out/$name.json" --git-sha "$sha" "$@" 2>&1 | tee "$out/$name.log"
 exit "${PIPESTATUS[0]}"

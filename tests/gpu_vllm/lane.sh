@@ -50,7 +50,7 @@ set +e
 rc=${PIPESTATUS[0]}
 set -e
 tar -C "$logs" -cJf "$out/server_logs.tar.xz" . || true
-gpu=$(PYTHONPATH="$PWD/bench/lab:$PYTHONPATH" "$py" -c 'from harness import gpu_name; print(gpu_name())')  # h200, h100: as tests/gpu.sh
+gpu=$(PYTHONPATH="$PWD/lab:$PYTHONPATH" "$py" -c 'from harness import gpu_name; print(gpu_name())')  # h200, h100: as tests/gpu.sh
 "$py" - "$out/vllm_gpu_lane.xml" "$out/vllm_gpu_lane_$gpu.json" "$sha" "tests/gpu_vllm/lane.sh $*" "$rc" <<'EOF'
 import json, os, sys, time
 import xml.etree.ElementTree as ET

@@ -7,7 +7,7 @@
 #   tests/gpu_vllm/session.sh stash PIECE...     stash pieces of vLLM's wheel set (one a call: 56 MiB each)
 #   tests/gpu_vllm/session.sh bench SHA          stash .gpu-vllm/part-03, install vLLM, bench.sh turboquant
 #   tests/gpu_vllm/session.sh ab SHA DIFF        turboquant_merge_ab.sh DIFF (a candidate against the shipped code)
-#   tests/gpu_vllm/session.sh cuda SHA           bench/lab/turboquant_cuda.py as shipped
+#   tests/gpu_vllm/session.sh cuda SHA           lab/turboquant_cuda.py as shipped
 #
 # The CUDA decode kernel is built once into /root/cb for sm_90 and sm_121a and reused by every later mode.
 set -uo pipefail
@@ -47,11 +47,11 @@ case $mode in
     run bench.log timeout 520 tests/gpu_vllm/bench.sh turboquant ;;
   ab)
     (($# == 1)) || { echo "$me: ab takes one candidate diff" >&2; exit 2; }
-    run ab.log timeout 540 bench/lab/turboquant_merge_ab.sh "$1" ;;
+    run ab.log timeout 540 lab/turboquant_merge_ab.sh "$1" ;;
   cuda)
     site=/root/site-$sha
     rm -rf "$site" && python3 -m pip install -q --no-deps --target "$site" "$WHEEL_PATH" || exit 1
-    gpu=$(PYTHONPATH=bench/lab python3 -c 'from harness import gpu_name; print(gpu_name())')
-    run cuda.log env PYTHONPATH="$site" timeout 520 python3 bench/lab/turboquant_cuda.py \
+    gpu=$(PYTHONPATH=lab python3 -c 'from harness import gpu_name; print(gpu_name())')
+    run cuda.log env PYTHONPATH="$site" timeout 520 python3 lab/turboquant_cuda.py \
       --out "$OUT/turboquant_cuda_$gpu.json" --git-sha "$sha" ;;
 esac

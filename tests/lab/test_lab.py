@@ -1,5 +1,5 @@
-"""The lab scripts in bench/lab/ (no part of the distribution; their GPU runs are tests/gpu.sh's) on CPU: each
-one starts as the GPU lane starts it (`python bench/lab/X.py`: onespark from the installed package, the harness
+"""The lab scripts in lab/ (no part of the distribution; their GPU runs are tests/gpu.sh's) on CPU: each
+one starts as the GPU lane starts it (`python lab/X.py`: onespark from the installed package, the harness
 as a sibling module) and prints its usage; the harness's result file and relative error."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-LAB = Path(__file__).resolve().parents[1] / "bench" / "lab"
+LAB = Path(__file__).resolve().parents[2] / "lab"
 sys.path.insert(0, str(LAB))  # the harness is a lab module, imported here as the lab scripts import it
 import harness
 
@@ -30,14 +30,14 @@ def test_the_lab_holds_the_benchmarks():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_lab_script_starts(script):
-    r = subprocess.run([sys.executable, str(LAB / script), "--help"], cwd=LAB.parents[1], capture_output=True,
+    r = subprocess.run([sys.executable, str(LAB / script), "--help"], cwd=LAB.parent, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and "usage:" in r.stdout, f"{script} --help failed:\n{r.stdout}{r.stderr[-3000:]}"
 
 
 def test_a_timing_run_needs_a_result_file_and_says_so_in_one_line():
     """turboquant_cuda.py writes a result file unless --one (the profiler's single case) is given."""
-    r = subprocess.run([sys.executable, str(LAB / "turboquant_cuda.py")], cwd=LAB.parents[1], capture_output=True,
+    r = subprocess.run([sys.executable, str(LAB / "turboquant_cuda.py")], cwd=LAB.parent, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith("--out is required (only --one writes nothing)")
 
@@ -126,7 +126,7 @@ def test_engine_kwargs_build_for_every_config():
 
 
 def test_codebook_study_grids_and_roundtrip():
-    """bench/lab/turboquant_codebooks.py: its fp8-grid codebooks lie on their grid up to the one scale s (so a
+    """lab/turboquant_codebooks.py: its fp8-grid codebooks lie on their grid up to the one scale s (so a
     decoder would read level / s as an e5m2 byte, whose fp16 is that byte shifted left by 8), none beats Lloyd-Max
     (the MSE optimum), and its roundtrip with the Lloyd-Max levels is the shipped codec's (tq.quantize then
     tq.dequantize)."""
@@ -189,7 +189,7 @@ def test_log_facts_read_the_graph_mode_and_the_root_cause_from_real_engine_logs(
     import vllm_step
 
     def logs_of(name: str) -> dict[str, str]:
-        with tarfile.open(harness.ROOT / "bench" / "results" / name) as tar:
+        with tarfile.open(harness.ROOT / "lab" / "results" / name) as tar:
             return {Path(m.name).name: tar.extractfile(m).read().decode(errors="replace")
                     for m in tar.getmembers() if m.isfile()}
 
@@ -212,7 +212,7 @@ def test_jit_in_points_names_the_compiles_inside_timed_points():
 
     import vllm_step
 
-    with tarfile.open(harness.ROOT / "bench" / "results" / "vllm_step_h200_122b_tq_mtp2_engine_logs.tar.xz") as tar:
+    with tarfile.open(harness.ROOT / "lab" / "results" / "vllm_step_h200_122b_tq_mtp2_engine_logs.tar.xz") as tar:
         log = tar.extractfile("vllm_step_h200_122b_mtp2.log").read().decode()
     assert vllm_step.log_facts(log)["jit_in_points"] == {
         "ctx 1024 batch 4": ["fused_moe_kernel"], "ctx 32768 batch 1": ["_zero_kv_blocks_kernel"]}
@@ -309,14 +309,14 @@ def test_sass_counts_the_decoders_against_the_ones_they_replace():
 
 
 def test_cuda_sass_counts_the_shipped_loop(tmp_path):
-    """bench/lab/turboquant_cuda_sass.py on the shipped header (nvcc of the test venv, no GPU): the loop it finds is
+    """lab/turboquant_cuda_sass.py on the shipped header (nvcc of the test venv, no GPU): the loop it finds is
     the 64-key step's, so per warp it holds the step's mma (16 slices x 2 key blocks for Q K^T and 4 x 8 for P V,
     per row tile) and its 32 code words' decode. The shipped kernel masks keys only in a split's last steps and
     rescales the accumulators only when a row's maximum grew, so a step in the middle of a split (`common`, those
     branches compiled out) issues fewer instructions than the whole loop, with the same mma."""
     out = tmp_path / "sass.json"
     r = subprocess.run([sys.executable, str(LAB / "turboquant_cuda_sass.py"), "--out", str(out), "base"],
-                       cwd=LAB.parents[1], capture_output=True, text=True, timeout=600)
+                       cwd=LAB.parent, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert sorted(row["loop"]) == ["1,2", "1,3", "3,2", "3,3"] and sorted(row["common"]) == sorted(row["loop"])
@@ -339,12 +339,12 @@ def test_gpu_scripts_name_their_files_as_the_lab_names_the_gpu(tmp_path, script,
     turboquant_<gpu>.json), run against a torch that reports `device`: the lab's short name, so the files and the
     bench files' `gpu` field agree (an H100 once gave `hbm3`; bench.sh once wrote `_h200` on any card)."""
     prefix, var, before = NAMING[script]
-    line = next(s for s in (LAB.parents[1] / script).read_text().splitlines() if s.startswith(prefix))
+    line = next(s for s in (LAB.parent / script).read_text().splitlines() if s.startswith(prefix))
     fake = tmp_path / "torch"
     fake.mkdir()
     (fake / "__init__.py").write_text(f"class cuda:\n    get_device_name = staticmethod(lambda: {device!r})\n")
     body = f'py={sys.executable}\nname=turboquant\n{line}\nprintf %s "${var}"\n'
-    r = subprocess.run(["bash", "-c", body], cwd=LAB.parents[1], capture_output=True, text=True, timeout=60,
+    r = subprocess.run(["bash", "-c", body], cwd=LAB.parent, capture_output=True, text=True, timeout=60,
                        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert r.stdout == before + short
@@ -352,10 +352,10 @@ def test_gpu_scripts_name_their_files_as_the_lab_names_the_gpu(tmp_path, script,
 
 @pytest.mark.parametrize("diff", sorted((LAB / "turboquant_merge_candidates").glob("*.diff")), ids=lambda p: p.stem)
 def test_the_merge_candidates_still_apply_to_the_tree(diff, tmp_path):
-    """bench/lab/turboquant_merge_candidates/*.diff are decode changes timed (or to time) against the shipped tree
+    """lab/turboquant_merge_candidates/*.diff are decode changes timed (or to time) against the shipped tree
     with turboquant_merge_ab.sh; they must keep applying as the kernels move (refresh or drop one when it does not).
     Checked in a copy of the files each touches, so the checkout is never patched."""
-    root = LAB.parents[1]
+    root = LAB.parent
     touched = sorted({line[6:] for line in diff.read_text().splitlines() if line.startswith("+++ b/")})
     assert any(rel.startswith("kernels/") for rel in touched), touched
     for rel in touched:
@@ -366,7 +366,7 @@ def test_the_merge_candidates_still_apply_to_the_tree(diff, tmp_path):
 
 
 def test_the_merge_ab_script_refuses_bad_input_in_one_line(tmp_path):
-    """bench/lab/turboquant_merge_ab.sh (one device call: the shipped merge, then a candidate) says what is wrong
+    """lab/turboquant_merge_ab.sh (one device call: the shipped merge, then a candidate) says what is wrong
     before anything is installed or a GPU is asked for: no diff, no wheel, a diff name that cannot name a file."""
     script = LAB / "turboquant_merge_ab.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path), "WORK": str(tmp_path / "work")}
@@ -379,7 +379,7 @@ def test_the_merge_ab_script_refuses_bad_input_in_one_line(tmp_path):
     assert rc == 2 and not err
     rc, err = run(str(tmp_path / "none.diff"), ONESPARK_WHEEL="x.whl")
     assert rc == 2 and err == [f"turboquant_merge_ab.sh: no diff file '{tmp_path / 'none.diff'}' (a candidate "
-                               "under bench/lab/turboquant_merge_candidates/)"], err
+                               "under lab/turboquant_merge_candidates/)"], err
     diff = tmp_path / "cand.diff"
     diff.write_text("--- a/kernels/turboquant_triton.py\n+++ b/kernels/turboquant_triton.py\n")
     rc, err = run(str(diff))
@@ -420,12 +420,12 @@ def test_the_session_script_refuses_bad_input_in_one_line(tmp_path):
 
 
 def test_the_merge_ab_script_times_a_candidate_that_touches_only_kernels(tmp_path):
-    """The A/B script's prepare half on a candidate that leaves bench/lab/ alone (as splits8.diff did: kernels/
+    """The A/B script's prepare half on a candidate that leaves lab/ alone (as splits8.diff did: kernels/
     only): the candidate tree gets the lab's modules, the candidate's wheel copy its patched kernel, the shipped
     copy none of it, and one table comes out. python3 is a stand-in (pip, the GPU's name, each bench's JSON) that
     hands the table to the real interpreter; the 2026-12-05 device call stopped at the lab copy here."""
     script, diff = LAB / "turboquant_merge_ab.sh", tmp_path / "kernelonly.diff"
-    shipped = (LAB.parents[1] / "kernels" / "turboquant_cuda.py").read_text().splitlines(keepends=True)
+    shipped = (LAB.parent / "kernels" / "turboquant_cuda.py").read_text().splitlines(keepends=True)
     marker = "# kernel-only candidate\n"
     diff.write_text("".join(difflib.unified_diff(shipped, [marker] + shipped, "a/kernels/turboquant_cuda.py",
                                                  "b/kernels/turboquant_cuda.py")))
@@ -444,9 +444,9 @@ echo "errors: []"
     env = {"PATH": f"{fake.parent}:/usr/bin:/bin", "OUT": str(tmp_path), "WORK": str(work),
            "ONESPARK_WHEEL": str(script), "ONESPARK_CUDA_BUILD": str(tmp_path / "build")}
     r = subprocess.run([str(script), str(diff)], capture_output=True, text=True, env=env, timeout=60,
-                       cwd=LAB.parents[1])
+                       cwd=LAB.parent)
     assert r.returncode == 0, r.stderr
-    assert (work / "tree_kernelonly" / "bench" / "lab" / "harness.py").is_file()
+    assert (work / "tree_kernelonly" / "lab" / "harness.py").is_file()
     cand = (work / "site_kernelonly" / "onespark" / "kernels" / "turboquant_cuda.py").read_text()
     assert cand == marker + "".join(shipped)
     assert not (work / "site_shipped" / "onespark" / "kernels" / "turboquant_cuda.py").exists()

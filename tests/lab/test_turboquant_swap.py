@@ -1,4 +1,4 @@
-"""The candidate transposed TurboQuant decode kernel (bench/lab/turboquant_swap.py) against the float64
+"""The candidate transposed TurboQuant decode kernel (lab/turboquant_swap.py) against the float64
 reference and the shipped kernel, on the shipped kernel's awkward shapes (partial tiles and pages, scattered
 blocks, empty splits, causal verify rows). With CUDA in this process; without it in Triton's interpreter, in a
 child pytest (test_interpreter_lane), as tests/test_turboquant_triton.py does."""
@@ -17,7 +17,7 @@ from onespark.kernels import turboquant_triton as tt
 from tests._interpreter import run_interpreter_lane
 from tests.test_turboquant_triton import DECODE_CASES, SEED, assert_rel, decode_case, paged
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "lab"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "lab"))
 import turboquant_swap  # noqa: E402  (a lab module)
 
 CUDA = torch.cuda.is_available()
