@@ -21,9 +21,7 @@ from pathlib import Path
 import pytest
 
 from onespark.kernels import turboquant as tq
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "lab"))  # the lab's harness, as the lab imports it
-import harness  # noqa: E402
+from tests import _vllm_tree as harness  # the patched-vLLM tree, as the lab builds it too
 
 pytestmark = pytest.mark.vllm
 DIFF = Path(__file__).resolve().parent.parent / "patches" / "turboquant.diff"
@@ -66,7 +64,7 @@ def _has_dist(name: str) -> bool:
 
 def make_patched_tree(root: Path, diffs: tuple[tuple[Path, list[str]], ...] = ((DIFF, TARGETS),)) -> Path:
     """A copy of the installed vllm package under root (symlinks) whose target files are patched copies, one
-    (diff, target files) pair after another (lab/harness.patched_vllm, the lab's and the tests' one way to
+    (diff, target files) pair after another (tests/_vllm_tree.patched_vllm, the lab's and the tests' one way to
     do it): PYTHONPATH=root imports the patched vLLM (the backend and tool-call tests serve from it). Each pair's
     target list must be the files its diff edits."""
     installed_vllm_root()  # skips without a vLLM

@@ -5,7 +5,10 @@ function-level ones too (a function-level import is still a dependency: it only 
 - onespark/checkpoint/: never torch or vllm (nor kernels/ or patches/, which bring them): surgery moves bytes.
 - onespark/serving/: the standard library at module level, also through the onespark modules it imports there
   (`install.sh --dry-run` runs serve before any virtualenv exists); never patches/ or kernels/.
-- bench/ (the shipped benchmark; lab/ measures kernels on purpose): never kernels/ or patches/.
+- bench/ (the shipped benchmark): never kernels/ or patches/.
+- Product and lab apart (issue 56): no module of the distribution imports a lab module (lab/*.py, run as sibling
+  modules), and no test outside tests/lab/ does; no sys.path edit in the distribution at all, nor one in a product
+  test that reaches lab/ (the lab's own tests, in tests/lab/, put lab/ on sys.path as the lab scripts run).
 - No import circle among the distribution's modules; no module imports another module's `_`-prefixed name, and
   a `_`-prefixed module is imported only from inside its own package.
 - Namespaces stop at the edge: no `getattr(args, ...)` outside a command's run() (or the from_args it calls).
@@ -25,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"onespark": ROOT / "onespark", "onespark.kernels": ROOT / "kernels", "onespark.patches": ROOT / "patches",
             "onespark.bench": ROOT / "bench"}
 # The top-level modules every wing may use: small, standard library only (checked below like a wing).
+LAB = ROOT / "lab"
 SHARED = ("onespark", "onespark.errors", "onespark.options", "onespark.shape", "onespark.tracks")
 STDLIB = sys.stdlib_module_names | {"__future__"}
 
@@ -98,8 +102,7 @@ def wing_problems(found: list[Import], mods: dict[str, Path]) -> list[str]:
             if i.root in ("torch", "vllm", "triton") or in_package(i.target, "onespark.kernels") \
                     or in_package(i.target, "onespark.patches"):
                 bad(i, "checkpoint/ never imports torch or vllm")
-        shipped_bench = in_package(i.importer, "onespark.bench") and not in_package(i.importer, "onespark.bench.lab")
-        if in_package(i.importer, "onespark.serving") or shipped_bench:
+        if in_package(i.importer, "onespark.serving") or in_package(i.importer, "onespark.bench"):
             if in_package(i.target, "onespark.patches") or in_package(i.target, "onespark.kernels"):
                 bad(i, "serving/ and bench/ never import patches/ or kernels/")
     # serving/ at module level: the standard library, also through what it imports from onespark there
@@ -285,3 +288,76 @@ def test_every_wing_is_a_package_of_the_distribution():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     wings = {f"onespark.{d.name}" for d in (ROOT / "onespark").iterdir() if (d / "__init__.py").is_file()}
     assert {"onespark.model", "onespark.checkpoint", "onespark.serving"} <= wings <= listed, wings - listed
+
+
+# ---- product and lab apart ------------------------------------------------------------------------------------
+
+def lab_modules(lab: Path) -> set[str]:
+    """The names a lab module is imported by: lab scripts import each other as sibling modules (`import harness`)."""
+    return {"lab", *(p.stem for p in lab.glob("*.py"))}
+
+
+def sys_path_edits(path: Path, root: Path) -> list[tuple[str, str]]:
+    """(path:line, the call's source) of each sys.path.insert/append/extend or assignment to sys.path in a file."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        target = None
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr in ("insert", "append", "extend"):
+            target = node.func.value
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+        if target is not None and ast.unparse(target) == "sys.path":
+            found.append((f"{path.relative_to(root)}:{node.lineno}", ast.unparse(node)))
+    return found
+
+
+def product_test_files(tests: Path) -> dict[str, Path]:
+    """tests/ outside tests/lab/, as modules."""
+    return {m: p for m, p in modules({"tests": tests}).items() if not in_package(m, "tests.lab")}
+
+
+def lab_problems(root: Path, packages: dict[str, Path]) -> list[str]:
+    lab = lab_modules(root / "lab")
+    mods, tests = modules(packages), product_test_files(root / "tests")
+    problems = [f"{i.where}: {i.importer} imports {i.target}: product code never imports the lab"
+                for i in imports(mods, root) if i.root in lab]
+    problems += [f"{i.where}: {i.importer} imports {i.target}: a product test never imports the lab (its tests "
+                 "go in tests/lab/)" for i in imports(tests, root) if i.root in lab or in_package(i.target, "tests.lab")]
+    problems += [f"{where}: {call}: no sys.path edit in product code" for path in mods.values()
+                 for where, call in sys_path_edits(path, root)]
+    problems += [f"{where}: {call}: a product test puts the lab on sys.path" for path in tests.values()
+                 for where, call in sys_path_edits(path, root) if "lab" in call]
+    return sorted(problems)
+
+
+def test_product_and_lab_stay_apart():
+    assert {"harness", "turboquant_swap", "vllm_step"} <= lab_modules(LAB)  # the lab is read at all
+    assert "tests.test_turboquant_patch" in product_test_files(ROOT / "tests")
+    assert not any(in_package(m, "tests.lab") for m in product_test_files(ROOT / "tests"))
+    assert lab_problems(ROOT, PACKAGES) == []
+
+
+def test_the_lab_rules_report_each_violation(tmp_path):
+    packages = _tree(tmp_path, {
+        "onespark/__init__.py": "",
+        "onespark/x.py": "import sys\n\nsys.path.insert(0, 'somewhere')\n\ndef f():\n    import harness\n",
+        "patches/__init__.py": "",
+        "bench/__init__.py": "from onespark import x\n",
+        "lab/harness.py": "",
+        "lab/turboquant_swap.py": "import harness\n",
+        "tests/__init__.py": "",
+        "tests/test_a.py": "import sys\nsys.path.insert(0, 'lab')\nimport turboquant_swap\nsys.path.append('data')\n",
+        "tests/test_b.py": "from tests.lab.test_c import helper\n",
+        "tests/lab/__init__.py": "",
+        "tests/lab/test_c.py": "import sys\nsys.path.insert(0, 'lab')\nimport harness\n\ndef helper():\n    pass\n",
+    })
+    assert lab_problems(tmp_path, packages) == [
+        "onespark/x.py:3: sys.path.insert(0, 'somewhere'): no sys.path edit in product code",
+        "onespark/x.py:6: onespark.x imports harness: product code never imports the lab",
+        "tests/test_a.py:2: sys.path.insert(0, 'lab'): a product test puts the lab on sys.path",
+        "tests/test_a.py:3: tests.test_a imports turboquant_swap: a product test never imports the lab (its tests go "
+        "in tests/lab/)",
+        "tests/test_b.py:1: tests.test_b imports tests.lab.test_c: a product test never imports the lab (its tests go "
+        "in tests/lab/)",
+    ]
