@@ -214,6 +214,7 @@ def test_switch_list_parses_and_disagreements_fail():
 # ---- figures: each one of README's headline table is in the result file it cites -------------------------------
 
 RESULT_FILE = re.compile(r"bench/results/([\w.-]+\.json)")
+MAX_HEADLINES = 8
 RATIO = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?x\b")  # 1.95x, 0.81-0.99x
 
 
@@ -259,13 +260,22 @@ def _ratios_missing(where: str, row: str, results: Path) -> list[str]:
 def figure_problems(root: Path = ROOT) -> list[str]:
     problems = []
     results = root / "bench" / "results"
-    for page in pages(root):  # every result file a page names exists (in a link or not)
+    index = results / "INDEX.md"
+    indexed = set(re.findall(r"\[`([\w.-]+\.json)`\]", index.read_text())) if index.is_file() else set()
+    for page in pages(root):  # every result file a page names exists and is in the index (in a link or not)
         for name in sorted(set(RESULT_FILE.findall(page.read_text()))):
             if not (results / name).is_file():
                 problems.append(f"{page.relative_to(root)}: names bench/results/{name}, which does not exist")
+            elif name not in indexed:
+                problems.append(f"{page.relative_to(root)}: names bench/results/{name}, which is not in "
+                                "bench/results/INDEX.md (python docs/generate.py)")
     # README's headline table: each row names its result file, or is a public figure that links its source.
     table = (root / "README.md").read_text().split("\n## Headline numbers\n", 1)[1].split("\n## ", 1)[0]
-    for row in [ln for ln in table.splitlines() if ln.startswith("|")][2:]:
+    rows = [ln for ln in table.splitlines() if ln.startswith("|")][2:]
+    if len(rows) > MAX_HEADLINES:
+        problems.append(f"README headline numbers: {len(rows)} rows (at most {MAX_HEADLINES}); the rest belong in "
+                        "docs/ or lab/")
+    for row in rows:
         figure = row.split(" | ")[0].lstrip("| ")
         if not RESULT_FILE.search(row) and not ("not measured here" in figure and "](http" in row):
             problems.append(f"README headline {figure!r}: names no result file (a public figure says "
@@ -290,8 +300,11 @@ def test_a_figure_without_its_result_fails(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "bench" / "results" / "a.json").write_text(json.dumps(
         {"rows": [{"m": 1, "speedup": 1.954}, {"m": 2, "tq_ms": 0.81, "bf16_ms": 1.0, "gbps": 2.43}]}))
+    (tmp_path / "bench" / "results" / "c.json").write_text("{}")  # there, but not in the index
+    (tmp_path / "bench" / "results" / "INDEX.md").write_text("| [`a.json`](a.json) | ... |\n")
     (tmp_path / "docs" / "page.md").write_text(
-        "| x | `bench/results/a.json`, `bench/results/gone.json` |\n| 7.5x, target <= 0.6x | bench/results/a.json |\n")
+        "| x | `bench/results/a.json`, `bench/results/gone.json` |\n| 7.5x, target <= 0.6x | bench/results/a.json |\n"
+        "see bench/results/c.json\n")
     (tmp_path / "README.md").write_text(
         "# R\n\n## Headline numbers\n\n| figure | source |\n|---|---|\n"
         "| head 1.95x; decode 0.81-1.00x | [a](bench/results/a.json) |\n"  # stored; a ratio of one row; that row's 1.0
@@ -301,6 +314,7 @@ def test_a_figure_without_its_result_fails(tmp_path):
         "| recipe 39 tok/s | somewhere |\n\n## Next\n\n| 9.99x | not this table |\n")
     assert figure_problems(tmp_path) == [
         "README.md: names bench/results/b.json, which does not exist",
+        "docs/page.md: names bench/results/c.json, which is not in bench/results/INDEX.md (python docs/generate.py)",
         "docs/page.md: names bench/results/gone.json, which does not exist",
         "README headline 'recipe 39 tok/s': names no result file (a public figure says 'not measured here' and "
         "links its source)",
@@ -309,3 +323,135 @@ def test_a_figure_without_its_result_fails(tmp_path):
         "README.md:9: 2.5x is in none of []",
         "docs/page.md:2: 7.5x is in none of ['a.json']",
     ]
+
+
+def test_a_headline_table_of_more_than_eight_rows_fails(tmp_path):
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    rows = "".join(f"| recipe {n} tok/s; not measured here | [theirs](https://example.com) |\n" for n in range(9))
+    (tmp_path / "README.md").write_text(f"# R\n\n## Headline numbers\n\n| figure | source |\n|---|---|\n{rows}")
+    assert figure_problems(tmp_path) == [
+        "README headline numbers: 9 rows (at most 8); the rest belong in docs/ or lab/"]
+    (tmp_path / "README.md").write_text("# R\n\n## Headline numbers\n\n| figure | source |\n|---|---|\n"
+                                        + rows.split("\n", 1)[1])
+    assert figure_problems(tmp_path) == []
+
+
+# ---- bench/results/: current results only, each in the index ---------------------------------------------------
+
+def test_every_result_is_current_at_the_code_it_measures():
+    gen = _generator()
+    files = sorted(p.name for p in (ROOT / "bench" / "results").glob("*.json"))
+    index = (ROOT / "bench" / "results" / "INDEX.md").read_text()
+    assert files and [f for f in files if f"[`{f}`]({f})" not in index] == []
+    problems = gen.index_problems()
+    assert not problems, "bench/results/ holds results that are not current:\n  " + "\n  ".join(problems)
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin", "HOME": str(cwd)}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_a_result_older_than_its_code_or_named_by_commit_fails(tmp_path):
+    """A kernels result at commit A: current while kernels/ changes only in words (a docstring, a comment), stale
+    once its code changes; a name with a commit in it, a result with no commit, one no MEASURES entry names, a
+    stray file and a folder each named."""
+    gen = _generator()
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "kernels" / "k.py").write_text('"""A kernel."""\n\n\ndef f():\n    return 1\n')
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "a")
+    sha = _git(tmp_path, "rev-parse", "HEAD")
+    res = tmp_path / "bench" / "results"
+    (res / "turboquant_h100.json").write_text(json.dumps({"git_sha": sha[:7], "command": "python x.py"}))
+    assert gen.index_problems(tmp_path) == []
+    (tmp_path / "kernels" / "k.py").write_text('"""A kernel, in other words."""\n\n\ndef f():  # why\n    return 1\n')
+    assert gen.index_problems(tmp_path) == []  # words only: the code measured is the same
+    (tmp_path / "kernels" / "k.py").write_text('"""A kernel."""\n\n\ndef f():\n    return 2\n')
+    (res / "turboquant_h100_1234abc.json").write_text(json.dumps({"git_sha": sha}))
+    (res / "lm_head_h200.json").write_text(json.dumps({"git_sha": "unknown"}))
+    (res / "mystery_h100.json").write_text(json.dumps({"git_sha": sha}))
+    (res / "notes.txt").write_text("x")
+    (res / "variants").mkdir()
+    assert gen.index_problems(tmp_path) == [
+        "bench/results/lm_head_h200.json: records no commit (git_sha 'unknown'); a result measures a committed tree",
+        "bench/results/mystery_h100.json: no MEASURES entry in docs/generate.py names the code it measures",
+        "bench/results/notes.txt: not a result file (a .json, or a .md/.png beside its .json): move it to lab/",
+        f"bench/results/turboquant_h100.json: its commit {sha[:7]} is older than the code it measures "
+        "(kernels/k.py changed since): run it again (python x.py) or move it to lab/results/",
+        "bench/results/turboquant_h100_1234abc.json: a commit in the name; the commit belongs inside (git_sha), one "
+        "file per benchmark and hardware",
+        f"bench/results/turboquant_h100_1234abc.json: its commit {sha[:9]} is older than the code it measures "
+        "(kernels/k.py changed since): run it again (?) or move it to lab/results/",
+        "bench/results/variants: not a result file (a .json, or a .md/.png beside its .json): move it to lab/",
+    ]
+
+
+# ---- the front door and the concept pages: within their caps ------------------------------------------------------
+
+README_LINES, CELL_CHARS, CONCEPT_LINES = 180, 200, 250
+CONCEPT_PAGES = ("docs/concepts/turboquant.md", "docs/concepts/kernels.md")
+# The project describes itself, not the machinery it was developed with (issue 56).
+WORKPLACE = re.compile(r"device (call|machine|tool)|budget_left|lent (an|no|us)|was lent|\$OUT\b|\blease\b", re.I)
+
+
+def cap_problems(root: Path = ROOT) -> list[str]:
+    problems = []
+    readme = (root / "README.md").read_text().splitlines()
+    if len(readme) > README_LINES:
+        problems.append(f"README.md: {len(readme)} lines (at most {README_LINES}): it is the front door")
+    for n, line in enumerate(_prose("\n".join(readme)), 1):
+        if line.startswith("|"):
+            wide = [c.strip() for c in readme[n - 1].strip().strip("|").split(" | ") if len(c.strip()) > CELL_CHARS]
+            problems += [f"README.md:{n}: a table cell of {len(c)} characters (at most {CELL_CHARS})" for c in wide]
+    for rel in CONCEPT_PAGES:
+        page = root / rel
+        if page.is_file() and len(page.read_text().splitlines()) > CONCEPT_LINES:
+            problems.append(f"{rel}: {len(page.read_text().splitlines())} lines (at most {CONCEPT_LINES}): "
+                            "a lab notebook belongs in lab/")
+    return problems
+
+
+def test_readme_and_concept_pages_keep_their_caps():
+    problems = cap_problems()
+    assert not problems, "\n  ".join(["over the caps:", *problems])
+
+
+def test_a_long_readme_or_wide_cell_fails(tmp_path):
+    (tmp_path / "docs" / "concepts").mkdir(parents=True)
+    (tmp_path / "README.md").write_text("# R\n\n| a | b |\n|---|---|\n| " + "x" * 201 + " | y |\n"
+                                        + "`| " + "z" * 300 + " |` in code\n" + "line\n" * 175)
+    (tmp_path / "docs" / "concepts" / "turboquant.md").write_text("x\n" * 251)
+    (tmp_path / "docs" / "concepts" / "kernels.md").write_text("x\n" * 250)
+    assert cap_problems(tmp_path) == [
+        "README.md: 181 lines (at most 180): it is the front door",
+        "README.md:5: a table cell of 201 characters (at most 200)",
+        "docs/concepts/turboquant.md: 251 lines (at most 250): a lab notebook belongs in lab/",
+    ]
+
+
+def workplace_words(root: Path = ROOT) -> list[str]:
+    files = [root / "README.md", *(root / "docs").rglob("*.md"),
+             *[p for d in ("onespark", "kernels", "patches") for p in (root / d).rglob("*.py")],
+             *(root / "bench").glob("*.py"), *(root / "kernels").glob("*.cu*")]
+    return [f"{p.relative_to(root)}:{n}: {line.strip()[:100]}" for p in sorted(files) if p.is_file()
+            for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if WORKPLACE.search(line)]
+
+
+def test_the_project_speaks_of_itself():
+    found = workplace_words()
+    assert not found, "README, docs and product code speak of the machinery, not the project:\n  " + "\n  ".join(found)
+
+
+def test_a_workplace_word_is_found(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "README.md").write_text("Run it on a GPU.\n")
+    (tmp_path / "docs" / "a.md").write_text("ok\nThe device lent an H200 for one call.\nfiles under $OUT\n")
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "x.py").write_text("# one device call per piece\nOUTPUT = 1\n")
+    assert workplace_words(tmp_path) == ["bench/x.py:1: # one device call per piece",
+                                         "docs/a.md:2: The device lent an H200 for one call.",
+                                         "docs/a.md:3: files under $OUT"]
