@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import re
 
-# The default track (reproduces the published tables) first; then the current one.
+# The source-build track (reproduces the published tables) first; then the wheels track.
 SUPPORTED_VLLM: tuple[str, ...] = ("0.19.1", "0.32.0")
+# What ./install.sh builds without --vllm (steps/lib.sh VLLM_DEFAULT): official aarch64 CUDA 13 wheels, no compile.
+DEFAULT_VLLM = "0.32.0"
 
 
 def release_of(version: str, releases: tuple[str, ...]) -> str | None:

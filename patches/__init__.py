@@ -2,7 +2,7 @@
 
 vLLM calls `register()` in every process it starts (API server, engine core, each worker), so it is
 idempotent, imports vLLM lazily and never touches CUDA. It refuses to run on a vLLM other than the two it
-was tested with (0.19.1, the default track, and 0.32.0; any local build suffix such as `+cu130` or
+was tested with (0.32.0, the default track, and 0.19.1; any local build suffix such as `+cu130` or
 `.dev0+g<sha>`), naming the installed and the supported versions; the GPU lane's vLLM (0.26.0, the wheel that
 matches the H200's torch: tests/gpu_vllm/) runs too, with 0.32.0's seams, and says so. Where the two differ for a hook, the code
 sits behind one named function in patches/_compat.py (the ledger's "Seam" field).
@@ -190,8 +190,8 @@ def check_vllm_version(version: str) -> None:
         return
     raise RuntimeError(
         f"onespark plugin: installed vLLM is {version}, but this plugin was built and tested for vLLM "
-        f"{' or '.join(SUPPORTED_VLLM)}. Install vllm=={SUPPORTED_VLLM[0]} (the default track) or "
-        f"vllm=={SUPPORTED_VLLM[1]}, or set VLLM_PLUGINS='' to run without onespark, or set "
+        f"{' or '.join(SUPPORTED_VLLM)}. Install vllm=={SUPPORTED_VLLM[1]} (the default track) or "
+        f"vllm=={SUPPORTED_VLLM[0]}, or set VLLM_PLUGINS='' to run without onespark, or set "
         f"{ENV_ALLOW_ANY_VLLM}=1 to try anyway."
     )
 

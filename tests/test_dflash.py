@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from onespark import __version__
 from onespark.model import specs
 from tests._hub import NEEDS_NGINX, NGINX, hub_env, publish, serve
 
@@ -85,11 +86,11 @@ def test_install_dry_run_dflash_on_032_fetches_the_drafter_and_serves_it(tmp_pat
     mounts = [argv[i + 1] for i, a in enumerate(argv) if a == "-v"]
     assert f"{tmp_path}/dflash:/drafter:ro" in mounts, mounts
     assert spec_config(argv) == [{"method": "dflash", "model": "/drafter", "num_speculative_tokens": 12}]
-    assert "onespark/v2:" in r.stdout and "-vllm0.32.0" in argv[argv.index("--host") - 1]
+    assert argv[argv.index("--host") - 1] == f"onespark/v2:{__version__}"  # 0.32.0 is the default track: plain names
 
 
 def test_install_dflash_on_019_is_one_line_naming_the_032_track(tmp_path):
-    r = subprocess.run(["bash", "install.sh", "--dry-run", "--drafter", "dflash", "--work", str(tmp_path)],
+    r = subprocess.run(["bash", "install.sh", "--dry-run", "--vllm", "0.19.1", "--drafter", "dflash", "--work", str(tmp_path)],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
     out = lines(r)
@@ -135,14 +136,22 @@ def _serve_with(flag: str, value: str | None) -> list[str]:
 
 
 @pytest.mark.parametrize("flag, value, needle", [
-    ("--image", "onespark/v2:0.1.0", "--vllm 0.32.0"),  # 0.19.1's image
-    ("--image", None, "--vllm 0.32.0"),  # the default image is 0.19.1's
+    ("--image", f"onespark/v2:{__version__}-vllm0.19.1", "the vLLM 0.32.0 track's image"),  # 0.19.1's image
+    ("--image", f"onespark/v2-tq:{__version__}-vllm0.19.1", "the vLLM 0.32.0 track's image"),
     ("--drafter-dir", None, "--drafter-dir DIR"),
     ("--num-draft-tokens", "0", "argument --num-draft-tokens: expected a whole number of at least 1, got '0'"),
 ])
 def test_serve_dflash_bad_input_is_one_line(flag, value, needle):
     r = onespark(*_serve_with(flag, value))
     assert r.returncode != 0 and len(lines(r)) == 1 and needle in r.stderr, (r.stdout, r.stderr)
+
+
+def test_serve_dflash_on_the_default_image():
+    """The default track is 0.32.0: its plain-named image takes --drafter dflash with no --image."""
+    r = onespark(*_serve_with("--image", None))
+    assert r.returncode == 0, r.stderr
+    argv = docker_argv(r.stdout)
+    assert argv[argv.index("--host") - 1] == f"onespark/v2:{__version__}" and spec_config(argv)[0]["method"] == "dflash"
 
 
 def test_serve_without_drafter_keeps_mtp():

@@ -249,9 +249,11 @@ def test_dry_run_prints_the_spark_plan_and_runs_nothing(fakebin, tmp_path):
         f"python3 -m venv {venv}",
         f"{venv}/bin/onespark doctor --work {work}",
         "steps/0-download.sh", "steps/1-hybrid.sh", "steps/2-mtp.sh",
-        "--target vllm-base", "-f Dockerfile.base -t onespark/vllm-base:0.19.1-cu130-sm121",
-        "--build-arg VLLM_BASE=onespark/vllm-base:0.19.1-cu130-sm121",
-        f"-f Dockerfile.v2 -t onespark/v2:{__version__}",
+        # the default track: official wheels, no compile (issue 55)
+        "steps/3-base-image.sh --vllm 0.32.0", "--target vllm-wheels",
+        "-f Dockerfile.base -t onespark/vllm-base:0.32.0-cu130-sm121",
+        "--build-arg VLLM_BASE=onespark/vllm-base:0.32.0-cu130-sm121 --build-arg VLLM_VERSION=0.32.0",
+        f"-f Dockerfile.v2 -t onespark/v2:{__version__} .",
         f"{venv}/bin/onespark serve --host 127.0.0.1 --port 8000 --replace",
         "docker run -d --name onespark --network host",
         "--gpus all", f"onespark/v2:{__version__} --host 127.0.0.1 --port 8000",
@@ -264,6 +266,9 @@ def test_dry_run_prints_the_spark_plan_and_runs_nothing(fakebin, tmp_path):
         f"onespark: logs: docker logs -f onespark (the server), {tmp_path}/state/onespark/guard-onespark.log (its "
         "memory guard); stop: docker rm -f onespark",
     ]
+    # The wheels stage needs no BuildKit (CI's classic builder builds it); the source build's does.
+    assert "DOCKER_BUILDKIT" not in out and "MAX_JOBS" not in out and "vllm-base:0.19.1" not in out
+    assert "--replace --image" not in out  # the default track's images are serve's defaults
     # Nothing ran: no docker call, no sudo, no venv, no work directory.
     assert _calls(fakebin) == []
     assert not venv.exists() and not work.exists()
@@ -354,53 +359,54 @@ def test_unknown_vllm_track_is_one_line(fakebin, script):
     assert _calls(fakebin) == []
 
 
-def test_dry_run_prints_the_032_plan(fakebin, tmp_path):
+def test_dry_run_prints_the_019_plan(fakebin, tmp_path):
+    """--vllm 0.19.1: the source build, said before it starts; its images carry the version in the tag."""
     venv, work = tmp_path / "venv", tmp_path / "work"
-    r = _run([BASH, "install.sh", "--dry-run", "--vllm", "0.32.0", "--launch", "--work", str(work)], fakebin,
+    r = _run([BASH, "install.sh", "--dry-run", "--vllm", "0.19.1", "--launch", "--work", str(work)], fakebin,
              ONESPARK_VENV=str(venv))
     assert r.returncode == 0, r.stderr
     out = r.stdout
-    v2 = f"onespark/v2:{__version__}-vllm0.32.0"
+    v2 = f"onespark/v2:{__version__}-vllm0.19.1"
     in_order(out, [
-        "vLLM 0.32.0", "steps/0-download.sh", "steps/2-mtp.sh",
-        "steps/3-base-image.sh --vllm 0.32.0", "docker build --network host --target vllm-wheels",
-        "-f Dockerfile.base -t onespark/vllm-base:0.32.0-cu130-sm121",
-        "steps/4-images.sh --vllm 0.32.0", "--build-arg VLLM_BASE=onespark/vllm-base:0.32.0-cu130-sm121 "
-        "--build-arg VLLM_VERSION=0.32.0", f"-f Dockerfile.v2 -t {v2}",
+        "vLLM 0.19.1", "steps/0-download.sh", "steps/2-mtp.sh",
+        "note: --vllm 0.19.1 builds vLLM from source: about an hour the first time, and this build has never been "
+        "completed on arm64 by this project", "steps/3-base-image.sh --vllm 0.19.1", "DOCKER_BUILDKIT=1", "--target vllm-base",
+        "-f Dockerfile.base -t onespark/vllm-base:0.19.1-cu130-sm121",
+        "steps/4-images.sh --vllm 0.19.1", "--build-arg VLLM_BASE=onespark/vllm-base:0.19.1-cu130-sm121 "
+        "--build-arg VLLM_VERSION=0.19.1", f"-f Dockerfile.v2 -t {v2}",
         f"serve --host 127.0.0.1 --port 8000 --replace --image {v2}", f"{v2} --host 127.0.0.1 --port 8000",
     ])
-    # The wheels stage needs no BuildKit (CI's classic builder builds it); the source build's does.
-    assert "DOCKER_BUILDKIT" not in out and "MAX_JOBS" not in out and "vllm-base:0.19.1" not in out
+    assert "--target vllm-wheels" not in out and "vllm-base:0.32.0" not in out
     assert _calls(fakebin) == [] and not venv.exists() and not work.exists()
-    tq = _run([BASH, "steps/4-images.sh", "--dry-run", "--vllm", "0.32.0", "--tq"], fakebin)
-    if (ROOT / "patches/turboquant-0.32.0.diff").exists():
-        assert tq.returncode == 0 and f"-t onespark/v2-tq:{__version__}-vllm0.32.0" in tq.stdout, tq.stderr
-    else:  # the TurboQuant port to 0.32.0 is not in this checkout: refused before anything is built
-        assert tq.returncode == 1 and "needs patches/turboquant-0.32.0.diff" in tq.stderr, tq.stderr
+    tq = _run([BASH, "steps/4-images.sh", "--dry-run", "--vllm", "0.19.1", "--tq"], fakebin)
+    assert tq.returncode == 0 and f"-t onespark/v2-tq:{__version__}-vllm0.19.1" in tq.stdout, tq.stderr
+    tq = _run([BASH, "steps/4-images.sh", "--dry-run", "--tq"], fakebin)  # the default track's v2-tq
+    assert tq.returncode == 0 and f"-t onespark/v2-tq:{__version__} ." in tq.stdout, tq.stderr
 
 
-def test_dry_run_prints_the_032_demo_plan(fakebin, tmp_path):
-    r = _run([BASH, "install.sh", "--dry-run", "--demo", "--vllm", "0.32.0", "--work", str(tmp_path / "w")], fakebin,
+def test_dry_run_prints_both_demo_plans(fakebin, tmp_path):
+    r = _run([BASH, "install.sh", "--dry-run", "--demo", "--work", str(tmp_path / "w")], fakebin,
              ONESPARK_VENV=str(tmp_path / "venv"))
     assert r.returncode == 0, r.stderr
-    v2 = f"onespark-demo/v2:{__version__}-vllm0.32.0"
     in_order(r.stdout, [
         "demo/rootfs.sh", "--build-arg VLLM_VERSION=0.32.0 --build-arg TORCH_VERSION=2.13.0 "
         "--build-arg REQUIREMENTS=tests/requirements-032.txt --build-arg OVERRIDES=tests/overrides-032.txt",
         "-f demo/Dockerfile.cpu-base -t onespark-demo/vllm-cpu:0.32.0",
-        "--build-arg VLLM_BASE=onespark-demo/vllm-cpu:0.32.0 --build-arg VLLM_VERSION=0.32.0", f"-t {v2}",
-        f"--image {v2}",
+        "--build-arg VLLM_BASE=onespark-demo/vllm-cpu:0.32.0 --build-arg VLLM_VERSION=0.32.0",
+        f"-t onespark-demo/v2:{__version__} .", "tiny-qwen3.5-moe",
     ])
-    # the default track's plan is unchanged by the second one
-    r = _run([BASH, "install.sh", "--dry-run", "--demo", "--work", str(tmp_path / "w")], fakebin,
+    assert "--replace --image" not in r.stdout
+    # the source-build track's demo: its own stand-in and tag
+    r = _run([BASH, "install.sh", "--dry-run", "--demo", "--vllm", "0.19.1", "--work", str(tmp_path / "w")], fakebin,
              ONESPARK_VENV=str(tmp_path / "venv"))
+    v2 = f"onespark-demo/v2:{__version__}-vllm0.19.1"
     assert "-t onespark-demo/vllm-cpu:0.19.1" in r.stdout and "REQUIREMENTS=tests/requirements.txt" in r.stdout
-    assert f"-t onespark-demo/v2:{__version__} ." in r.stdout and "--replace --image" not in r.stdout
+    assert f"-t {v2} ." in r.stdout and f"--replace --image {v2}" in r.stdout
 
 
 def test_step4_refuses_a_base_of_the_other_track(fakebin):
     state = _fake_docker(fakebin)
-    assert _run([BASH, "steps/3-base-image.sh"], fakebin).returncode == 0  # the 0.19.1 base, labelled
+    assert _run([BASH, "steps/3-base-image.sh", "--vllm", "0.19.1"], fakebin).returncode == 0  # the 0.19.1 base
     builds = lambda: [c for c in _calls(fakebin) if c.startswith("docker build")]  # noqa: E731
     assert "--label dev.onespark.vllm.track=0.19.1" in builds()[0]
     r = _run([BASH, "steps/4-images.sh", "--vllm", "0.32.0", "--base", "onespark/vllm-base:0.19.1-cu130-sm121"], fakebin)
@@ -412,14 +418,17 @@ def test_step4_refuses_a_base_of_the_other_track(fakebin):
     labels = json.loads(state.read_text())
     labels["old/base:1"] = {"dev.onespark.fingerprint": "x"}
     state.write_text(json.dumps(labels))
-    r = _run([BASH, "steps/4-images.sh", "--base", "old/base:1"], fakebin)
+    r = _run([BASH, "steps/4-images.sh", "--vllm", "0.19.1", "--base", "old/base:1"], fakebin)
     assert r.returncode == 1 and "old/base:1 has no dev.onespark.vllm.track label" in r.stderr and len(builds()) == 1
     # the matching track builds, and v2 carries the track for v2-tq's check
     assert _run([BASH, "steps/3-base-image.sh", "--vllm", "0.32.0"], fakebin).returncode == 0
     r = _run([BASH, "steps/4-images.sh", "--vllm", "0.32.0"], fakebin)
     assert r.returncode == 0, r.stderr
-    assert f"-t onespark/v2:{__version__}-vllm0.32.0" in builds()[-1] and "VLLM_VERSION=0.32.0" in builds()[-1]
-    assert json.loads(state.read_text())[f"onespark/v2:{__version__}-vllm0.32.0"]["dev.onespark.vllm.track"] == "0.32.0"
+    assert f"-t onespark/v2:{__version__} ." in builds()[-1] and "VLLM_VERSION=0.32.0" in builds()[-1]
+    assert json.loads(state.read_text())[f"onespark/v2:{__version__}"]["dev.onespark.vllm.track"] == "0.32.0"
+    # the default (0.32.0) v2 on the 0.19.1 base is refused too
+    r = _run([BASH, "steps/4-images.sh", "--base", "onespark/vllm-base:0.19.1-cu130-sm121", "--tag", "x/v2:1"], fakebin)
+    assert r.returncode == 1 and "is a vLLM 0.19.1 base, not 0.32.0" in r.stderr, r.stderr
 
 
 def test_step3_from_a_stand_in_needs_a_tag(fakebin):
@@ -433,22 +442,22 @@ def test_step3_from_a_stand_in_needs_a_tag(fakebin):
 
 def test_step3_builds_then_skips_then_rebuilds(fakebin):
     _fake_docker(fakebin)
-    first = _run([BASH, "steps/3-base-image.sh"], fakebin)
+    first = _run([BASH, "steps/3-base-image.sh", "--vllm", "0.19.1"], fakebin)
     assert first.returncode == 0, first.stderr
     builds = [c for c in _calls(fakebin) if c.startswith("docker build")]
     assert len(builds) == 1 and "--target vllm-base" in builds[0] and "--network host" in builds[0]
     assert "timing:" in first.stdout
 
-    again = _run([BASH, "steps/3-base-image.sh"], fakebin)
+    again = _run([BASH, "steps/3-base-image.sh", "--vllm", "0.19.1"], fakebin)
     assert "up to date" in again.stdout and "skipping" in again.stdout
     assert len([c for c in _calls(fakebin) if c.startswith("docker build")]) == 1
 
     # A different build input (compile jobs) is a different image: rebuilt.
-    _run([BASH, "steps/3-base-image.sh", "--max-jobs", "6"], fakebin)
+    _run([BASH, "steps/3-base-image.sh", "--vllm", "0.19.1", "--max-jobs", "6"], fakebin)
     builds = [c for c in _calls(fakebin) if c.startswith("docker build")]
     assert len(builds) == 2 and "MAX_JOBS=6" in builds[1]
 
-    forced = _run([BASH, "steps/3-base-image.sh", "--max-jobs", "6", "--no-cache"], fakebin)
+    forced = _run([BASH, "steps/3-base-image.sh", "--vllm", "0.19.1", "--max-jobs", "6", "--no-cache"], fakebin)
     assert forced.returncode == 0
     builds = [c for c in _calls(fakebin) if c.startswith("docker build")]
     assert len(builds) == 3 and "--no-cache" in builds[2]
@@ -462,7 +471,7 @@ def test_step4_needs_the_base_and_chains_tq(fakebin):
     r = _run([BASH, "steps/4-images.sh", "--tq"], fakebin)
     assert r.returncode == 0, r.stderr
     builds = [c for c in _calls(fakebin) if c.startswith("docker build")]
-    assert "VLLM_BASE=onespark/vllm-base:0.19.1-cu130-sm121" in builds[1] and "-f Dockerfile.v2 " in builds[1]
+    assert "VLLM_BASE=onespark/vllm-base:0.32.0-cu130-sm121" in builds[1] and "-f Dockerfile.v2 " in builds[1]
     assert f"ONESPARK_V2=onespark/v2:{__version__}" in builds[2] and f"-t onespark/v2-tq:{__version__}" in builds[2]
     r = _run([BASH, "steps/4-images.sh", "--tq"], fakebin)
     assert r.stdout.count("up to date") == 2

@@ -17,10 +17,14 @@ from onespark import __version__, options
 from onespark.checkpoint.writer import recorded_spec
 from onespark.errors import UserError, plain_key, read_secret
 from onespark.serving import launch, memory
+from onespark.tracks import SUPPORTED_VLLM
 
+# The default track's images (0.32.0: steps/lib.sh VLLM_DEFAULT); the source-build track's carry its version.
 V2_IMAGE = f"onespark/v2:{__version__}"
 V2_TQ_IMAGE = f"onespark/v2-tq:{__version__}"
 DEMO_IMAGE = f"onespark-demo/v2:{__version__}"
+SOURCE_TRACK = SUPPORTED_VLLM[0]
+SOURCE_IMAGES = tuple(f"{repo}:{__version__}-vllm{SOURCE_TRACK}" for repo in ("onespark/v2", "onespark/v2-tq"))
 
 # Defaults of docker/entrypoint.sh that make no sense on the CPU stand-in (GPU kernels, the MTP head of
 # the real checkpoint, fastsafetensors' GPU loader, Qwen3 parsers the tiny model's tokenizer lacks).
@@ -128,10 +132,9 @@ def _with_drafter(args: argparse.Namespace, spec_name: str | None, image: str, u
     if args.demo:
         raise UserError("--drafter dflash: not on the CPU demo (its tiny model has no DFlash drafter); drop --demo "
                         "or use --drafter mtp")
-    if image in (V2_IMAGE, V2_TQ_IMAGE):
-        raise UserError(f"--drafter dflash needs the vLLM 0.32.0 track's image, not {image} (vLLM 0.19.1): "
-                        "./install.sh --vllm 0.32.0 builds it; pass --image onespark/v2:"
-                        f"{__version__}-vllm0.32.0")
+    if image in SOURCE_IMAGES:
+        raise UserError(f"--drafter dflash needs the vLLM 0.32.0 track's image, not {image} (vLLM {SOURCE_TRACK}): "
+                        f"./install.sh builds it; leave --image out ({V2_IMAGE})")
     spec = specs.get(spec_name)
     if not spec.dflash:
         raise UserError(f"--drafter dflash: spec {spec.name} has no DFlash drafter; use --drafter mtp")
