@@ -1,5 +1,5 @@
-"""The map ("Where things are": README's two path tables, the rest in docs/concepts/overview.md) names files
-and functions a reader follows: each must exist in the code.
+"""The map ("Where things are" in docs/concepts/overview.md: the two path tables, then the layout; README links
+to it) names files and functions a reader follows: each must exist in the code.
 
 Every backticked path in the map exists. In the two path tables (checkpoint, logits), the cell that names the
 code (`FILE`: `name` -> `name` ...) is read left to right: a path sets the file, `module.name` looks in
@@ -18,7 +18,7 @@ SPAN = re.compile(r"`([^`]+)`")
 NAME = re.compile(r"^\.?[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
 
 
-MAP_PAGES = ("README.md", "docs/concepts/overview.md")
+MAP_PAGES = ("docs/concepts/overview.md",)  # README, the front door, links here
 
 
 def _section(text: str, heading: str) -> str:
@@ -31,7 +31,7 @@ def _section(text: str, heading: str) -> str:
 
 
 def map_section() -> str:
-    """The map as it reads: README's section (the two path tables), then the overview page's."""
+    """The map as it reads: the overview page's section (the two path tables, then the layout)."""
     return "\n".join(_section((ROOT / page).read_text(), "## Where things are") for page in MAP_PAGES)
 
 
@@ -93,14 +93,14 @@ def test_map_paths_exist():
     paths = [s for s in SPAN.findall(section) if re.fullmatch(r"[\w.-]+(/[\w.*-]*)+|[\w-]+\.(py|sh|toml|md)", s)]
     assert len(paths) > 20, paths
     missing = [p for p in paths if "*" not in p and not (ROOT / p).exists()]
-    assert not missing, f"README's map names paths that do not exist: {missing}"
+    assert not missing, f"the map names paths that do not exist: {missing}"
 
 
 def test_map_names_are_defined():
     cells = code_cells(map_section())
     assert len(cells) >= 8, cells  # 4 checkpoint rows + 5 logits rows, minus none
     problems = [p for c in cells for p in cell_problems(c)]
-    assert not problems, "README's map is out of date:\n  " + "\n  ".join(problems)
+    assert not problems, "the map (docs/concepts/overview.md) is out of date:\n  " + "\n  ".join(problems)
 
 
 def test_map_check_finds_a_wrong_name():
