@@ -61,8 +61,8 @@ An entry: `NAME=DEFAULT`, what it does, then `Speed/memory:` what it costs and g
       Triton elsewhere, and Triton with one warning line wherever the image's build of the CUDA kernel is
       missing; `triton` always Triton; `cuda` the CUDA kernel at every K4V4 decode step (built on first use if
       missing; K4V3 and K8V4 refused at start).
-      Speed/memory: the Spark's code timed on an H200: 1.26-2.27x less time at an MTP-2 verify step than the
-      Triton kernel (bench/results/turboquant_cuda_h200_mma_sync.json); no Spark has timed it.
+      Speed/memory: on an H100 at an MTP-2 verify step, 8K-256K, the Triton kernel takes 0.78-1.63x the CUDA
+      kernel's time (bench/results/turboquant_cuda_h100.json); no Spark has timed it.
   ONESPARK_DRAFT_VOCAB=1
       MTP draft head over a vocabulary subset: where the checkpoint directory holds `onespark-draft-vocab.json`
       (`onespark draft-vocab DIR`, written by step 2), the draft's logits come from a contiguous INT8 copy of
