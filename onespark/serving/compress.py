@@ -17,319 +17,104 @@ Compressed: user and tool messages (Chat Completions), user items and function_c
 Never: system/developer messages and `instructions`, assistant messages and their tool calls, the last user
 paragraph, code blocks, JSON tool results, words that look like identifiers (snake_case, camelCase).
 
-Every other request, and every request that does not opt in, is forwarded as its bytes and answered with vLLM's
-bytes. An opted-in answer carries X-Onespark-Compression (compressed, skipped, failed, timeout), and with it
-X-Onespark-Tokens-Removed and X-Onespark-Compressor-Ms; a non-streamed JSON answer also carries
-usage.onespark_compression. Tokens are counted with the compressor's tokenizer (the served model's differ:
-compare usage.prompt_tokens of the two runs for those, as `onespark bench --suite compression` does).
-A compressor that fails or runs past --timeout leaves the request uncompressed, never lost. A malformed
-`onespark_compress` or header is one 400 in the OpenAI error shape.
+Every request that does not opt in is forwarded as its bytes and answered with vLLM's bytes, streams as they
+come. A request that asked carries X-Onespark-Compression in its answer (compressed, skipped, failed, timeout,
+off, unsupported) with X-Onespark-Tokens-Removed and X-Onespark-Compressor-Ms, and X-Onespark-Compression-Reason
+when it was not compressed; a non-streamed JSON answer also carries usage.onespark_compression. A compressor that
+fails or runs past --timeout leaves the request uncompressed, never lost; a request whose client left while it
+waited is dropped, never sent. Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400 (a
+malformed onespark_compress or header), 401, 408 (a request too slow to arrive), 413 (a body over
+--max-body-bytes), 502 (vLLM unreachable, or its answer broken: the message says which), 503 (--max-compressions
+held), 504 (vLLM silent past --upstream-read-timeout). An answer that breaks off upstream reaches the client cut
+(the connection closes early), never as a complete one.
 
-Standard library only at module level (onespark.serving's rule): torch and llmlingua load in `Compressor`.
+The HTTP side is Starlette on uvicorn with httpx to vLLM (the stack vLLM's own server runs on), imported where
+used: the serving wing is standard library at module level, and this help needs none of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import concurrent.futures
 import contextlib
-import functools
+import copy
 import hmac
-import http.client
+import importlib.util
 import json
 import os
-import re
 import socket
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from onespark import options, shape
+from onespark import options
 from onespark.errors import UserError, plain_key, read_secret
 from onespark.serving import launch
+from onespark.serving.lingua import (
+    CHAT,
+    DEFAULT_MIN_TOKENS,
+    DEFAULT_RATE,
+    FIELD,
+    HEADER,
+    REASON_HEADER,
+    REMOVED_HEADER,
+    RESPONSES,
+    STATUS_HEADER,
+    TIME_HEADER,
+    Ask,
+    BadRequest,
+    Compressor,
+    compress_body,
+    encode_body,
+    read_request,
+)
 
-FIELD = "onespark_compress"
-HEADER = "X-Onespark-Compress"
-STATUS_HEADER = "X-Onespark-Compression"
-REMOVED_HEADER = "X-Onespark-Tokens-Removed"
-TIME_HEADER = "X-Onespark-Compressor-Ms"
-CHAT, RESPONSES = "/v1/chat/completions", "/v1/responses"
-# A 64K-token prompt is ~0.3 MB of JSON; 32 MiB keeps a hostile Content-Length from becoming an allocation.
-MAX_BODY = 32 * 1024 * 1024
-BLOCK = 64 * 1024
-DEFAULT_RATE = 0.5  # keep half: LLMLingua-2's paper reports small losses at 2x-3x (docs/guides/compression.md)
-DEFAULT_MIN_TOKENS = 1024  # below ~1K tokens prefill costs ~0.5 s on a Spark: nothing worth a lossy step
+__all__ = ["CHAT", "FIELD", "HEADER", "REASON_HEADER", "REMOVED_HEADER", "RESPONSES", "STATUS_HEADER", "TIME_HEADER",
+           "Ask", "Compressor", "Limits", "Proxy", "UserError", "upstream_of"]
+
+VIA = "1.1 onespark-compress"  # RFC 9110's Via, on every answer: `onespark bench --suite compression` checks it
 DEFAULT_TIMEOUT_S = 30.0
-# Words the compressor never drops: line breaks keep the layout, '?' keeps questions questions.
-BASE_FORCE = ["\n", "?"]
-MAX_FORCE = 100  # llmlingua 0.2.2's max_force_token: the added [NEWi] tokens it maps multi-token words to
-MAX_USER_FORCE = 32
+MIB = 1024 * 1024
+# Never forwarded either way: one connection's own headers (RFC 9110 7.6.1), and what the proxy sets itself.
 HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-       "transfer-encoding", "upgrade", "host", "content-length"}
-FENCE = re.compile(r"```.*?(?:```|\Z)", re.S)
-# snake_case, dotted.names, camelCase, PascalCase with an inner capital: code words a prose model would drop
-IDENT = re.compile(r"\b(?:[A-Za-z][A-Za-z0-9]*(?:[_.][A-Za-z0-9]+)+|[a-z]+[A-Z][A-Za-z0-9]*|[A-Z][a-z]+[A-Z][A-Za-z0-9]*)\b")
-ON, OFF = {"1", "true", "on", "yes"}, {"0", "false", "off", "no"}
-
-ASK = shape.Obj(optional={
-    "rate": shape.Num(what="a fraction of the tokens kept"),
-    "min_tokens": shape.Int(0, 10**7, what="a token count"),
-    "question": shape.Bool(), "code": shape.Bool(), "keep_digits": shape.Bool(),
-    "force_tokens": shape.ListOf(shape.Str("a word (string)"), what="a list of words (strings)"),
-}, what="true, false or an object of compression options")
+       "transfer-encoding", "upgrade", "host", "content-length", "expect", HEADER.lower()}
+ANSWER_HOP = (HOP - {"content-length"}) | {"date"}  # uvicorn writes the Date of the answer it sends
 
 
-class BadRequest(Exception):
-    """The request's own compression options are wrong: a 400, its message one line."""
+@dataclass(frozen=True)
+class Limits:
+    """Every limit of the proxy; each is a flag of `compress serve`, with these defaults."""
 
-
-class Ask:
-    """What one request asked for, checked."""
-
-    def __init__(self, rate: float, min_tokens: int, question: bool = False, code: bool = False,
-                 keep_digits: bool = True, force_tokens: list[str] | None = None):
-        self.rate, self.min_tokens, self.question, self.code = rate, min_tokens, question, code
-        self.keep_digits, self.force_tokens = keep_digits, force_tokens or []
-
-
-def _rate(value, where: str) -> float:
-    if not 0 < value <= 1:
-        raise BadRequest(f"{where}: rate {value!r} is outside (0, 1]: it is the fraction of tokens kept, e.g. 0.5")
-    return float(value)
-
-
-def parse_ask(header: str | None, body, defaults: Ask) -> Ask | None:
-    """The request's compression options from the header and the body field, or None when it does not opt in.
-    `body` is the parsed JSON (any value); raises BadRequest for a malformed header or field."""
-    rate, on = defaults.rate, False
-    if header is not None:
-        h = header.strip().lower()
-        if h in ON:
-            on = True
-        elif h in OFF:
-            pass
-        else:
-            try:
-                rate, on = _rate(float(h), HEADER), True
-            except ValueError:
-                raise BadRequest(f"{HEADER}: {header[:40]!r} is neither on/off nor a rate in (0, 1], e.g. 0.5") from None
-    field = body.get(FIELD) if isinstance(body, dict) else None
-    if field is None or field is True or field is False:
-        on = on or field is True
-        if field is False:
-            on = False
-        return Ask(rate, defaults.min_tokens) if on else None
-    if not isinstance(field, dict):
-        raise BadRequest(f"{FIELD} is {shape.describe(field)}: expected true, false or an object such as "
-                         '{"rate": 0.5}')
-    try:
-        shape.check(field, ASK, FIELD, "see docs/guides/compression.md")
-    except UserError as e:
-        raise BadRequest(str(e)) from None
-    unknown = sorted(set(field) - set(ASK.optional))
-    if unknown:
-        raise BadRequest(f"{FIELD}: unknown option {unknown[0][:40]!r}: use {', '.join(ASK.optional)}")
-    force = field.get("force_tokens", [])
-    if len(force) > MAX_USER_FORCE or any(not 0 < len(t) <= 32 for t in force):
-        raise BadRequest(f"{FIELD}.force_tokens: at most {MAX_USER_FORCE} words of 1 to 32 characters each")
-    return Ask(_rate(field["rate"], f"{FIELD}.rate") if "rate" in field else rate,
-               field.get("min_tokens", defaults.min_tokens), field.get("question", False), field.get("code", False),
-               field.get("keep_digits", True), force)
-
-
-# ---- what of a request is compressed ------------------------------------------------------------------------
-
-
-class Slot:
-    """One string of the request body that may be compressed: container[key], and whether it is the last user
-    turn (whose last paragraph is the question) and a tool result."""
-
-    def __init__(self, container, key, last_user: bool = False, tool: bool = False):
-        self.container, self.key, self.last_user, self.tool = container, key, last_user, tool
-
-    @property
-    def text(self) -> str:
-        return self.container[self.key]
-
-
-def _text_slots(container, key, **kw) -> list[Slot]:
-    """The strings of a message's content: the content itself, or its text parts (other parts: images...)."""
-    content = container.get(key)
-    if isinstance(content, str):
-        return [Slot(container, key, **kw)]
-    if isinstance(content, list):
-        parts = [p for p in content if isinstance(p, dict) and p.get("type") in ("text", "input_text")
-                 and isinstance(p.get("text"), str)]
-        return [Slot(p, "text", last_user=kw.get("last_user", False) and p is parts[-1], tool=kw.get("tool", False))
-                for p in parts]
-    return []
-
-
-def slots(path: str, body: dict) -> list[Slot]:
-    """The compressible strings of a Chat Completions or Responses body, in order. Anything of another shape
-    is left as it is: vLLM judges the rest of the request."""
-    out: list[Slot] = []
-    if path == CHAT:
-        msgs = body.get("messages")
-        msgs = [m for m in msgs if isinstance(m, dict)] if isinstance(msgs, list) else []
-        last = max((i for i, m in enumerate(msgs) if m.get("role") == "user"), default=-1)
-        for i, m in enumerate(msgs):
-            if m.get("role") in ("user", "tool"):
-                out += _text_slots(m, "content", last_user=i == last, tool=m.get("role") == "tool")
-        return out
-    items = body.get("input")
-    if isinstance(items, str):
-        return [Slot(body, "input", last_user=True)]
-    items = [m for m in items if isinstance(m, dict)] if isinstance(items, list) else []
-    last = max((i for i, m in enumerate(items) if m.get("role") == "user"), default=-1)
-    for i, m in enumerate(items):
-        if m.get("role") == "user":
-            out += _text_slots(m, "content", last_user=i == last)
-        elif m.get("type") == "function_call_output" and isinstance(m.get("output"), str):
-            out.append(Slot(m, "output", tool=True))
-    return out
-
-
-def _is_json(text: str) -> bool:
-    t = text.strip()
-    if not t.startswith(("{", "[")):
-        return False
-    try:
-        json.loads(t)
-    except (ValueError, RecursionError):
-        return False
-    return True
-
-
-def pieces(slot: Slot, ask: Ask) -> list[tuple[str, bool]]:
-    """The slot's text cut into (text, compressible) pieces that join back into it: code fences, JSON tool
-    results and the question (the last user message's last paragraph) are kept as they are."""
-    text = slot.text
-    if slot.tool and not ask.code and _is_json(text):
-        return [(text, False)]
-    tail = ""
-    if slot.last_user and not ask.question:
-        cut = text.rstrip().rfind("\n\n")
-        if cut < 0:
-            return [(text, False)]  # one paragraph: it is the question
-        text, tail = text[:cut + 2], text[cut + 2:]
-    out: list[tuple[str, bool]] = []
-    at = 0
-    for m in ([] if ask.code else FENCE.finditer(text)):
-        out.append((text[at:m.start()], True))
-        out.append((m.group(0), False))
-        at = m.end()
-    out.append((text[at:], True))
-    if tail:
-        out.append((tail, False))
-    return [p for p in out if p[0]]
-
-
-# ---- the compressor -----------------------------------------------------------------------------------------
-
-
-class Compressor:
-    """llmlingua 0.2.2's PromptCompressor(use_llmlingua2=True) on a local checkpoint; one call at a time."""
-
-    def __init__(self, model_dir: str | Path, device: str = "auto"):
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: nothing is fetched, ever
-        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        from unittest import mock
-
-        import llmlingua.prompt_compressor as lp
-        import torch
-
-        cfg = shape.load(Path(model_dir) / "config.json", shape.Obj({"model_type": shape.Str()}),
-                         "download it again: onespark download --compressor ...")
-        # llmlingua picks its word-boundary rules by a substring of the model name (utils.is_begin_of_new_word):
-        # the two LLMLingua-2 families, named by what the checkpoint says it is, not by its directory's name.
-        family = {"bert": "bert-base-multilingual-cased", "xlm-roberta": "xlm-roberta-large"}.get(cfg["model_type"])
-        if family is None:
-            raise UserError(f"{model_dir}: model_type {cfg['model_type']!r} is no LLMLingua-2 model (bert or "
-                            f"xlm-roberta): --model-dir must be a directory `onespark download --compressor` wrote")
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        # PromptCompressor's __init__ asks tiktoken for GPT-3.5's encoding, which tiktoken downloads on first use
-        # (openaipublic.blob.core.windows.net): no network here. LLMLingua-2 uses it only to count tokens, so it
-        # counts with the compressor's own tokenizer instead (set once the tokenizer is loaded).
-        with mock.patch.object(lp.tiktoken, "encoding_for_model", lambda _name: None):
-            pc = lp.PromptCompressor(model_name=str(model_dir), device_map=device, use_llmlingua2=True,
-                                     model_config={"trust_remote_code": False})
-        pc.model_name = family
-        pc.oai_tokenizer = _Counter(pc.tokenizer)
-        pc.model.eval()
-        self.pc, self.device, self.family = pc, device, family
-        self._lock = threading.Lock()
-
-    def count(self, text: str) -> int:
-        return len(self.pc.tokenizer(text, add_special_tokens=False).input_ids)
-
-    def compress(self, texts: list[str], ask: Ask) -> list[str]:
-        words = sorted({w for t in texts for w in IDENT.findall(t)}, key=len, reverse=True)
-        force = list(dict.fromkeys(BASE_FORCE + ask.force_tokens))
-        force += [w for w in words if w not in force][:MAX_FORCE - len(force)]
-        with self._lock:
-            res = self.pc.compress_prompt_llmlingua2(texts, rate=ask.rate, force_tokens=force,
-                                                     force_reserve_digit=ask.keep_digits, drop_consecutive=True,
-                                                     use_context_level_filter=False)
-        return res["compressed_prompt_list"]
-
-
-class _Counter:
-    """What llmlingua wants of tiktoken's Encoding: encode(text) -> token ids. llmlingua calls it once per word
-    of the prompt (its __compress weighs each word by its token count), so it goes straight to the Rust
-    tokenizer and remembers words: transformers' __call__ costs ~30x the Rust encode per word (285 vs 9 us on
-    the 2-core CI machine), which made it most of a 64K-token compression on an H200 (3.3 s)."""
-
-    def __init__(self, tokenizer):
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            self._ids = lambda t: backend.encode(t, add_special_tokens=False).ids
-        else:  # a slow (Python) tokenizer
-            self._ids = lambda t: tokenizer(t, add_special_tokens=False).input_ids
-        self.encode = functools.lru_cache(maxsize=1 << 16)(self._encode)
-
-    def _encode(self, text: str) -> tuple[int, ...]:
-        return tuple(self._ids(text))
-
-
-def compress_body(path: str, body: dict, ask: Ask, compressor) -> dict:
-    """Compress the body's long user and tool text in place; returns the accounting."""
-    todo: list[tuple[Slot, list[tuple[str, bool]]]] = []
-    for s in slots(path, body):
-        ps = pieces(s, ask)
-        if sum(compressor.count(t) for t, c in ps if c) >= max(ask.min_tokens, 1):
-            todo.append((s, ps))
-    texts = [t for _, ps in todo for t, c in ps if c]
-    if not texts or ask.rate >= 1:
-        return {"status": "skipped", "tokens_before": 0, "tokens_after": 0, "tokens_removed": 0, "messages": 0}
-    out = iter(compressor.compress(texts, ask))
-    before = after = 0
-    for s, ps in todo:
-        joined = []
-        for t, c in ps:
-            if c:
-                new = next(out)
-                before, after = before + compressor.count(t), after + compressor.count(new)
-                # the compressor joins words with single spaces: keep the piece's own edges (a paragraph break)
-                lead, trail = t[:len(t) - len(t.lstrip())], t[len(t.rstrip()):]
-                t = lead + new.strip() + trail
-            joined.append(t)
-        s.container[s.key] = "".join(joined)
-    return {"status": "compressed", "tokens_before": before, "tokens_after": after,
-            "tokens_removed": before - after, "messages": len(todo)}
-
-
-# ---- the proxy ------------------------------------------------------------------------------------------------
+    # A 64K-token prompt is ~0.3 MB of JSON: 100x room, and a hostile Content-Length is refused, not allocated.
+    # Also the most of an opted-in answer read whole to add usage.onespark_compression (past it: passed as is).
+    max_body_bytes: int = 32 * MIB
+    header_timeout_s: float = 10.0  # a request's headers, from the connection's or the request's first byte
+    body_timeout_s: float = 60.0  # its body, from the end of its headers: 32 MiB at ~4 Mbit/s
+    keep_alive_s: float = 5.0  # an idle connection between requests (uvicorn's default, and vLLM's)
+    connect_timeout_s: float = 10.0  # a connection to vLLM
+    # vLLM's silence while it answers: a non-streamed answer comes whole, at the end (8K tokens at 10 tok/s: 800 s)
+    read_timeout_s: float = 3600.0
+    max_compressions: int = 16  # opted-in requests with the compressor at once, running or waiting their turn
+    backlog: int = 2048  # connections the kernel queues before the proxy accepts them (uvicorn's default)
 
 
 def _error(message: str, status: int, param: str | None = None) -> bytes:
-    """vLLM's error shape, so an OpenAI client raises its usual BadRequestError."""
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError"}.get(status, "APIError")
+    """vLLM's error shape, so an OpenAI client raises its usual error class."""
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "RequestTimeoutError",
+            413: "RequestTooLargeError", 503: "ServiceUnavailableError", 504: "GatewayTimeoutError"}.get(status, "APIError")
     return json.dumps({"error": {"message": message, "type": kind, "param": param, "code": status}}).encode()
+
+
+def _shown(upstream: str) -> str:
+    """--upstream as it may be printed: a password in it replaced by ***."""
+    u = urlsplit(upstream)
+    if u.password is None:
+        return upstream
+    return upstream.replace(f":{u.password}@", ":***@", 1)
 
 
 def upstream_of(upstream: str) -> tuple[str, str, int]:
@@ -340,251 +125,485 @@ def upstream_of(upstream: str) -> tuple[str, str, int]:
     except ValueError:
         port = 0
     if u.scheme not in ("http", "https") or not u.hostname or port == 0:
-        raise UserError(f"--upstream {upstream!r} is not an http(s) URL: use e.g. http://127.0.0.1:8000")
+        raise UserError(f"--upstream {_shown(upstream)!r} is not an http(s) URL: use e.g. http://127.0.0.1:8000")
+    if u.username is not None:
+        raise UserError(f"--upstream {_shown(upstream)!r} carries a user name or password, which vLLM does not "
+                        "read: give its key with --api-key-file (clients' own Authorization goes through as sent)")
     return u.scheme, u.hostname, port if port is not None else (443 if u.scheme == "https" else 80)
 
 
-class _Server6(ThreadingHTTPServer):
-    """--host ::1 or :: (an IPv6 address): the standard server binds IPv4 sockets only."""
+def bind(host: str, port: int) -> socket.socket:
+    """The proxy's socket, bound (not yet listening): a port in use or an address not of this machine is found
+    before the compressor loads."""
+    try:
+        family, *_, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise UserError(f"--host {host}: no such address ({e}): give an address of this machine, e.g. "
+                        "127.0.0.1") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno == 98:  # EADDRINUSE
+            raise UserError(f"--port {port}: something already listens there on {host}: stop it or choose "
+                            "another --port") from None
+        if e.errno == 99:  # EADDRNOTAVAIL
+            raise UserError(f"--host {host} is not an address of this machine: use 127.0.0.1 (this machine "
+                            "only), 0.0.0.0 (every interface) or one of its own addresses") from None
+        raise UserError(f"cannot listen on {host}:{port}: {e.strerror}: choose another --port "
+                        "(below 1024 needs root)") from None
+    return sock
 
-    address_family = socket.AF_INET6
+
+# ---- the compressor's queue ---------------------------------------------------------------------------------
+
+
+def _job(compressor, path: str, body: dict, ask: Ask, clock: dict) -> tuple[dict, bytes | None]:
+    """In the worker thread: compress a copy of the body (a late or failed compression never touches the body
+    the proxy sends); the compressed body's bytes, or None when nothing changed."""
+    clock["start"] = time.perf_counter()
+    try:
+        work = copy.deepcopy(body)
+        acct = compress_body(path, work, ask, compressor)
+        return acct, encode_body(work) if acct["status"] == "compressed" else None
+    finally:
+        clock["end"] = time.perf_counter()
+
+
+class Compressions:
+    """The compressor's own queue, off the event loop: one worker thread (llmlingua's PromptCompressor is not
+    thread-safe: each call adds its force tokens to the shared tokenizer, so Compressor holds a lock and a second
+    thread would only wait on it), at most `limit` requests held at once, each for at most timeout_s from its
+    arrival. A request that gives up (its deadline passed, its client left) takes its job out of the queue, so no
+    compression ever runs for nobody: the next request waits for running work only, and the wait is reported as
+    the wait, not as compressor time."""
+
+    def __init__(self, compressor, limit: int, timeout_s: float, log):
+        self.compressor, self.limit, self.timeout_s, self.log = compressor, limit, timeout_s, log
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compress")
+        self.held = 0
+
+    def full(self) -> bool:
+        return self.held >= self.limit
+
+    async def run(self, path: str, body: dict, ask: Ask) -> tuple[dict, bytes | None]:
+        """(the accounting, the compressed body or None to send `body` as it is). Cancelled (its client left),
+        the job is cancelled with it."""
+        if self.compressor is None:
+            return {"status": "failed", "reason": "no compressor loaded", "compressor_ms": 0}, None
+        self.held += 1
+        t0, clock = time.perf_counter(), {}
+        job = asyncio.wrap_future(self.pool.submit(_job, self.compressor, path, body, ask, clock))
+        try:
+            acct, sent = await asyncio.wait_for(asyncio.shield(job), self.timeout_s)
+        except asyncio.TimeoutError:
+            job.cancel()  # still queued: it never runs; running: its result is dropped
+            return self._late(clock, t0), None
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
+        except Exception as e:  # the compressor's own failure (a CUDA OOM, a tokenizer error): never the request's
+            self.log(f"onespark compress: compressor failed ({type(e).__name__}: {str(e)[:200]}): sent uncompressed")
+            return {"status": "failed", "reason": f"the compressor failed ({type(e).__name__}; see the proxy's log)",
+                    "compressor_ms": _ms(clock.get("end", 0) - clock.get("start", 0))}, None
+        finally:
+            self.held -= 1
+        acct["compressor_ms"] = _ms(clock["end"] - clock["start"])
+        acct["queue_ms"] = _ms(clock["start"] - t0)
+        if acct["status"] == "skipped":
+            acct["reason"] = "rate 1 keeps every token" if ask.rate >= 1 else \
+                f"no user or tool text of {ask.min_tokens} compressor tokens or more (min_tokens)"
+        return acct, sent
+
+    def _late(self, clock: dict, t0: float) -> dict:
+        now = time.perf_counter()
+        if "start" not in clock:
+            why = f"waited --timeout {self.timeout_s:g} s for the compressor, busy with earlier requests"
+            ran = 0.0
+        else:
+            ran = now - clock["start"]
+            why = (f"compression ran past --timeout {self.timeout_s:g} s (after {clock['start'] - t0:.1f} s "
+                   f"waiting for the compressor)")
+        self.log(f"onespark compress: {why}: sent uncompressed")
+        return {"status": "timeout", "reason": why, "compressor_ms": _ms(ran), "queue_ms": _ms(now - t0 - ran)}
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 1)
+
+
+# ---- the HTTP side: Starlette on uvicorn, httpx to vLLM ------------------------------------------------------
+
+
+class Refused(Exception):
+    """An answer of the proxy's own (an error): status, message, and whether the connection must close (a
+    request body left unread)."""
+
+    def __init__(self, status: int, message: str, close: bool = False, param: str | None = None,
+                 extra: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.close, self.param, self.extra = status, message, close, param, extra or {}
+
+
+class Cut(Exception):
+    """vLLM's answer broke off after the proxy had started relaying it: the client's connection must close
+    short, so the client sees the cut."""
+
+
+def _header_value(text: str) -> str:
+    """Text fit for a header value: ASCII without control characters (a path may carry any of them)."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)[:300]
+
+
+async def _disconnected(receive) -> None:
+    """Returns once the client has gone (the request body already read: uvicorn answers nothing else)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(aw, receive):
+    """aw's result, or _GONE when the client disconnects first (aw is then cancelled)."""
+    task, watch = asyncio.ensure_future(aw), asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait([task, watch], return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return _GONE
+    finally:
+        watch.cancel()
+
+
+_GONE = object()
+
+
+class Gateway:
+    """The proxy's one route, an ASGI app: read the request whole (bounded in size and time), compress it when
+    it asks, relay it to vLLM with httpx and the answer back as it streams."""
+
+    def __init__(self, proxy: Proxy):
+        self.proxy, self.limits, self.log = proxy, proxy.limits, proxy.log
+        self.client = None  # httpx.AsyncClient: made in the server's event loop (Proxy.app's lifespan)
+
+    async def __call__(self, scope, receive, send) -> None:
+        from starlette.requests import ClientDisconnect, Request
+
+        request = Request(scope, receive)
+        try:
+            await self._handle(request, scope, receive, send)
+        except Refused as e:
+            await self._refuse(e, scope, receive, send)
+        except ClientDisconnect:
+            pass  # the client left while sending its request: nobody to answer
+
+    async def _refuse(self, e: Refused, scope, receive, send) -> None:
+        from starlette.responses import Response
+
+        headers = {**e.extra, "via": VIA, **({"connection": "close"} if e.close else {})}
+        await Response(_error(e.message, e.status, e.param), e.status, headers, "application/json")(scope, receive, send)
+
+    async def _handle(self, request, scope, receive, send) -> None:
+        key = self.proxy.key
+        if key is not None and not hmac.compare_digest(request.headers.get("authorization", "").encode("latin-1"),
+                                                       f"Bearer {key}".encode()):
+            raise Refused(401, "missing or wrong API key (Authorization: Bearer ...)", close=True)
+        raw = await self._body(request)
+        try:
+            reading = read_request(scope["method"], scope["path"], request.headers.get(HEADER), raw,
+                                   self.proxy.defaults)
+        except BadRequest as e:
+            raise Refused(400, str(e), param=FIELD) from None
+        acct = {"status": reading.status, "reason": reading.reason} if reading.status is not None else None
+        if reading.ask is not None:
+            if self.proxy.compressions.full():
+                raise Refused(503, f"the compressor is busy: {self.limits.max_compressions} requests are with it "
+                                   "(--max-compressions); retry, or send without onespark_compress",
+                              extra={STATUS_HEADER: "busy", "retry-after": "1"})
+            got = await _unless_gone(self.proxy.compressions.run(scope["path"], reading.body, reading.ask), receive)
+            if got is _GONE:
+                self.log(f"onespark compress: the client of a {scope['path']} request left while it waited for "
+                         "compression: dropped, not sent to vLLM")
+                return
+            acct, compressed = got
+            raw = compressed if compressed is not None else encode_body(reading.body)
+        elif reading.body is not None:
+            raw = encode_body(reading.body)
+        await self._relay(scope, receive, send, raw, acct)
+
+    async def _body(self, request) -> bytes:
+        limit = self.limits.max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and not (length.isascii() and length.isdigit()):  # uvicorn's parsers check it too
+            raise Refused(400, f"Content-Length {length[:20]!r} is not a byte count", close=True)
+        if length is not None and int(length) > limit:  # refused before a byte is read (and before 100 Continue)
+            raise Refused(413, f"request body of {length} bytes: the limit is {limit} (--max-body-bytes)", close=True)
+        chunks, size = [], 0
+
+        async def read() -> None:
+            nonlocal size
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise Refused(413, f"request body over {limit} bytes (--max-body-bytes)", close=True)
+                chunks.append(chunk)
+
+        try:
+            await asyncio.wait_for(read(), self.limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise Refused(408, f"the request body did not arrive within {self.limits.body_timeout_s:g} s "
+                               f"(--body-timeout): {size} bytes came", close=True) from None
+        return b"".join(chunks)
+
+    def _headers_out(self, scope) -> list[tuple[bytes, bytes]]:
+        return [(k, v) for k, v in scope["headers"] if k.decode("latin-1").lower() not in HOP]
+
+    async def _relay(self, scope, receive, send, raw: bytes, acct: dict | None) -> None:
+        import httpx
+
+        method = scope["method"]
+        target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
+        url = httpx.URL(self.proxy.upstream_url).copy_with(raw_path=target)
+        body = raw if raw or method not in ("GET", "HEAD", "DELETE", "OPTIONS") else None
+        req = self.client.build_request(method, url, headers=self._headers_out(scope), content=body)
+        extra = _report(acct)
+        try:
+            resp = await _unless_gone(self.client.send(req, stream=True), receive)
+        except httpx.HTTPError as e:
+            raise Refused(*self._upstream_failure(e), extra=extra) from None
+        if resp is _GONE:
+            return  # the client left while vLLM worked on the answer: the cancelled send closed that connection
+        try:
+            ctype = resp.headers.get("content-type", "")
+            if acct is not None and acct["status"] not in ("off", "unsupported") and resp.status_code == 200 and "json" in ctype \
+                    and "content-encoding" not in resp.headers:
+                await self._whole(resp, scope, receive, send, extra, acct)
+            else:
+                await self._stream(resp, resp.aiter_raw(), b"", scope, receive, send, extra)
+        except Cut as e:
+            self.log(f"onespark compress: {e}: the client's connection is closed short, so it sees the cut")
+        finally:
+            await resp.aclose()
+
+    def _upstream_failure(self, e) -> tuple[int, str]:
+        import httpx
+
+        at = f"vLLM at {self.proxy.upstream_url}"
+        what = str(e)[:160] or type(e).__name__
+        if isinstance(e, httpx.ConnectTimeout):
+            return 504, f"cannot reach {at}: no connection within {self.limits.connect_timeout_s:g} s " \
+                        "(--upstream-connect-timeout): is it up, and reachable from here?"
+        if isinstance(e, httpx.ConnectError):
+            return 502, f"cannot reach {at} ({what}): is it up?"
+        if isinstance(e, httpx.TimeoutException):
+            return 504, f"{at} sent nothing for {self.limits.read_timeout_s:g} s (--upstream-read-timeout)"
+        if isinstance(e, httpx.RemoteProtocolError) and "without sending" in what:
+            return 502, f"{at} closed the connection without an answer ({what})"
+        if isinstance(e, httpx.RemoteProtocolError):
+            return 502, f"{at} answered with something that is not HTTP ({what}): is --upstream vLLM's address?"
+        return 502, f"the connection to {at} failed ({type(e).__name__}: {what})"
+
+    def _answer_headers(self, resp, extra: dict, length: int | None = None) -> list[tuple[bytes, bytes]]:
+        out = [(k, v) for k, v in resp.headers.raw if k.decode("latin-1").lower() not in ANSWER_HOP
+               and not (length is not None and k.lower() == b"content-length")]
+        out += [(k.lower().encode(), v.encode()) for k, v in {**extra, "via": VIA}.items()]
+        if length is not None:
+            out.append((b"content-length", str(length).encode()))
+        return out
+
+    async def _whole(self, resp, scope, receive, send, extra: dict, acct: dict) -> None:
+        """An opted-in JSON answer, read whole to add usage.onespark_compression. One that breaks off is a 502,
+        never a complete 200; one past --max-body-bytes goes on as it comes, unchanged (never cut to the limit)."""
+        import httpx
+        from starlette.responses import Response
+
+        data, chunks = bytearray(), resp.aiter_raw()
+        try:
+            async for chunk in chunks:
+                data += chunk
+                if len(data) > self.limits.max_body_bytes:
+                    return await self._stream(resp, chunks, bytes(data), scope, receive, send, extra)
+        except httpx.HTTPError as e:
+            status, message = self._upstream_failure(e)
+            raise Refused(status if status == 504 else 502, f"{self.proxy.upstream_url}'s answer broke off after "
+                          f"{len(data)} bytes ({str(e)[:160] or type(e).__name__}): not relayed", extra=extra) from None
+        try:
+            doc = json.loads(data)
+            if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
+                doc["usage"]["onespark_compression"] = acct
+                data = bytearray(json.dumps(doc, ensure_ascii=False).encode())
+        except (ValueError, RecursionError):
+            pass  # whole, but not JSON after all: vLLM's bytes as they came
+        r = Response(bytes(data), resp.status_code)
+        r.raw_headers = self._answer_headers(resp, extra, len(data))
+        await r(scope, receive, send)
+
+    async def _stream(self, resp, chunks, first: bytes, scope, receive, send, extra: dict) -> None:
+        """vLLM's answer as it arrives (SSE chunk by chunk); upstream's Content-Length, when it sent one, stays."""
+        import httpx
+        from starlette.responses import StreamingResponse
+
+        async def body():
+            if first:
+                yield first
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except httpx.HTTPError as e:
+                raise Cut(f"vLLM's answer broke off ({type(e).__name__}: {str(e)[:160]})") from None
+
+        r = StreamingResponse(body(), resp.status_code)
+        r.raw_headers = self._answer_headers(resp, extra)
+        await r(scope, receive, send)
+
+
+def _report(acct: dict | None) -> dict:
+    """The X-Onespark-* headers of an answer to a request that asked."""
+    if acct is None:
+        return {}
+    out = {STATUS_HEADER: acct["status"]}
+    if acct["status"] not in ("off", "unsupported"):
+        out[REMOVED_HEADER] = str(acct.get("tokens_removed", 0))
+        out[TIME_HEADER] = str(acct.get("compressor_ms", 0))
+    if acct.get("reason"):
+        out[REASON_HEADER] = _header_value(acct["reason"])
+    return out
+
+
+def _protocol(header_timeout_s: float):
+    """uvicorn's HTTP protocol (httptools where installed, else h11, as vLLM runs it) with a deadline on a
+    request's headers: uvicorn times out only the idle time after an answer, so a connection that never sends a
+    byte, or sends its headers a byte at a time, would be held for ever (a file descriptor and a buffer each)."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    late = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"via: " + VIA.encode() + b"\r\n")
+    message = _error(f"the request's headers did not arrive within {header_timeout_s:g} s (--header-timeout)", 408)
+    late += b"content-length: %d\r\n\r\n%s" % (len(message), message)
+
+    class Protocol(AutoHTTPProtocol):
+        _deadline = None
+        _heard = False
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._deadline is None and self._between():
+                self._arm()  # the first byte of the next request: its headers have their own deadline
+            self._heard = True
+            super().data_received(data)
+            if self._deadline is not None and not self._between():
+                self._deadline.cancel()  # the headers are in: the body has --body-timeout
+                self._deadline = None
+
+        def connection_lost(self, exc) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _between(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            self._heard = False
+            self._deadline = self.loop.call_later(header_timeout_s, self._expire)
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if self._between() and not self.transport.is_closing():
+                if self._heard:  # part of a request came: say why it ends; a silent connection just closes
+                    self.transport.write(late)
+                self.transport.close()
+
+    return Protocol
 
 
 class Proxy:
-    """The proxy server: `with Proxy(...) as p: p.base_url`; or `serve_forever()`."""
+    """The proxy server: `with Proxy(...) as p: p.base_url` (in a thread, for tests), or `serve_forever()`."""
 
     def __init__(self, upstream: str, compressor=None, *, host: str = "127.0.0.1", port: int = 0,
                  key: str | None = None, defaults: Ask | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 upstream_timeout_s: float = 3600.0, log=None):
+                 limits: Limits | None = None, log=None, sock: socket.socket | None = None):
         self.scheme, self.up_host, self.up_port = upstream_of(upstream)
-        self.upstream_url = launch.url(self.scheme, self.up_host, self.up_port)  # no credentials --upstream may carry
-        self.compressor, self.key, self.timeout_s = compressor, key, timeout_s
-        self.upstream_timeout_s = upstream_timeout_s
+        self.upstream_url = launch.url(self.scheme, self.up_host, self.up_port)  # never a password: upstream_of
+        self.key, self.limits = key, limits or Limits()
         self.defaults = defaults or Ask(DEFAULT_RATE, DEFAULT_MIN_TOKENS)
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-        # One compression at a time: a model on one GPU gains nothing from two, and a stuck one must not
-        # take a thread per request with it. A request waits at most timeout_s, then goes uncompressed.
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="compress")
-        self.server = (_Server6 if ":" in host else ThreadingHTTPServer)((host, port), _handler(self))
-        self.server.daemon_threads = True
-        bound = self.server.server_address[1]
-        self.base_url = launch.base_url(host, bound)  # where this machine reaches it, as serve prints its own
+        self.compressions = Compressions(compressor, self.limits.max_compressions, timeout_s, self.log)
+        self.sock = sock or bind(host, port)
+        self.base_url = launch.base_url(host, self.sock.getsockname()[1])  # where this machine reaches it
+        self.gateway = Gateway(self)
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
+        self._server = self._thread = None
+
+    def app(self):
+        """The Starlette app: one catch-all route, the httpx client to vLLM opened and closed with it."""
+        import httpx
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            self.loop = asyncio.get_running_loop()
+            lim = self.limits
+            # trust_env off: a proxy set in the environment (HTTP_PROXY) is for the internet, not for vLLM
+            client = httpx.AsyncClient(
+                timeout=httpx.Timeout(lim.read_timeout_s, connect=lim.connect_timeout_s, pool=None),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64), trust_env=False)
+            for name in ("user-agent", "accept", "accept-encoding"):  # the client's own go through, httpx's do not
+                del client.headers[name]
+            self.gateway.client = client
+            try:
+                yield
+            finally:
+                await client.aclose()
+
+        return Starlette(routes=[Route("/{path:path}", self.gateway, methods=None)], lifespan=lifespan)
+
+    def server(self):
+        import uvicorn
+
+        lim = self.limits
+        config = uvicorn.Config(self.app(), http=_protocol(lim.header_timeout_s), timeout_keep_alive=lim.keep_alive_s,
+                                backlog=lim.backlog, log_level="warning", access_log=False, server_header=False,
+                                lifespan="on", timeout_graceful_shutdown=5)
+        return uvicorn.Server(config)
 
     def __enter__(self) -> Proxy:
-        # a short poll: shutdown() waits for it (tests start and stop many proxies)
-        threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+        self._server = self.server()
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self._thread.start()
+        t0 = time.monotonic()
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() - t0 > 30:
+                raise RuntimeError("the proxy did not start")
+            time.sleep(0.01)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self._server.should_exit = True
+        self._thread.join(30)
+        self.sock.close()
+        self.compressions.pool.shutdown(wait=False, cancel_futures=True)
 
     def serve_forever(self) -> None:
+        """In the main thread: uvicorn's own Ctrl-C and SIGTERM handling (answers in flight finish)."""
         try:
-            self.server.serve_forever()
+            self.server().run(sockets=[self.sock])
         finally:
-            self.server.server_close()
-
-    def connection(self) -> http.client.HTTPConnection:
-        cls = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
-        return cls(self.up_host, self.up_port, timeout=self.upstream_timeout_s)
-
-    def compress(self, path: str, body: dict, ask: Ask) -> dict:
-        """Compress in the worker thread, at most timeout_s; on failure the body is left as it was."""
-        if self.compressor is None:
-            return {"status": "failed", "reason": "no compressor loaded"}
-        work = json.loads(json.dumps(body))  # a copy: a late or failed compression must not touch the body sent
-        t0 = time.perf_counter()
-        future = self.pool.submit(compress_body, path, work, ask, self.compressor)
-        try:
-            acct = future.result(timeout=self.timeout_s)
-        except concurrent.futures.TimeoutError:
-            self.log(f"onespark compress: compression ran past {self.timeout_s:g} s: sent uncompressed")
-            return {"status": "timeout", "compressor_ms": round((time.perf_counter() - t0) * 1000, 1)}
-        except Exception as e:  # the compressor's own failure (a CUDA OOM, a tokenizer error): never the request's
-            self.log(f"onespark compress: compressor failed ({type(e).__name__}: {str(e)[:200]}): sent uncompressed")
-            return {"status": "failed", "reason": type(e).__name__,
-                    "compressor_ms": round((time.perf_counter() - t0) * 1000, 1)}
-        acct["compressor_ms"] = round((time.perf_counter() - t0) * 1000, 1)
-        if acct["status"] == "compressed":
-            body.clear()
-            body.update(work)
-        return acct
-
-
-def _handler(proxy: Proxy):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        server_version = "onespark-compress"
-
-        def log_message(self, *a):  # quiet: a request log of a proxy is the upstream's to keep
-            pass
-
-        def _reply(self, status: int, body: bytes, extra: dict | None = None) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            for k, v in (extra or {}).items():
-                self.send_header(k, v)
-            self.end_headers()
-            self.wfile.write(body)
-
-        def _read_body(self) -> bytes | None:
-            if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-                self._reply(411, _error("send the request with a Content-Length (no chunked bodies)", 411))
-                return None
-            raw = self.headers.get("Content-Length", "0").strip() or "0"
-            if not (raw.isascii() and raw.isdigit()) or len(raw) > 12:  # "²".isdigit(), but int("²") fails
-                self._reply(400, _error(f"Content-Length {raw[:20]!r} is not a byte count", 400))
-                return None
-            n = int(raw)
-            if n > MAX_BODY:
-                self._reply(413, _error(f"request body of {n} bytes: the limit is {MAX_BODY}", 413))
-                return None
-            return self.rfile.read(n)
-
-        def _authorized(self) -> bool:
-            if proxy.key is None:
-                return True
-            got = self.headers.get("Authorization", "")
-            if hmac.compare_digest(got.encode("latin-1", "replace"), f"Bearer {proxy.key}".encode()):
-                return True
-            self._reply(401, _error("missing or wrong API key (Authorization: Bearer ...)", 401))
-            return False
-
-        def _forward(self) -> None:
-            self.close_connection = False
-            raw = self._read_body()
-            if raw is None:
-                self.close_connection = True
-                return
-            if not self._authorized():
-                return
-            path = self.path.split("?", 1)[0]
-            extra: dict[str, str] = {}
-            acct = None
-            if self.command == "POST" and path in (CHAT, RESPONSES) and (
-                    self.headers.get(HEADER) is not None or FIELD.encode() in raw):
-                try:
-                    raw, acct = self._compressed(path, raw)
-                except BadRequest as e:
-                    self._reply(400, _error(str(e), 400, FIELD))
-                    return
-                if acct is not None:
-                    extra = {STATUS_HEADER: acct["status"], REMOVED_HEADER: str(acct.get("tokens_removed", 0)),
-                             TIME_HEADER: str(acct.get("compressor_ms", 0))}
-            self._relay(raw, extra, acct)
-
-        def _compressed(self, path: str, raw: bytes) -> tuple[bytes, dict | None]:
-            """(the body to send, the accounting) for an opted-in request; (raw, None) when it does not opt in."""
-            try:
-                body = shape.parse(raw, "the request body", "send a JSON object")
-            except UserError as e:
-                if self.headers.get(HEADER) is None:
-                    return raw, None  # a field name inside a string of garbage: not ours to judge, vLLM's
-                raise BadRequest(str(e)) from None
-            ask = parse_ask(self.headers.get(HEADER), body, proxy.defaults)
-            if not isinstance(body, dict):
-                if ask is None:
-                    return raw, None
-                raise BadRequest("the request body is not a JSON object")
-            if ask is None and FIELD not in body:
-                return raw, None
-            body.pop(FIELD, None)  # vLLM would warn about, or refuse, a field it does not know
-            acct = proxy.compress(path, body, ask) if ask is not None else {"status": "off"}
-            return json.dumps(body, ensure_ascii=False).encode(), acct
-
-        def _relay(self, raw: bytes, extra: dict, acct: dict | None) -> None:
-            headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP and k.lower() != HEADER.lower()}
-            conn = proxy.connection()
-            try:
-                try:
-                    conn.request(self.command, self.path, body=raw if raw or self.command != "GET" else None,
-                                 headers={**headers, "Content-Length": str(len(raw))})
-                    resp = conn.getresponse()
-                except (OSError, http.client.HTTPException) as e:
-                    self._reply(502, _error(f"cannot reach vLLM at {proxy.upstream_url} "
-                                            f"({type(e).__name__}): is it up?", 502), extra)
-                    return
-                self._answer(resp, extra, acct)
-            finally:
-                conn.close()
-
-        def _answer(self, resp: http.client.HTTPResponse, extra: dict, acct: dict | None) -> None:
-            # Date and Server: send_response writes the proxy's own; vLLM's would be a second copy of each
-            kept = [(k, v) for k, v in resp.getheaders() if k.lower() not in HOP | {"date", "server"}]
-            ctype = resp.getheader("Content-Type", "")
-            if acct is not None and acct["status"] != "off" and resp.status == 200 and "json" in ctype:
-                data = resp.read(MAX_BODY)
-                try:
-                    doc = json.loads(data)
-                    if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
-                        doc["usage"]["onespark_compression"] = acct
-                        data = json.dumps(doc, ensure_ascii=False).encode()
-                except (ValueError, RecursionError):
-                    pass  # not JSON after all: vLLM's bytes as they came
-                self._head(resp, kept, extra, length=len(data))
-                self.wfile.write(data)
-                return
-            no_body = self.command == "HEAD" or resp.status in (204, 304) or 100 <= resp.status < 200
-            length = None if resp.chunked else resp.length
-            self._head(resp, kept, extra, length=0 if no_body and length is None else length)
-            if no_body:
-                return
-            if length is not None:
-                while length > 0:
-                    block = resp.read(min(BLOCK, length))
-                    if not block:
-                        self.close_connection = True  # upstream ended short: the client must see the cut
-                        return
-                    self.wfile.write(block)
-                    length -= len(block)
-                return
-            # streamed (SSE) or close-delimited: each piece as it arrives, chunked to our client
-            while True:
-                block = resp.read1(BLOCK)
-                if not block:
-                    break
-                self.wfile.write(b"%x\r\n%s\r\n" % (len(block), block))
-                self.wfile.flush()
-            self.wfile.write(b"0\r\n\r\n")
-
-        def _head(self, resp, kept, extra: dict, length: int | None) -> None:
-            self.send_response(resp.status, resp.reason)
-            for k, v in kept:
-                self.send_header(k, v)
-            for k, v in extra.items():
-                self.send_header(k, v)
-            if length is None:
-                self.send_header("Transfer-Encoding", "chunked")
-            else:
-                self.send_header("Content-Length", str(length))
-            self.end_headers()
-
-        def _safe(self) -> None:
-            try:
-                self._forward()
-            except (BrokenPipeError, ConnectionResetError):
-                self.close_connection = True  # the client went away mid-answer
-            except Exception as e:  # a bug of ours: one line in the log and a 500, never a traceback to the client
-                self.log(f"onespark compress: internal error on {self.command} {self.path[:80]}: "
-                         f"{type(e).__name__}: {str(e)[:200]}")
-                self.close_connection = True
-                with contextlib.suppress(OSError):
-                    self._reply(500, _error("internal error in onespark compress (see its log)", 500))
-
-        def log(self, message: str) -> None:
-            proxy.log(message)
-
-        do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _safe
-
-    return Handler
+            self.sock.close()
+            self.compressions.pool.shutdown(wait=False, cancel_futures=True)
 
 
 # ---- CLI ------------------------------------------------------------------------------------------------------
 
 KEY_ENV = "ONESPARK_API_KEY"
+HTTP_STACK = ("starlette", "uvicorn", "httpx")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -593,7 +612,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     s.add_argument("--model-dir", required=True, type=Path,
                    help="the LLMLingua-2 checkpoint (onespark download --compressor NAME writes DEST/llmlingua2/NAME)")
-    s.add_argument("--upstream", default="http://127.0.0.1:8000", help="vLLM's URL (default: %(default)s)")
+    s.add_argument("--upstream", default="http://127.0.0.1:8000",
+                   help="vLLM's URL, without credentials (default: %(default)s)")
     s.add_argument("--host", type=options.bind_host, default="127.0.0.1", help="address to bind (default: %(default)s: this machine only)")
     s.add_argument("--port", type=options.PORT, default=8001, help="port to bind (default: %(default)s)")
     s.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
@@ -603,31 +623,75 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--min-tokens", type=options.number(int, 0), default=DEFAULT_MIN_TOKENS,
                    help="default: leave messages shorter than this alone (default: %(default)s)")
     s.add_argument("--timeout", type=options.SECONDS, default=DEFAULT_TIMEOUT_S,
-                   help="seconds a compression may take before the request goes uncompressed (default: %(default)s)")
-    s.add_argument("--api-key-file", help=f"the key clients must send and vLLM gets (default: ${KEY_ENV}; none: "
-                                          "no check, the client's Authorization goes through as sent)")
+                   help="seconds a request may wait for and take the compressor before it goes uncompressed "
+                        "(default: %(default)s)")
+    launch.add_key_arguments(s)
+    d = Limits()
+    g = s.add_argument_group("limits (see docs/guides/compression.md)")
+    g.add_argument("--max-body-bytes", type=options.COUNT, default=d.max_body_bytes,
+                   help="a request body past this is a 413; an opted-in answer past it is passed on unchanged "
+                        "(default: %(default)s = 32 MiB)")
+    g.add_argument("--header-timeout", type=options.SECONDS, default=d.header_timeout_s,
+                   help="seconds for a request's headers to arrive; then 408 and the connection closes "
+                        "(default: %(default)s)")
+    g.add_argument("--body-timeout", type=options.SECONDS, default=d.body_timeout_s,
+                   help="seconds for a request's body to arrive after its headers; then 408 (default: %(default)s)")
+    g.add_argument("--keep-alive", type=options.SECONDS, default=d.keep_alive_s,
+                   help="seconds an idle connection is kept between requests (default: %(default)s)")
+    g.add_argument("--upstream-connect-timeout", type=options.SECONDS, default=d.connect_timeout_s,
+                   help="seconds to connect to vLLM; then 504 (default: %(default)s)")
+    g.add_argument("--upstream-read-timeout", type=options.SECONDS, default=d.read_timeout_s,
+                   help="seconds vLLM may stay silent while it answers (a non-streamed answer comes whole, at the "
+                        "end); then 504, or a cut stream (default: %(default)s)")
+    g.add_argument("--max-compressions", type=options.COUNT, default=d.max_compressions,
+                   help="opted-in requests with the compressor at once, one running and the rest waiting their "
+                        "turn; the next is a 503 (default: %(default)s)")
+    g.add_argument("--backlog", type=options.COUNT, default=d.backlog,
+                   help="connections the kernel queues before the proxy accepts them (default: %(default)s)")
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    return Limits(max_body_bytes=args.max_body_bytes, header_timeout_s=args.header_timeout,
+                  body_timeout_s=args.body_timeout, keep_alive_s=args.keep_alive,
+                  connect_timeout_s=args.upstream_connect_timeout, read_timeout_s=args.upstream_read_timeout,
+                  max_compressions=args.max_compressions, backlog=args.backlog)
+
+
+def need_http_stack() -> None:
+    missing = [m for m in HTTP_STACK if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"onespark compress serve needs {', '.join(missing)} (not installed here): "
+                        "pip install 'onespark[compress]', or run it from the serving image")
+
+
+def need_compressor_libs() -> None:
+    missing = [m for m in ("torch", "llmlingua") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"the compressor needs {' and '.join(missing)} (not installed here): run the proxy from "
+                        "the serving image, which holds them pinned (docs/guides/compression.md, Turn it on)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from_env = args.api_key is not None and args.api_key == os.environ.get(KEY_ENV)  # --api-key's default
+    if args.api_key_file and args.api_key and not from_env:
+        raise UserError("give --api-key or --api-key-file, not both")
     key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else \
-        plain_key(os.environ.get(KEY_ENV), f"${KEY_ENV}")
-    upstream_of(args.upstream)  # a typo found now, not after the model has loaded
+        plain_key(args.api_key, f"${KEY_ENV}" if from_env else "--api-key")
+    upstream_of(args.upstream)  # each of these found now, not after the model has loaded
+    need_http_stack()
     if not (args.model_dir / "config.json").is_file():
         raise UserError(f"--model-dir {args.model_dir}: no config.json: fetch the weights with "
                         "`onespark download --dest WORK --compressor xlm-roberta-large --skip-int4 --skip-fp8`")
+    need_compressor_libs()
+    sock = bind(args.host, args.port)
+    launch.warn_if_exposed("onespark compress", args.host, key)
     t0 = time.perf_counter()
     compressor = Compressor(args.model_dir, args.device)
     print(f"onespark compress: LLMLingua-2 ({compressor.family}) on {compressor.device}, loaded in "
           f"{time.perf_counter() - t0:.1f} s", flush=True)
-    try:
-        proxy = Proxy(args.upstream, compressor, host=args.host, port=args.port, key=key,
-                      defaults=Ask(args.rate, args.min_tokens), timeout_s=args.timeout)
-    except OSError as e:
-        raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror}: choose another --port") from None
-    print(f"onespark compress: {proxy.base_url} -> {args.upstream} (opt in per request: {HEADER}: on, or the "
-          f"body field {FIELD})", flush=True)
-    try:
-        proxy.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    proxy = Proxy(args.upstream, compressor, host=args.host, key=key, defaults=Ask(args.rate, args.min_tokens),
+                  timeout_s=args.timeout, limits=limits_from(args), sock=sock)
+    print(f"onespark compress: {proxy.base_url} -> {proxy.upstream_url} (opt in per request: {HEADER}: on, or "
+          f"the body field {FIELD})", flush=True)
+    proxy.serve_forever()
     return 0
