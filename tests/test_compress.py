@@ -7,6 +7,7 @@ server (conftest.vllm_server, shared: no server start of its own) for one.
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
 import threading
@@ -186,6 +187,28 @@ def test_short_prompts_are_skipped(proxy, standin):
     assert sent(standin)["messages"] == body["messages"]
 
 
+def test_every_opt_in_is_seen(proxy, standin):
+    """Issue 58: a JSON-escaped field name, a lone surrogate in the text, or the header on /v1/completions went to
+    vLLM with the field still in it and no header saying the request was not compressed."""
+    escaped = json.dumps(chat(prose(300) + "\n\nwhy?", **{FIELD: True})).replace(FIELD, "onespark\\u005fcompress")
+    assert FIELD.encode() not in escaped.encode()
+    r = httpx.post(proxy.base_url + compress.CHAT, content=escaped, timeout=60)
+    assert r.headers[STATUS_HEADER] == "compressed" and b"onespark" not in standin.bodies[-1]
+    lone = json.dumps(chat(prose(300) + " \ud800 \n\nwhy?", **{FIELD: True}))  # json.dumps escapes it: \\ud800
+    r = httpx.post(proxy.base_url + compress.CHAT, content=lone, timeout=60)
+    assert r.status_code == 200 and r.headers[STATUS_HEADER] in ("compressed", "failed")
+    assert b"onespark" not in standin.bodies[-1] and b"\\ud800" in standin.bodies[-1]
+    for headers, body in [({HEADER: "on"}, {"prompt": "hi"}), ({}, {"prompt": "hi", FIELD: {"rate": 0.5}})]:
+        r = httpx.post(proxy.base_url + "/v1/completions", json=body, headers=headers, timeout=60)
+        assert r.headers[STATUS_HEADER] == "unsupported", r.headers
+        assert "/v1/completions is not compressed" in r.headers[compress.REASON_HEADER]
+        assert json.loads(standin.bodies[-1]) == {"prompt": "hi"}
+    r = httpx.post(proxy.base_url + compress.CHAT, json=chat("hi", **{FIELD: False}), headers={HEADER: "on"})
+    assert r.headers[STATUS_HEADER] == "off" and "is false" in r.headers[compress.REASON_HEADER]
+    r = httpx.post(proxy.base_url + compress.CHAT, json=chat("short\n\nwhy?", **{FIELD: {"min_tokens": 5000}}))
+    assert r.headers[STATUS_HEADER] == "skipped" and "min_tokens" in r.headers[compress.REASON_HEADER]
+
+
 # ---- failure and bad input -----------------------------------------------------------------------------------
 
 
@@ -277,11 +300,23 @@ def test_unreachable_upstream_is_a_502(compressor):
     with Proxy("http://127.0.0.1:9", compressor, log=lambda m: None) as p:
         r = httpx.post(p.base_url + compress.CHAT, json=chat("hi"))
     assert r.status_code == 502 and "cannot reach vLLM at http://127.0.0.1:9 " in r.json()["error"]["message"]
-    # an IPv6 upstream is named as a URL (in brackets), and credentials in --upstream are never echoed
-    with Proxy("http://user:s3cret@[::1]:9", compressor, log=lambda m: None) as p:
+    # an IPv6 upstream is named as a URL (in brackets)
+    with Proxy("http://[::1]:9", compressor, log=lambda m: None) as p:
         r = httpx.post(p.base_url + compress.CHAT, json=chat("hi"))
-    message = r.json()["error"]["message"]
-    assert r.status_code == 502 and "cannot reach vLLM at http://[::1]:9 " in message and "s3cret" not in message
+    assert r.status_code == 502 and "cannot reach vLLM at http://[::1]:9 " in r.json()["error"]["message"]
+
+
+def test_credentials_in_upstream_are_refused_never_printed(tmp_path, capsys):
+    """Issue 58: a password in --upstream was printed on the startup line, and never sent upstream."""
+    from onespark.cli import main
+
+    with pytest.raises(compress.UserError) as e:
+        Proxy("http://user:s3cret@[::1]:9", None, log=lambda m: None)
+    assert "s3cret" not in str(e.value) and "user:***@" in str(e.value)
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["compress", "serve", "--model-dir", str(tmp_path), "--upstream", "http://u:pw0rd@127.0.0.1:8000"]) == 1
+    err = capsys.readouterr().err
+    assert "pw0rd" not in err and err.count("\n") == 1 and "--api-key-file" in err
 
 
 def test_the_printed_url_is_where_this_machine_reaches_the_proxy(standin):
@@ -334,6 +369,70 @@ def test_cli_refuses_a_bad_upstream_before_the_model_loads(tmp_path, capsys, ups
                   "http://127.0.0.1:8000\n", err
     assert compress.upstream_of("http://[::1]:8000/") == ("http", "::1", 8000)
     assert compress.upstream_of("https://vllm.lan") == ("https", "vllm.lan", 443)
+
+
+def _serve(tmp_path, *flags, env=None) -> tuple[int, str]:
+    """`onespark compress serve` with a config.json that is no model's: whatever must fail before the model
+    loads fails with its own message, and the rest reaches the model (model_type missing)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text("{}")
+    r = subprocess.run([sys.executable, "-m", "onespark", "compress", "serve", "--model-dir", str(tmp_path), *flags],
+                       capture_output=True, text=True, timeout=120, env=env)
+    return r.returncode, r.stderr
+
+
+def test_cli_checks_host_and_port_before_the_model_loads(tmp_path):
+    """Issue 58: a port in use or a bad --host was found only after the model had loaded, and a bad host was
+    reported as "choose another --port"."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        rc, err = _serve(tmp_path, "--port", str(port))
+    assert rc == 1 and f"--port {port}: something already listens" in err and "model_type" not in err, err
+    rc, err = _serve(tmp_path, "--host", "192.0.2.1", "--port", "8001")  # TEST-NET-1: no machine's own address
+    assert rc == 1 and "--host 192.0.2.1 is not an address of this machine" in err and "--port" not in err, err
+    assert err.count("\n") == 1
+
+
+def test_cli_warns_about_an_exposed_proxy_without_a_key(tmp_path):
+    """Issue 58: `compress serve --host 0.0.0.0` without a key gave no warning (serve and cluster warn)."""
+    pytest.importorskip("llmlingua")
+    from tests._ports import free_port
+
+    env = {k: v for k, v in os.environ.items() if k != "ONESPARK_API_KEY"}
+    rc, err = _serve(tmp_path, "--host", "0.0.0.0", "--port", str(free_port()), env=env)
+    assert rc == 1 and "model_type" in err  # it went on to the model, as it would serve
+    assert "onespark compress: warning: --host 0.0.0.0 exposes the server beyond this machine without an API key" in err
+    rc, err = _serve(tmp_path, "--host", "0.0.0.0", "--port", str(free_port()), env={**env, "ONESPARK_API_KEY": "k3y-k3y"})
+    assert rc == 1 and "warning" not in err and "k3y-k3y" not in err
+
+
+def test_cli_refuses_both_key_flags(tmp_path, capsys):
+    from onespark.cli import main
+
+    (tmp_path / "key").write_text("k3y\n")
+    assert main(["compress", "serve", "--model-dir", str(tmp_path), "--api-key", "a", "--api-key-file",
+                 str(tmp_path / "key")]) == 1
+    assert "give --api-key or --api-key-file, not both" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("missing,says", [("uvicorn", "pip install 'onespark[compress]'"),
+                                          ("llmlingua", "run the proxy from the serving image")])
+def test_cli_names_what_to_install(tmp_path, capsys, monkeypatch, missing, says):
+    """Issue 58: in the host venv `compress serve` ended in ModuleNotFoundError."""
+    import importlib.util
+
+    from onespark.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else real(name, *a))
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["compress", "serve", "--model-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert says in err and missing in err and err.count("\n") == 1, err
 
 
 def test_cli_refuses_a_model_of_another_family(tmp_path):
