@@ -741,7 +741,7 @@ VLLM_SRC = None
 
 
 def _vllm_source() -> str:
-    """All of vLLM 0.19.1's Python source as one string: the reference for its log messages."""
+    """All of this venv's vLLM Python source (0.19.1 or 0.32.0) as one string: the reference for its log messages."""
     global VLLM_SRC
     if VLLM_SRC is None:
         import importlib.util
@@ -754,6 +754,7 @@ def _vllm_source() -> str:
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm032  # both tracks: the default one (0.32.0) logs these too
 @pytest.mark.parametrize("literal", [
     "Automatically detected platform", "Resolved architecture", "Initializing a V1 LLM engine",
     "Starting to load model", "Loading safetensors checkpoint shards", "Loading weights took",
@@ -762,18 +763,19 @@ def _vllm_source() -> str:
     "init engine (profile, create kv cache, warmup model) took", "Starting vLLM server on",
 ])
 def test_stage_messages_exist_in_vllm(literal):
-    """Every message the progress line keys on is one vLLM 0.19.1 really logs."""
+    """Every message the progress line keys on is one each track's vLLM really logs."""
     assert literal in _vllm_source()
     assert any(p.search(literal) or p.pattern.split("[")[0].split("|")[0] in literal for p, _ in vllm_log.STAGES)
 
 
 @pytest.mark.vllm
+@pytest.mark.vllm032
 @pytest.mark.parametrize("literal", [
     "Invalid repository ID or local directory", "than the derived max_model_len",
     "which is larger than the available KV cache",
 ])
 def test_cause_messages_exist(literal):
-    """The likely causes keyed on vLLM's own error messages use words vLLM 0.19.1 really prints."""
+    """The likely causes keyed on vLLM's own error messages use words each track's vLLM really prints."""
     assert literal in _vllm_source()
     assert vllm_log.likely_cause("ValueError: " + literal, 1) != vllm_log.likely_cause("ValueError: nothing", 1)
 
