@@ -229,7 +229,7 @@ def sizes(lo: int = 0):
                     vals.append(one(x[:-1] if k else x) * (1024 if k else 1))
                 except argparse.ArgumentTypeError:
                     raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated whole numbers of at least "
-                                                     f"{lo}, e.g. 0,4k,16k") from None
+                                                     f"{lo}, e.g. {lo},4k,16k") from None
         if not vals:
             raise argparse.ArgumentTypeError("expected at least one number")
         return vals
