@@ -240,6 +240,10 @@ async def _bench(run: Run, result: dict) -> None:
         ep.model = card["id"]
         result.update(model=ep.model, max_model_len=card.get("max_model_len"),
                       server_version=await server_version(client))
+        if "compression" in run.suites:
+            from onespark.bench.compression import check_proxy
+
+            await check_proxy(client, ep)
         runner = Runner(client, ep, settings, card.get("max_model_len"), progress)
         for name in run.suites:
             result["running"] = name

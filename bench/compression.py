@@ -24,6 +24,8 @@ import httpx
 
 from onespark.bench.client import Endpoint, error_text, is_count
 from onespark.bench.stats import summarize
+from onespark.errors import UserError
+from onespark.serving.compress import VIA
 
 FIELD, STATUS, REMOVED, MS = "onespark_compress", "x-onespark-compression", "x-onespark-tokens-removed", \
     "x-onespark-compressor-ms"
@@ -77,6 +79,20 @@ def rag(tokens: int, seed: int) -> tuple[str, str]:
             body += f" The {topic} opened in {year}."
         docs.append(f"Document {i + 1}:\n{body}")
     return ("\n\n".join(docs) + f"\n\nIn which year did the {topic} open? Answer with the year only.", year)
+
+
+async def check_proxy(client: httpx.AsyncClient, ep: Endpoint) -> None:
+    """The suite's A/B needs `onespark compress serve` at --base-url: pointed at vLLM itself, both arms would run
+    uncompressed and be reported as an A/B. The proxy says itself on every answer (Via); one line, before any
+    suite runs, when it does not."""
+    try:
+        r = await client.get("/v1/models")
+    except httpx.HTTPError as e:
+        raise UserError(f"{ep.base_url}/v1/models: {type(e).__name__}: {e}") from None
+    if VIA.split()[-1] not in r.headers.get("via", ""):
+        raise UserError(f"--base-url {ep.base_url} is not `onespark compress serve` (its answers carry no "
+                        f"'Via: {VIA}'): --suite compression measures through the proxy; point --base-url at it, "
+                        "e.g. http://127.0.0.1:8001")
 
 
 class Malformed(ValueError):

@@ -523,6 +523,30 @@ def test_bench_compression_suite_plumbing(proxy, tmp_path, capsys):
     assert "compression: A/B through onespark compress serve" in out and "needle-1024" in out
 
 
+def test_bench_compression_suite_refuses_a_server_that_is_not_the_proxy(standin, tmp_path, capsys):
+    """Issue 58: pointed at a plain server, the suite exited 0 with an "A/B through onespark compress serve" where
+    nothing was compressed."""
+    from onespark.cli import main
+
+    rc = main(["bench", "--suite", "compression", "--base-url", standin.base_url, "--compression-lengths", "1k",
+               "--runs", "1", "--warmup", "0", "--out", str(tmp_path), "--no-png", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "is not `onespark compress serve`" in err, err
+    assert f"--base-url {standin.base_url}" in err and list(tmp_path.iterdir()) == []
+
+
+def test_compression_lengths_example_keeps_its_own_rule(capsys):
+    """Issue 58: --compression-lengths (at least 1) offered 0,4k,16k as its example."""
+    from onespark import options
+    from onespark.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--suite", "compression", "--compression-lengths", "0"])
+    err = capsys.readouterr().err
+    example = err.split("e.g. ")[1].split()[0]
+    assert options.sizes(1)(example), err
+
+
 # ---- doctor and the memory plan ------------------------------------------------------------------------------
 
 
