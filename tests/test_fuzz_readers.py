@@ -363,3 +363,37 @@ def test_key_files(tmp_path):
         except Exception as e:  # noqa: BLE001
             pytest.fail(f"key file {raw[:100]!r}: {type(e).__name__}: {e}")
         httpx.Headers({"Authorization": f"Bearer {key}"})  # what the clients do with it: must not raise
+
+
+# ---- the compression proxy's reading of a request (issue 58, item 4) ------------------------------------------
+
+PROXY_REQUEST = {"model": "m", "stream": True, "messages": [
+    {"role": "system", "content": "be brief"}, {"role": "user", "content": "some text\n\nwhy?"},
+    {"role": "tool", "tool_call_id": "c", "content": [{"type": "text", "text": "rows"}]}],
+    "onespark_compress": {"rate": 0.5, "min_tokens": 10, "force_tokens": ["keeper"], "question": False}}
+OPT_IN_HEADERS = [None, "on", "off", "0.4", "", "nan", "-0", "1e999", "0.5, 0.6", "\u00e9", "x" * 5000]
+
+
+def test_compress_proxy_request_reading(tmp_path):
+    """Every body and opt-in header either reads (the field gone from any body that is sent on, which is JSON
+    again) or is one BadRequest line: the proxy's 400; anything else would be its 500."""
+    from onespark.serving.lingua import CHAT, FIELD, Ask, BadRequest, encode_body, pieces, read_request, slots
+
+    rng = random.Random(f"{SEED}-compress")
+    (tmp_path / "req.json").write_text(json.dumps(PROXY_REQUEST))
+    defaults = Ask(0.5, 1024)
+    for i, raw in enumerate(mutants_of(tmp_path / "req.json", rng)):
+        header = OPT_IN_HEADERS[i % len(OPT_IN_HEADERS)]
+        for method, path in (("POST", CHAT), ("POST", "/v1/completions"), ("GET", "/v1/models")):
+            try:
+                got = read_request(method, path, header, raw, defaults)
+            except BadRequest as e:
+                assert "\n" not in str(e), str(e)
+                continue
+            except Exception as e:  # noqa: BLE001
+                pytest.fail(f"{method} {path} {header!r} {raw[:300]!r}: {type(e).__name__}: {e}")
+            if got.body is not None:
+                assert FIELD not in json.loads(encode_body(got.body))
+            if got.ask is not None:  # what the compressor would be given: every slot cuts into pieces
+                for s in slots(path, got.body):
+                    assert "".join(t for t, _ in pieces(s, got.ask)) in s.text
