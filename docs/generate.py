@@ -147,7 +147,8 @@ MEASURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("lm_head_", "the INT8 LM-head kernel against cuBLAS BF16", ("kernels/lm_head.py",)),
     ("draft_head_", "the draft's vocabulary-subset head", ("kernels/draft_head.py", "patches/draft_head.py")),
     ("compressor_", "the prompt compressor's own time", ("onespark/serving/compress.py",)),
-    ("checkpoint_", "step 1's splice against a plain copy", ("onespark/checkpoint",)),
+    ("checkpoint_", "step 1's splice against a plain copy",  # the byte path it times
+     ("onespark/checkpoint/hybrid.py", "onespark/checkpoint/writer.py", "onespark/checkpoint/safetensors_io.py")),
     ("spark_model", "the Spark decode-rate model (tok/s from bytes, calibrated)", ("bench/spark_model.py",)),
     ("arm64_images", "the arm64 images built and checked under emulation (tests/arm64.sh)",
      ("Dockerfile.base", "Dockerfile.v2", "Dockerfile.v2-tq", "docker", "steps/3-base-image.sh",
