@@ -8,7 +8,8 @@ w_sub is a contiguous copy of the subset's rows of the target's INT8 head (`subs
 the GEMV reads K_sub x K bytes instead of N x K: for Qwen3.5 (N = 248,320, K = 3,072) with K_sub = 32,768,
 100.7 MB instead of 762.8 MB (1/7.6). Around it: one fill of M x N output elements (M x 0.5 MB in bf16) and
 one index_copy of M x K_sub. Floor at a DGX Spark's 273 GB/s: 0.37 ms a draft pass instead of 2.79 ms; measured
-on an H200 (and the Spark estimate from its bytes): bench/results/draft_head_h200.json. Nothing syncs with the host and nothing but the outputs is allocated, so calls
+on an H200 at an earlier plugin module (lab/results/draft_head_h200.json; run `tests/gpu.sh --bench draft_head`
+again for a current figure). Nothing syncs with the host and nothing but the outputs is allocated, so calls
 are CUDA-graph safe. `ids` must be ascending and unique (onespark draft-vocab writes them so): then
 argmax over `out` and ids[argmax over `sub`] pick the same token, ties included (both take the lowest id).
 

@@ -33,7 +33,7 @@ Bytes and floors (Qwen3.5-122B-A10B head, N = 248,320, K = 3,072; H200, 4.26 TB/
 rate, read + write, lab/lm_head.py): INT8 762.8 MB weight + 1.0 MB scales -> 0.179 ms;
 BF16 1,525.6 MB -> 0.358 ms; INT4 381.4 MB + 11.9 MB scales -> 0.092 ms.
 Measured speed per M against cuBLAS BF16: bench/results/lm_head_h200.json (the table is in
-docs/concepts/kernels.md; _CONFIGS come from bench/results/lm_head_h200_sweep.json). Where the targets are missed,
+docs/concepts/kernels.md; _CONFIGS come from a --sweep run kept in lab/results/lm_head_h200_sweep.json). Where the targets are missed,
 and why (from SASS of the shipped configs, sm_90):
   * M <= 4 (target 2.0x over cuBLAS): 2.0x needs the INT8 read at the bandwidth cuBLAS gets for BF16
     (4.12 TB/s); we reach 3.8-4.1. The loop issues 4.3 instructions per weight byte (PRMT 1.5,

@@ -3,17 +3,12 @@ fragments in registers; the same cache layout, workspace and merge kernel as the
 (turboquant_triton.decode_attention, which serves every other case).
 
 Where it runs (`chosen`, the TurboQuant backend's ONESPARK_TQ_KERNEL=auto): K4V4 verify steps (q_len > 1, every
-decode step with MTP on) on mma.sync-only GPUs, the DGX Spark's GB10 among them. There the Triton kernel's verify
-tile spreads 4 warps over the 48 query rows, so a key is decoded in every warp that reads it; this kernel decodes
-each code once, straight into the mma operand. Timed on an H200 with the Triton kernel's Spark code beside it
-(bench/results/turboquant_cuda_h200_mma_sync.json, at 036cf1a): 1.26-2.27x less time at a verify step, 32K-256K
-keys, batch 1 and 8; at one query position slower at 32K and 64K, batch 1 (6-7% on an H100 at 492e33f:
-turboquant_cuda_h100_mma_sync_492e33f.json), so the Triton kernel keeps those. On sm_90 (the H100's and H200's
-own Triton code, wgmma) it serves every K4V4 step: less time than Triton at 15 of 16 cases on an H200 at 82c196e
-(turboquant_cuda_h200_merge_82c196e.json: 1.4-1.6x less at batch 8 verify steps) and 14 of 16 on an H100 at
-4e5fee5 with this split grid (turboquant_cuda_h100_4e5fee5_splits8.json). Triton's sm_90 code wins the batch-1
-verify step at short contexts: 14% less time at 32K and 24% at 8K on an H100 at bc4ec90 (turboquant_h100.json); from
-64K on this kernel wins every case. No Spark has timed either.
+decode step with MTP on) on mma.sync-only GPUs, the DGX Spark's GB10 among them, and every K4V4 step on sm_90
+(H100, H200). On the Spark the Triton kernel's verify tile spreads 4 warps over the 48 query rows, so a key is
+decoded in every warp that reads it; this kernel decodes each code once, straight into the mma operand. Its
+current timings against folded BF16 and beside the Triton kernel, on an H100: bench/results/turboquant_cuda_h100.json
+(the Triton kernel keeps the one-query steps on the Spark, where this kernel was slower at 32K-64K, batch 1).
+No Spark has timed either; how the choice was made, run by run: lab/turboquant/NOTEBOOK.md.
 
 Build: torch.utils.cpp_extension (nvcc, ninja) for TORCH_CUDA_ARCH_LIST, or the GPU present, into BUILD_DIR
 (ONESPARK_CUDA_BUILD; the v2-tq image builds it for its 12.1a at image build: `python -m onespark.kernels.turboquant_cuda
@@ -130,10 +125,9 @@ def _slots(device_index: int, rows: int, stages: int) -> int:
 
 def num_splits_for(batch: int, num_kv_heads: int, max_seq_len: int, slots: int, waves: int) -> int:
     """Splits per (request, KV head) for `waves` full waves of CTAs, each split >= 8 steps of keys: the pipeline's
-    fill and the split's workspace row and merge share pay off over 8 steps, not 4 (H100, batch 1: 5-10% less time
-    at 32K and 64K keys, one query; 6% and 1.5% at a verify step; at 128K and up the waves bound the grid either way:
-    bench/results/turboquant_cuda_h100_4e5fee5_splits8.json against ..._4e5fee5.json). Host-known sizes only, so a
-    CUDA graph captured for max_seq_len stays valid."""
+    fill and the split's workspace row and merge share pay off over 8 steps, not 4 (on an H100, 5-10% less time at
+    32K and 64K keys, batch 1, one query; at 128K and up the waves bound the grid either way). Host-known sizes
+    only, so a CUDA graph captured for max_seq_len stays valid."""
     most = max(1, -(-max_seq_len // (8 * TILE)))
     return max(1, min(256, most, waves * slots // (batch * num_kv_heads)))
 

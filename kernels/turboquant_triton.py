@@ -16,9 +16,9 @@ Decode attention, one program per (sequence, KV head, split):
 Queries are rotated by one matmul with R^T (entries +-1/16: exact in every dtype) before the launch.
 Bytes moved per decode step and KV head: L * (k_bytes + v_bytes + 8), e.g. 264 B/token for K4V4
 against 1024 B for BF16: at 256K tokens, 2 KV heads, 138 MB, a 32 us floor at an H200's 4.27 TB/s copy
-rate, 0.51 ms at a DGX Spark's 273 GB/s (BF16: 1.97 ms). On an H200 the kernel is bound by decode work, not
-bytes (bench/results/turboquant_h200.json, against BF16 flash with the GQA heads folded; the table is in
-docs/concepts/turboquant.md).
+rate, 0.51 ms at a DGX Spark's 273 GB/s (BF16: 1.97 ms). On Hopper the kernel is bound by decode work, not
+bytes (the current timings against BF16 flash with the GQA heads folded: lab/results/turboquant_cuda_h100.json,
+read in docs/concepts/turboquant.md).
 No host syncs: split bounds come from seq_lens on the device, the grid only from host-known sizes, so the
 launch is CUDA-graph safe.
 
@@ -28,7 +28,7 @@ by log-sum-exp: prefill is compute-bound, so it costs the BF16 flash call plus t
 `prefill_attention` (prompt chunks, continuations, any query lengths, one launch per step, no scratch) runs
 the decode kernel's tile step (`_attend_tile`) with a tile of BLOCK_P positions x G query heads, one program
 per (position block, KV head, request), decoding each key once per position block: 1.8x the BF16 flash time
-on an H200 against 1.02-1.07x for the default (bench/results/turboquant_prefill_h200.json).
+on an H200 against 1.02-1.07x for the default (an earlier kernel's run: lab/results/turboquant_prefill_h200.json).
 Tiles per GPU: decode_block_n, prefill_tile.
 """
 
@@ -57,7 +57,7 @@ LAZY_STEP: tl.constexpr = tl.constexpr(4.0)  # _attend_tile's LAZY: the running 
 # 4 values) made the T = 1 decode loop 1115 SASS instructions per 32-key tile on sm_90, this one 872, and the
 # verify kernel 3944 -> 3432 (counted in the cubins' SASS, cuobjdump -sass, Triton 3.6.0). With an L1 gather
 # per value instead (the `decoder="gather"` path, and the interpreter's) K4V4 decode at 128K tokens, batch 1 took
-# 139 us against 90 us for the nibble decoder (H200, at 222ae6e, bench/results/turboquant_h200.json, sweep).
+# 139 us against 90 us for the nibble decoder (H200, at 222ae6e, lab/results/turboquant_h200.json, sweep).
 
 
 def prmt_tables(levels: torch.Tensor) -> tuple[int, int, int, int]:
@@ -121,7 +121,7 @@ _BYTE_HI = tl.constexpr(_byte_asm(tq.codebook(4).levels, high=True))
 # tq.pack). Per 4 values: 2 ops take the low bits, 6 the high bit (a per-byte mask, loop-invariant, picks bit
 # 2 chunk + 1 for coordinates 32-63 of a chunk), 3 make the selector, 4 PRMT look up and pair: 15 ops, no memory
 # access. The gathers this replaced (one L1 load per value from the 8-entry table, `decoder="gather"`) made K4V3
-# 1.2-3.1x the folded BF16 time on an H200 (bench/results/turboquant_h200_8b2d5ec_candidates.json).
+# 1.2-3.1x the folded BF16 time on an H200 (lab/results/turboquant_h200_8b2d5ec_candidates.json).
 
 
 def _byte3_asm(levels: torch.Tensor, chunk: int) -> str:
@@ -691,7 +691,7 @@ def _tq_merge_kernel(
 
 MAX_SPLITS = 256  # both decode kernels' num_splits_for cap; the merge loads every split's (max, sum) at once
 # (splits a load at most, warps, Hadamard transform in registers). On an H100 (four runs of 2026-12-05, the
-# `merge` key of bench/results/turboquant_cuda_h100_492e33f.json and the three beside it) the fastest setting at
+# `merge` key of lab/results/turboquant_cuda_h100_492e33f.json and the three beside it) the fastest setting at
 # every case was 128 splits a load over 4 warps with the transform, one [128, 256] tile in registers (4.8-7.9 us at
 # batch 1 against 8.9-11.8 for the grid-picked setting, the best at batch 8 too), but it spilled 88 B; the tile as
 # four 64-column tiles holds 64 splits a load over 4 warps in ~166 registers without spilling. "matrix" loads R's
@@ -751,7 +751,7 @@ def _mma_sync_only(capability: tuple[int, int] | None) -> bool:
 
 
 def decode_block_n(T: int, capability: tuple[int, int] | None, v_bits: int = 4) -> int:
-    """Keys per tile. sm_90, from the H200 timings (bench/results/turboquant_h200.json `sweep`, and
+    """Keys per tile. sm_90, from the H200 timings (lab/results/turboquant_h200.json `sweep`, and
     turboquant_h200_8b2d5ec_candidates.json): 64, with 2 warps at T = 1 (decode_num_warps: 8-9% faster than 32
     keys x 4 warps at 128K batch 1 and 64K batch 8), and for 3-bit values at a verify step too (7-8% faster than
     32 keys, which the gathers' registers needed before the PRMT decoder); 3-bit values at T = 1: 128 keys x 4
@@ -772,18 +772,18 @@ def decode_num_warps(T: int, capability: tuple[int, int] | None, v_bits: int = 4
 
 def decode_once(T: int, capability: tuple[int, int] | None, preset: tq.Preset) -> bool:
     """Whether the decode kernel decodes each code once per tile (ONCE: the decoder asm not pure). sm_90, from
-    the H200 timings at 8b2d5ec (bench/results/turboquant_h200_8b2d5ec_candidates.json, against the same kernel
+    the H200 timings at 8b2d5ec (lab/results/turboquant_h200_8b2d5ec_candidates.json, against the same kernel
     with pure decoders): 3-bit values at T = 1 (K4V3, with decode_block_n's 128 x 4 tile: 0.69-0.87x folded BF16
     at 32K and 256K, batch 1 and 8, against 0.84-1.16x pure at the 32 x 4 tile it had and 1.17-2.13x with the
-    gathers the PRMT decoder replaced; at 128 x 4 itself once is 1-3% faster than pure, bench/results/
+    gathers the PRMT decoder replaced; at 128 x 4 itself once is 1-3% faster than pure, lab/results/
     turboquant_h200.json `sweep` at 5e77e93), and 8-bit keys at a verify step (K8V4: 1-6% faster). Not for K4V4:
     no faster at a verify step (its wgmma already takes the values from shared memory) and slower at T = 1 with
     batch 8 (1.00-1.02x against 0.75-0.78x). mma.sync-only parts: once for 3-bit values at T = 1 too, where the
     pure decoder spills 8 B per thread on sm_121 with Triton 3.7.1 (the 0.32.0 track) at the 32-key tile and once
-    does not, for the same PTX count (bench/results/turboquant_sass_sm121.json; tests/test_kernels_compile.py
+    does not, for the same PTX count (lab/results/turboquant_sass_sm121.json; tests/test_kernels_compile.py
     checks both Tritons), and at every verify step: the Spark's verify tile puts its 4 warps over the 64 rows,
     so a pure decoder decodes each key in every warp. The Spark's code timed on an H200 with wgmma off
-    (bench/results/turboquant_tiles_h200_mma_sync.json at b1cf961: a ranking, not a Spark time), once takes 5-22%
+    (lab/results/turboquant_tiles_h200_mma_sync.json at b1cf961: a ranking, not a Spark time), once takes 5-22%
     less time at a verify step for every preset at 32K and 256K, batch 1 and 8 (K4V4 9-16%, K4V3 5-9%, K8V4
     13-22%; K4V4 1.30-2.36x folded BF16 on that GPU against 1.43-2.81x pure), and 4-11% more at T = 1 for 4-bit
     values."""
@@ -802,7 +802,7 @@ def prefill_tile(G: int, capability: tuple[int, int] | None) -> tuple[int, int]:
     without spilling for every preset and both tracks' Tritons (64 rows spill ~1,000 bytes per thread; 32 rows
     with 32 keys spill 8 bytes at K4V4 and K8V4 with Triton 3.7.1 since the sign-magnitude decoder, with 64
     keys 8 bytes at K4V3 before it). The sm_90 tile as timed on an H200 (64K context, 2K chunk): 27.2 ms;
-    8 positions x 64 keys with 8 warps 25.2 ms, 8 x 32 43.5 ms (bench/results/turboquant_prefill_h200.json,
+    8 positions x 64 keys with 8 warps 25.2 ms, 8 x 32 43.5 ms (lab/results/turboquant_prefill_h200.json,
     prefill_sweep); this fused kernel is the fallback path (ONESPARK_TQ_PREFILL=triton), so it keeps the
     spill-checked tile. The sm_121 tile is not timed: no Spark here."""
     if _mma_sync_only(capability):
@@ -973,7 +973,7 @@ def prefill_attention(
 #
 # Prefill is compute-bound (a 2K chunk at 128K context is ~2.2 TFLOP per layer), so decoding the cache
 # once into BF16 and handing it to a flash kernel costs only the decode pass: K+V of 128K tokens, 2 KV heads,
-# K4V4 is 35 MB read + 268 MB written, ~0.1 ms on an H200 against ~28 ms of attention (bench/results/
+# K4V4 is 35 MB read + 268 MB written, ~0.1 ms on an H200 against ~28 ms of attention (lab/results/
 # turboquant_prefill_h200.json). The fused `prefill_attention` above decodes every key once per block of
 # query positions instead, and its mma.sync/wgmma code is Triton's, not FlashAttention's.
 

@@ -387,10 +387,10 @@ def test_topk_kl_does_not_inflate_a_flat_tail():
 
 def test_topk_kl_estimate_on_recorded_server_distributions():
     """Real next-token distributions recorded from the vLLM CPU server (tiny model, whole 677-token vocabulary,
-    BF16 vs INT8 LM head: bench/results/cpu-tiny-*-head-greedy.json): the top-20 estimate against exact KL."""
+    BF16 vs INT8 LM head: lab/results/cpu-tiny-*-head-greedy.json): the top-20 estimate against exact KL."""
     from pathlib import Path
 
-    results = Path(__file__).resolve().parent.parent / "bench" / "results"
+    results = Path(__file__).resolve().parent.parent / "lab" / "results"
     a = report.load_result(str(results / "cpu-tiny-bf16-head-greedy.json"))["quality"]["record"]["rows"]
     b = report.load_result(str(results / "cpu-tiny-int8-head-greedy.json"))["quality"]["record"]["rows"]
     exact, est = [], []
