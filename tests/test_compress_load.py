@@ -207,6 +207,16 @@ async def _batch(url: str) -> list[tuple[float, httpx.Response]]:
         return await asyncio.gather(*(_one(client, url, i) for i in range(N)))
 
 
+async def _one_by_one(url: str, n: int = 32) -> list[float]:
+    async with httpx.AsyncClient(timeout=20) as client:
+        return [(await _one(client, url, i))[0] for i in range(n)]
+
+
+def _pcts(seconds: list[float]) -> str:
+    q = statistics.quantiles(seconds, n=100)
+    return f"p50 {1000 * q[49]:.1f} ms, p99 {1000 * q[98]:.1f} ms"
+
+
 async def _idle(port: int) -> float:
     """Connect, send nothing; seconds until the proxy closes the connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -246,12 +256,13 @@ async def _counts(proxy) -> tuple[int, int]:
     return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(tasks(), proxy.loop)), threading.active_count()
 
 
-def test_load_slow_clients_and_idle_connections(proxy, upstream):
+def test_load_slow_clients_and_idle_connections(proxy, upstream, capsys):
     port = int(proxy.base_url.rsplit(":", 1)[1])
     post = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
 
     async def main():
         base_tasks, base_threads = await _counts(proxy)
+        alone = await _one_by_one(upstream.base_url), await _one_by_one(proxy.base_url)
         direct = await _batch(upstream.base_url)  # the reference, and the latency without the proxy
         idle = [asyncio.ensure_future(_idle(port)) for _ in range(IDLE)]
         slow = [asyncio.ensure_future(_trickle(port, b"", post)) for _ in range(3)]  # headers a byte a second
@@ -272,9 +283,9 @@ def test_load_slow_clients_and_idle_connections(proxy, upstream):
         slow_got = await asyncio.gather(*slow)
         await asyncio.sleep(0.3)
         after = await _counts(proxy)
-        return direct, via, idle_s, slow_got, peak, base_tasks, base_threads, after
+        return alone, direct, via, idle_s, slow_got, peak, base_tasks, base_threads, after
 
-    direct, via, idle_s, slow_got, peak, base_tasks, base_threads, after = asyncio.run(main())
+    alone, direct, via, idle_s, slow_got, peak, base_tasks, base_threads, after = asyncio.run(main())
     for i, ((_, d), (_, v)) in enumerate(zip(direct, via)):
         body, headers = request(i)
         assert d.status_code == v.status_code == 200, (i, v.text[:200])
@@ -303,12 +314,12 @@ def test_load_slow_clients_and_idle_connections(proxy, upstream):
     assert threads <= base_threads + 8, (base_threads, threads)
     assert tasks <= base_tasks + 4 * N + 8, (base_tasks, tasks)
     assert after[0] <= base_tasks + 2, (base_tasks, after)
-    added = sorted(v - d for (d, _), (v, _) in zip(sorted(direct, key=lambda x: x[0]), sorted(via, key=lambda x: x[0])))
-    p = statistics.quantiles(added, n=100)
-    d_ms = statistics.quantiles([t for t, _ in direct], n=100)
-    print(f"\nproxy added latency, {N} concurrent requests (a quarter compressed), {IDLE} idle and {SLOW} slow "
-          f"connections beside them: p50 {1000 * p[49]:.1f} ms, p99 {1000 * p[98]:.1f} ms "
-          f"(direct p50 {1000 * d_ms[49]:.1f} ms, p99 {1000 * d_ms[98]:.1f} ms)")
+    added = [v - d for (d, _), (v, _) in zip(sorted(direct, key=lambda x: x[0]), sorted(via, key=lambda x: x[0]))]
+    with capsys.disabled():  # in the CI log on every run, not only on a failure
+        print(f"\nlatency the proxy adds (percentiles of via minus direct; proxy, fake vLLM and clients share this "
+              f"process): one request at a time {_pcts([v - d for d, v in zip(sorted(alone[0]), sorted(alone[1]))])} "
+              f"(direct {_pcts(alone[0])}); {N} at once, {IDLE} idle and {SLOW} slow connections beside them, a "
+              f"quarter compressed: {_pcts(sorted(added))} (direct {_pcts([t for t, _ in direct])})")
 
 
 # ---- upstream faults ----------------------------------------------------------------------------------------
