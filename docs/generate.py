@@ -146,6 +146,7 @@ MEASURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("kernels/lm_head.py", "patches/int8_head.py")),
     ("lm_head_", "the INT8 LM-head kernel against cuBLAS BF16", ("kernels/lm_head.py",)),
     ("draft_head_", "the draft's vocabulary-subset head", ("kernels/draft_head.py", "patches/draft_head.py")),
+    ("kernels_compile_", "ptxas resource use of every kernel launch, sm_121 and sm_90 (compile facts)", ("kernels",)),
     ("compressor_", "the prompt compressor's own time", ("onespark/serving/compress.py",)),
     ("checkpoint_", "step 1's splice against a plain copy",  # the byte path it times
      ("onespark/checkpoint/hybrid.py", "onespark/checkpoint/writer.py", "onespark/checkpoint/safetensors_io.py")),
