@@ -49,14 +49,14 @@ KEEP_SM = 90  # the H100's and H200's SASS
 ZEROED = ("vllm-tree/vllm/_C_stable_libtorch.abi3.so", "vllm-tree/vllm/_moe_C_stable_libtorch.abi3.so")
 BATCHES = list(range(1, 14))  # q_len 1..13: MTP-1 2, MTP-2 3, DFlash n=6..12 7..13
 CTX = 1024
-PHASES = {  # start-up phase -> the regex of vLLM 0.26.0's log line that times it (seconds in group 1)
-    "weights_s": r"Loading weights took ([\d.]+) seconds",
-    "model_load_s": r"Model loading took [\d.]+ GiB (?:memory )?and ([\d.]+) seconds",
-    "compile_s": r"torch\.compile takes ([\d.]+) s in total",
-    "compile_cache_load_s": r"Directly load the compiled graph\(s\).* took ([\d.]+) s",
-    "profiling_s": r"Memory profiling takes ([\d.]+) seconds",
+PHASES = {  # start-up phase -> the regex of vLLM 0.26.0's log line that times it (seconds in group 1; summed
+    # over the lines that match: the target and a drafter each compile and profile)
+    "model_load_s": r"Model loading took [\d.]+ GiB (?:memory )?and ([\d.]+) s",
+    "compile_s": r"torch\.compile took ([\d.]+) s in total",
+    "compile_cache_load_s": r"Directly load the compiled graph.*?took ([\d.]+) s",
+    "profiling_s": r"Initial profiling/warmup run took ([\d.]+) s",
     "graph_capture_s": r"Graph capturing finished in ([\d.]+) secs",
-    "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) seconds",
+    "init_engine_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s",
 }
 
 
@@ -138,12 +138,12 @@ def pack(out: Path, cache: Path, pieces: int) -> int:
 # ---- run (on the GPU host) -----------------------------------------------------------------------------------
 
 def phases(log: str) -> dict:
-    """Each start-up phase's seconds as the engine's log states them (the last such line of each)."""
+    """Each start-up phase's seconds as the engine's log states them (summed over its lines)."""
     found = {}
     for name, rx in PHASES.items():
         hits = re.findall(rx, log)
         if hits:
-            found[name] = float(hits[-1])
+            found[name] = round(sum(map(float, hits)), 2)
     return found
 
 
