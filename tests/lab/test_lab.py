@@ -398,7 +398,7 @@ def test_the_merge_ab_script_refuses_bad_input_in_one_line(tmp_path):
 def test_the_session_script_refuses_bad_input_in_one_line(tmp_path):
     """tests/gpu_vllm/session.sh (one device call of a GPU session) says what is wrong before it asks the GPU
     anything or stashes a piece: a mode it has not, a SHA that is not one, no OUT, no wheel."""
-    script = Path(__file__).resolve().parent / "gpu_vllm" / "session.sh"
+    script = Path(__file__).resolve().parents[1] / "gpu_vllm" / "session.sh"
     env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path)}
 
     def run(*args, **extra):
