@@ -14,6 +14,8 @@ Checks, each against what the Dockerfile pinned:
     output says they were not checked; each is imported in a child, so a CPU that lacks the wheel's instruction
     set (SIGILL) is reported as not checked on this CPU, not as a crash;
   - FlashInfer and Triton import at their pins;
+  - with `--pip-check`: `uv pip check` finds every requirement met and every wheel built for this platform, where a
+    wheel NVIDIA tags `..._sbsa` inside counts as the aarch64 wheel it is (pip_check_problems);
   - the ptxas that Triton uses for sm_121 (the GB10) knows `sm_121a`: Triton >= 3.7 picks its bundled
     CUDA 13 `ptxas-blackwell` for sm_100+, older ones use TRITON_PTXAS_PATH (triton-lang/triton#8539).
 No GPU is needed: a docker build has none.
@@ -25,6 +27,8 @@ import argparse
 import importlib
 import importlib.metadata as md
 import os
+import platform
+import re
 import signal
 import subprocess
 import sys
@@ -91,6 +95,49 @@ def import_compiled(module: str) -> str:
     return f"{module} imports (against the driver stub {stub})"
 
 
+# NVIDIA names aarch64 servers SBSA (Arm's Server Base System Architecture): some of its aarch64 wheels carry a
+# `..._sbsa` platform tag in their own WHEEL file while their file name says `..._aarch64`. uv's check reports such a
+# wheel as "built for a different platform"; nvidia-cusparselt-cu13 0.8.1, which torch 2.13.0 pins exactly, is one
+# (found by tests/arm64.sh: without this, every Spark's step 3 stopped at `uv pip check`).
+DIFFERENT_PLATFORM = re.compile(r"The package `([^`]+)` was built for a different platform")
+
+
+def wheel_platforms(name: str) -> list[str]:
+    """The platform part of each tag in an installed distribution's WHEEL file."""
+    try:
+        text = md.distribution(name).read_text("WHEEL") or ""
+    except md.PackageNotFoundError:
+        return []
+    return [tag.split("-")[-1] for tag in re.findall(r"^Tag: (\S+)", text, re.M)]
+
+
+def pip_check_problems(output: str, machine: str, platforms=wheel_platforms) -> tuple[list[str], list[str]]:
+    """(problems, notes) of a failed `uv pip check`'s output: every line that reports an incompatibility is a
+    problem, except a wheel tagged only `*_sbsa` on an aarch64 machine, which is noted."""
+    problems, notes = [], []
+    for line in (x.strip() for x in output.splitlines()):
+        if not line or line.startswith(("Using Python", "Checked ", "Found ")):
+            continue
+        m = DIFFERENT_PLATFORM.fullmatch(line)
+        tags = platforms(m.group(1)) if m else []
+        if m and machine == "aarch64" and tags and all(t.endswith("_sbsa") for t in tags):
+            notes.append(f"{m.group(1)} is tagged {', '.join(tags)} (NVIDIA's name for aarch64): accepted")
+        else:
+            problems.append(line)
+    return problems, notes
+
+
+def pip_check() -> tuple[list[str], list[str]]:
+    r = subprocess.run([sys.executable, "-m", "uv", "pip", "check", "--python", sys.executable], capture_output=True,
+                       text=True)
+    if r.returncode == 0:
+        return [], ["uv pip check: every requirement met"]
+    problems, notes = pip_check_problems(r.stdout + r.stderr, platform.machine())
+    if r.returncode != 0 and not problems and not notes:
+        problems.append(f"uv pip check exited {r.returncode}: {(r.stdout + r.stderr).strip()[-300:]}")
+    return [f"uv pip check: {p}" for p in problems], notes
+
+
 def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     problems, facts = [], []
     import torch
@@ -119,6 +166,10 @@ def check(args: argparse.Namespace) -> tuple[list[str], list[str]]:
             facts.append(import_compiled(module))
         except Exception as e:
             problems.append(f"import {module} failed: {e!r}")
+    if args.pip_check:
+        found, said = pip_check()
+        problems += found
+        facts += said
     path, why = ptxas_for_sm121()
     try:
         out = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=60).stdout
@@ -137,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("--vllm", "--torch", "--cuda", "--triton", "--flashinfer"):
         p.add_argument(flag, required=True)
     p.add_argument("--compiled-ops", default="vllm._C", help="comma-separated compiled modules to import")
+    p.add_argument("--pip-check", action="store_true", help="also run `uv pip check` (pip_check_problems)")
     args = p.parse_args(argv)
     problems, facts = check(args)
     if problems:

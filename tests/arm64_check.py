@@ -83,7 +83,7 @@ def check_lock() -> str:
         if req.marker is None or req.marker.evaluate():
             wanted[_canon(req.name)] = str(next(iter(req.specifier)).version)
     installed = {_canon(d.metadata["Name"]): d for d in md.distributions()}
-    problems = []
+    problems, sbsa = [], []
     for name, version in sorted(wanted.items()):
         dist = installed.get(name)
         if dist is None:
@@ -95,19 +95,22 @@ def check_lock() -> str:
         if installer != "uv":
             problems.append(f"{name} installed by {installer or 'unknown'}, not the hash-checked uv step")
         tags = [t.split("-")[-1] for t in re.findall(r"^Tag: (\S+)", dist.read_text("WHEEL") or "", re.M)]
-        if not tags or not all(t == "any" or "aarch64" in t for t in tags):
+        if not tags or not all(t == "any" or t.endswith(("aarch64", "_sbsa")) for t in tags):
             problems.append(f"{name}: wheel tags {tags or 'none'}, not aarch64")
+        elif any(t.endswith("_sbsa") for t in tags):
+            sbsa.append(name)
     if problems:
         raise Failed("; ".join(problems))
     extra = sorted(f"{n}=={d.version}" for n, d in installed.items() if n not in wanted)
-    return (f"{len(wanted)} lock entries installed for aarch64 through the hash-checked step; beyond the lock "
-            f"(version-pinned): {', '.join(extra) or 'nothing'}")
+    return (f"{len(wanted)} lock entries installed for aarch64 through the hash-checked step (tagged sbsa, NVIDIA's "
+            f"name for aarch64: {', '.join(sbsa) or 'none'}); beyond the lock (version-pinned): "
+            f"{', '.join(extra) or 'nothing'}")
 
 
 def check_base_check() -> str:
     r = _run([sys.executable, "/opt/onespark/base-check.py", "--vllm", PINS["vllm"], "--torch", PINS["torch"],
               "--cuda", PINS["cuda"], "--triton", PINS["triton"], "--flashinfer", PINS["flashinfer"],
-              "--compiled-ops", "vllm._C_stable_libtorch,vllm._moe_C_stable_libtorch"])
+              "--compiled-ops", "vllm._C_stable_libtorch,vllm._moe_C_stable_libtorch", "--pip-check"])
     out = (r.stdout + r.stderr).strip()
     if r.returncode != 0:
         raise Failed(out[-1500:])

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOTFS = "onespark-arm64/debian:bookworm"
+ROOTFS = "onespark-demo/debian:bookworm-arm64"  # demo/rootfs.sh --arch arm64's own name on an x86_64 host
 STANDIN = "onespark-arm64/cuda:13.0.2-standin"
 BASE = "onespark-arm64/vllm-base:0.32.0"
 V2 = "onespark-arm64/v2:0.32.0"

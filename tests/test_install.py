@@ -1007,6 +1007,38 @@ def test_base_check_passes_and_fails_on_the_truth(tmp_path):
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(shutil.which("qemu-x86_64") is None or platform.machine() != "x86_64",
                     reason="needs qemu-user on x86-64 (.ci/apt-packages.txt installs it)")
+def _base_check_module():
+    spec = importlib.util.spec_from_file_location("onespark_base_check", ROOT / "docker/base-check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# What `uv pip check` printed in the arm64 lane's first build of the vllm-wheels stage (tests/arm64.sh).
+UV_CHECK_SBSA = """Using Python 3.11.2 environment at: /opt/venv
+Checked 199 packages in 496ms
+Found 1 incompatibility
+The package `nvidia-cusparselt-cu13` was built for a different platform
+"""
+
+
+def test_uv_check_accepts_an_sbsa_tagged_wheel_on_aarch64_only():
+    """nvidia-cusparselt-cu13 0.8.1 (pinned by torch 2.13.0) is an aarch64 wheel tagged `manylinux2014_sbsa` inside:
+    uv's check calls it another platform's, which stopped the Spark's step 3. Accepted on aarch64 only, and only
+    when every tag is sbsa; any other report fails."""
+    problems = _base_check_module().pip_check_problems
+    sbsa = {"nvidia-cusparselt-cu13": ["manylinux2014_sbsa"]}.get
+    assert problems(UV_CHECK_SBSA, "aarch64", sbsa) == (
+        [], ["nvidia-cusparselt-cu13 is tagged manylinux2014_sbsa (NVIDIA's name for aarch64): accepted"])
+    assert problems(UV_CHECK_SBSA, "x86_64", sbsa)[0] == ["The package `nvidia-cusparselt-cu13` was built for a "
+                                                          "different platform"]
+    x86 = {"nvidia-cusparselt-cu13": ["manylinux2014_x86_64"]}.get
+    assert problems(UV_CHECK_SBSA, "aarch64", x86)[0] != []
+    other = UV_CHECK_SBSA + "The package `torch` requires `nvidia-nccl-cu13==2.29.7`, but `2.28.0` is installed\n"
+    assert problems(other, "aarch64", sbsa)[0] == ["The package `torch` requires `nvidia-nccl-cu13==2.29.7`, but "
+                                                   "`2.28.0` is installed"]
+
+
 def test_base_check_on_a_real_cpu_model_without_avx512(tmp_path, monkeypatch):
     """The SIGILL case for real, on any x86-64 host: base-check's own import_compiled, its children run by QEMU's
     user-mode emulator as an AMD EPYC-Rome (AVX2, no AVX-512: the CPU of the machine where the lane first
