@@ -473,6 +473,9 @@ def _report(acct: dict | None) -> dict:
     return out
 
 
+LINGER_S = 2.0  # a slow client's next byte comes within ~1 s: it has read its 408 by then
+
+
 def _protocol(header_timeout_s: float):
     """uvicorn's HTTP protocol (httptools where installed, else h11, as vLLM runs it) with a deadline on a
     request's headers: uvicorn times out only the idle time after an answer, so a connection that never sends a
@@ -487,12 +490,15 @@ def _protocol(header_timeout_s: float):
     class Protocol(AutoHTTPProtocol):
         _deadline = None
         _heard = False
+        _ended = False
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            if self._ended:
+                return  # after its 408: read and dropped until the close (see _expire)
             if self._deadline is None and self._between():
                 self._arm()  # the first byte of the next request: its headers have their own deadline
             self._heard = True
@@ -515,10 +521,19 @@ def _protocol(header_timeout_s: float):
 
         def _expire(self) -> None:
             self._deadline = None
-            if self._between() and not self.transport.is_closing():
-                if self._heard:  # part of a request came: say why it ends; a silent connection just closes
-                    self.transport.write(late)
+            if not self._between() or self.transport.is_closing():
+                return
+            if not self._heard:  # a silent connection just closes
                 self.transport.close()
+                return
+            # Part of a request came: say why it ends. Closed at once, a socket with unread input sends a reset,
+            # which can destroy the 408 before the client reads it; so the answer and a FIN go first, the
+            # client's next bytes are read and dropped, and the socket closes a little later (a lingering close).
+            self._ended = True
+            self.transport.write(late)
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(LINGER_S, self.transport.close)
 
     return Protocol
 
