@@ -150,6 +150,8 @@ MEASURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("compressor_", "the prompt compressor's own time", ("onespark/serving/compress.py",)),
     ("checkpoint_", "step 1's splice against a plain copy",  # the byte path it times
      ("onespark/checkpoint/hybrid.py", "onespark/checkpoint/writer.py", "onespark/checkpoint/safetensors_io.py")),
+    ("spark_steps_", "decode-step timings inside vLLM that calibrate the Spark model (tests/gpu_vllm/spark_steps.py)",
+     ("kernels", "patches")),
     ("spark_model", "the Spark decode-rate model (tok/s from bytes, calibrated)", ("bench/spark_model.py",)),
     ("arm64_images", "the arm64 images built and checked under emulation (tests/arm64.sh)",
      ("Dockerfile.base", "Dockerfile.v2", "Dockerfile.v2-tq", "docker", "steps/3-base-image.sh",
