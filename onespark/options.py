@@ -183,8 +183,21 @@ class Parser(argparse.ArgumentParser):
 # ---- numbers --------------------------------------------------------------------------------------------------
 
 
+# No flag here means more than a billion of anything (a billion GiB is an exabyte; a billion tokens, 3,800 times the
+# longest context): a larger value is a typo. One near float's limit (1e308) is finite, yet overflows the first
+# product it meets (GiB x 2^30 is inf, and int(inf) a traceback), and a whole number of 400 digits is past float.
+LARGEST = 10**9
+# A wait: poll() takes milliseconds in a C int (2^31 ms is 24.8 days), and subprocess.run(timeout=), selectors and
+# every socket wait go through it: a timeout or interval of 1e10 s ends in "OverflowError: timeout is too large".
+LONGEST_WAIT_S = 2_000_000  # 23 days
+
+
 def _bound(x: float) -> str:
-    return f"{x:g}"
+    return f"{x:g}" if abs(x) < 1e6 else str(int(x))  # 2000000, not 2e+06: an int flag cannot parse the latter
+
+
+def _shown(text: str) -> str:
+    return repr(text) if len(text) <= 40 else repr(text[:40]) + "..."  # 4,000 digits are no message
 
 
 def _range_text(kind: type, lo: float | None, hi: float | None, lo_open: bool) -> str:
@@ -198,19 +211,24 @@ def _range_text(kind: type, lo: float | None, hi: float | None, lo_open: bool) -
     return noun
 
 
-def number(kind: type = float, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False):
-    """An argparse `type=`: a finite int or float in [lo, hi] ((lo, hi] with lo_open); the message names the
-    range. nan and inf never reach arithmetic: `timeout > nan` is always false, a wait that never ends."""
+def number(kind: type = float, lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+           ceiling: float = LARGEST):
+    """An argparse `type=`: a finite int or float in [lo, hi] ((lo, hi] with lo_open), and never above `ceiling`
+    (LARGEST; a wait's LONGEST_WAIT_S) where hi leaves it open; the message names the range. nan and inf never
+    reach arithmetic: `timeout > nan` is always false, a wait that never ends."""
     want = _range_text(kind, lo, hi, lo_open)
+    top = ceiling if hi is None else min(hi, ceiling)
 
     def parse(text: str):
         try:
             value = kind(text)
         except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
-        if not math.isfinite(value) or (lo is not None and (value <= lo if lo_open else value < lo)) \
-                or (hi is not None and value > hi):
-            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected {want}, got {_shown(text)}") from None
+        if isinstance(value, float) and not math.isfinite(value) \
+                or (lo is not None and (value <= lo if lo_open else value < lo)):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {_shown(text)}")
+        if value > top:  # an int of any size compares exactly: math.isfinite(10**400) would raise OverflowError
+            raise argparse.ArgumentTypeError(f"expected {_range_text(kind, lo, top, lo_open)}, got {_shown(text)}")
         return value
 
     return parse
@@ -238,5 +256,5 @@ def sizes(lo: int = 0):
 
 
 PORT = number(int, 1, 65535)
-SECONDS = number(float, 0, lo_open=True)
+SECONDS = number(float, 0, lo_open=True, ceiling=LONGEST_WAIT_S)
 COUNT = number(int, 1)  # tokens, runs, shards, samples: at least one

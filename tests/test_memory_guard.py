@@ -434,6 +434,10 @@ GUARD = [sys.executable, "-m", "onespark.serving.memory", "guard"]
     (["--interval", "nan"], "argument --interval: expected a number above 0, got 'nan'"),
     (["--floor-gib", "-1"], "argument --floor-gib: expected a number above 0, got '-1'"),
     (["--swap-mib-s", "inf"], "argument --swap-mib-s: expected a number above 0, got 'inf'"),
+    # issue 58: --util 1.5 was taken (the advice then read "now 1.5"); finite but huge values overflowed once used
+    (["--util", "1.5"], "argument --util: expected a number above 0 and at most 1, got '1.5'"),
+    (["--floor-gib", "1e308"], "argument --floor-gib: expected a number above 0 and at most 1000000000, got '1e308'"),
+    (["--interval", "1e308"], "argument --interval: expected a number above 0 and at most 2000000, got '1e308'"),
 ])
 def test_guard_options_that_would_stop_a_healthy_server_are_refused(tmp_path, flags, message):
     mi = tmp_path / "meminfo"

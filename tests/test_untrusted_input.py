@@ -319,6 +319,16 @@ NUMBERS = [  # (argv before the flag, flag, bad value, the range the message nam
     (["synth", "--format", "int4", "--out", "o"], "--shards", "0", "a whole number of at least 1"),
     (["synth", "--format", "int4", "--out", "o"], "--seed", "-3", "a whole number of at least 0"),
     (["tiny-model", "--out", "o"], "--seed", "nan", "a whole number of at least 0"),
+    # finite but huge (issue 58): passed the check, then GiB x 2^30 was inf and int(inf) a traceback; a wait of
+    # 1e10 s overflowed poll()'s milliseconds (subprocess.run, selectors)
+    (["serve", "--checkpoint", "m", "--dry-run"], "--host-reserve-gib", "1e308", "a number from 0 to 1000000000"),
+    (["serve", "--checkpoint", "m", "--dry-run"], "--guard-floor-gib", "1e308",
+     "a number above 0 and at most 1000000000"),
+    (["doctor"], "--host-reserve-gib", "1e308", "a number from 0 to 1000000000"),
+    (["doctor"], "--guard-floor-gib", "1e308", "a number above 0 and at most 1000000000"),
+    (["serve", "--checkpoint", "m", "--dry-run"], "--timeout", "1e10", "a number above 0 and at most 2000000"),
+    (["cluster", "--nodes", "a,b", "--dry-run"], "--timeout", "1e308", "a number above 0 and at most 2000000"),
+    (["bench"], "--timeout", "3e6", "a number above 0 and at most 2000000"),
 ]
 
 
@@ -470,3 +480,15 @@ def test_ctrl_c_promises_a_resume_only_where_a_rerun_resumes(monkeypatch, capsys
     monkeypatch.setattr(importlib.import_module(command), "run", interrupted)
     assert cli.main(argv) == 130
     assert capsys.readouterr().err.strip() == says
+
+
+# ---- issue 58, item 3: the leftovers --------------------------------------------------------------------------
+
+def test_a_whole_number_past_any_float_is_one_line(capsys):
+    """math.isfinite(10**400) raises OverflowError, which argparse does not catch: a traceback. The message shows
+    the first 40 digits only."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--runs", "9" * 400])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == (f"onespark bench: error: argument --runs: expected a whole number from 1 to "
+                                         f"1000000000, got {'9' * 40!r}... (see onespark bench --help)\n"), err

@@ -592,7 +592,7 @@ class Guard:
         return "\n".join(rows)
 
 
-def what_to_change(stage: str | None, util: str | None) -> str:
+def what_to_change(stage: str | None, util: float | str | None) -> str:
     now = f" (now {util})" if util else ""
     try:  # 0.04 less gives the host 0.04 x 119.7 = 4.8 GiB more on a Spark: about the guard's floor
         lower = f"{max(0.05, float(util) - 0.04):.2f}"
@@ -620,7 +620,7 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def run_guard(source, target, guard: Guard, *, interval: float, report: Path | None, util: str | None,
+def run_guard(source, target, guard: Guard, *, interval: float, report: Path | None, util: float | str | None,
               say=print, clock=time.monotonic, sleep=time.sleep) -> int:
     """Sample until the target ends (0) or must be stopped (3). Errors of a sample are skipped, logged once."""
     seen_errors: set[str] = set()
@@ -662,7 +662,7 @@ def run_guard(source, target, guard: Guard, *, interval: float, report: Path | N
     return 0
 
 
-def _stop(target, guard: Guard, reason: str, *, report: Path | None, util: str | None, say, now: float) -> int:
+def _stop(target, guard: Guard, reason: str, *, report: Path | None, util: float | str | None, say, now: float) -> int:
     try:
         how = target.stop()
     except Exception as e:  # keep going: the report still tells the user what was seen
@@ -769,7 +769,8 @@ def guard_main(argv: list[str]) -> int:
     p.add_argument("--vmstat", default="/proc/vmstat")
     p.add_argument("--cgroup", help="read a cgroup's limit - usage instead of MemAvailable (no swap counters)")
     p.add_argument("--report", type=Path, help="write what the guard saw here when it stops the target")
-    p.add_argument("--util", help="the --gpu-memory-utilization in effect (for the advice)")
+    p.add_argument("--util", type=options.number(float, 0, 1, lo_open=True),
+                   help="the --gpu-memory-utilization in effect (for the advice)")
     a = p.parse_args(argv)
     missing = _missing_target(a)
     if missing:
