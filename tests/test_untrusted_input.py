@@ -492,3 +492,30 @@ def test_a_whole_number_past_any_float_is_one_line(capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2 and err == (f"onespark bench: error: argument --runs: expected a whole number from 1 to "
                                          f"1000000000, got {'9' * 40!r}... (see onespark bench --help)\n"), err
+
+
+def test_memory_module_help_is_help():
+    """`python -m onespark.serving.memory --help` printed the usage as an error and exited 2."""
+    r = subprocess.run([sys.executable, "-m", "onespark.serving.memory", "--help"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert (r.returncode, r.stderr) == (0, ""), r.stderr
+    assert r.stdout.startswith("usage: python -m onespark.serving.memory guard --container NAME | --pid PID")
+    assert "python -m onespark.serving.memory guard --help" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "onespark.serving.memory", "watch"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "--help" in r.stderr, r.stderr
+
+
+def test_the_plans_error_for_a_compressor_dir_without_weights_names_that_flag(tmp_path):
+    """The compressor's directory without weights was reported as "--checkpoint must be the checkpoint directory"."""
+    model, empty = tmp_path / "m", tmp_path / "llm"
+    model.mkdir(), empty.mkdir()
+    (model / "model.safetensors.index.json").write_text('{"metadata": {"total_size": 1000}, "weight_map": {}}')
+    (tmp_path / "mi").write_text("MemTotal: 125514547 kB\nMemAvailable: 120000000 kB\n")
+    with pytest.raises(memory.PlanError) as e:
+        memory.make_plan(model, [], meminfo=str(tmp_path / "mi"), compressor_dir=empty)
+    assert str(e.value) == (f"{empty}: no model.safetensors.index.json and no *.safetensors: --compressor-dir must be "
+                            "the LLMLingua-2 checkpoint's directory (`onespark download --compressor NAME` writes "
+                            "DEST/llmlingua2/NAME)")
+    with pytest.raises(memory.PlanError, match="--checkpoint must be the checkpoint directory"):
+        memory.make_plan(empty, [], meminfo=str(tmp_path / "mi"))

@@ -139,9 +139,11 @@ def read_meminfo(path: str | os.PathLike = "/proc/meminfo") -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------------
 # The plan
 
-def weights_bytes(model: str | os.PathLike) -> tuple[int, str]:
+def weights_bytes(model: str | os.PathLike, fix: str = "--checkpoint must be the checkpoint directory") \
+        -> tuple[int, str]:
     """(bytes, where the number came from): the index's metadata.total_size, else the sizes of the shard
-    files its weight_map names, else of every *.safetensors file in the directory."""
+    files its weight_map names, else of every *.safetensors file in the directory. `fix` ends the message of a
+    directory without weights: it names the flag that gave it."""
     d = Path(model)
     index = d / INDEX_FILE
     try:
@@ -173,8 +175,7 @@ def weights_bytes(model: str | os.PathLike) -> tuple[int, str]:
                                 f"onespark verify {d}") from None
     shards = sorted(d.glob("*.safetensors"))
     if not shards:
-        raise PlanError(f"{d}: no model.safetensors.index.json and no *.safetensors: "
-                        "--checkpoint must be the checkpoint directory")
+        raise PlanError(f"{d}: no model.safetensors.index.json and no *.safetensors: {fix}")
     return sum(p.stat().st_size for p in shards), f"the {len(shards)} *.safetensors files"
 
 
@@ -302,6 +303,10 @@ class Plan:
         return out
 
 
+COMPRESSOR_FIX = ("--compressor-dir must be the LLMLingua-2 checkpoint's directory (`onespark download --compressor "
+                  "NAME` writes DEST/llmlingua2/NAME)")
+
+
 def make_plan(model: str | os.PathLike, vllm_args: list[str], *, meminfo: str = "/proc/meminfo",
               floor_gib: float = HOST_RESERVE_FLOOR_GIB, guard_floor_gib: float = GUARD_FLOOR_GIB,
               compressor_dir: str | os.PathLike | None = None) -> Plan:
@@ -330,7 +335,7 @@ def make_plan(model: str | os.PathLike, vllm_args: list[str], *, meminfo: str = 
             raise PlanError(f"-- --kv-cache-memory-bytes {kv!r}: expected bytes (at most 1024T), e.g. 36864M") from None
     compressor, compressor_source = 0, ""
     if compressor_dir is not None:
-        weights_c, how = weights_bytes(compressor_dir)
+        weights_c, how = weights_bytes(compressor_dir, COMPRESSOR_FIX)
         compressor, compressor_source = weights_c + int(COMPRESSOR_OVERHEAD_GIB * GIB), f"{Path(compressor_dir).name}: {how}"
     return Plan(mem_total=mem["MemTotal"], mem_available=mem["MemAvailable"], util=util, util_source=util_source,
                 weights=weights, weights_source=source, overhead=int(OVERHEAD_GIB * GIB),
@@ -808,6 +813,23 @@ def start_guard(cmd: list[str], log: Path) -> subprocess.Popen:
     with open(log, "ab") as f:
         return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True, close_fds=True)
+
+
+USAGE = "usage: python -m onespark.serving.memory guard --container NAME | --pid PID [options]"
+
+
+def main(argv: list[str]) -> int:
+    """The module's one command, `guard`; --help says so (exit 0, as every command's), anything else is a usage
+    error (exit 2)."""
+    if argv[:1] == ["guard"]:
+        return guard_main(argv[1:])
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{USAGE}\n\nstop a container (or process) before the host runs out of memory; `onespark serve` and "
+              "`onespark cluster` start it beside the server.\nIts options: python -m onespark.serving.memory guard "
+              "--help")
+        return 0
+    print(f"{USAGE} (see python -m onespark.serving.memory --help)", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
