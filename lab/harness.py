@@ -22,10 +22,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_VERSION = 1
 
-# A patched vLLM tree is built one way, the tests' (tests/_vllm_tree.py): the lab reaches it from the checkout,
-# after the installed packages (appended, so the installed onespark still wins over the source folders).
-sys.path.append(str(ROOT))
-from tests._vllm_tree import apply_diff, diff_targets, patched_vllm  # noqa: E402,F401  (the lab's API too)
+
+
+def _load_vllm_tree():
+    """tests/_vllm_tree.py, loaded from its file (standard library only; no sys.path edit): a patched vLLM tree is
+    built one way, the tests'."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("onespark_vllm_tree", ROOT / "tests" / "_vllm_tree.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_vllm_tree = _load_vllm_tree()
+diff_targets, apply_diff, patched_vllm = _vllm_tree.diff_targets, _vllm_tree.apply_diff, _vllm_tree.patched_vllm
 
 
 def median_ms(fn, *, nbuf: int = 1, calls: int | None = None, samples: int = 7, graph: bool = True) -> float:
