@@ -833,7 +833,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["guard"]:
-        sys.exit(guard_main(sys.argv[2:]))
-    print("usage: python -m onespark.serving.memory guard --container NAME | --pid PID [options]", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(main(sys.argv[1:]))
