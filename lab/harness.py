@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SCHEMA_VERSION = 1
 
 
-
 def _load_vllm_tree():
     """tests/_vllm_tree.py, loaded from its file (standard library only; no sys.path edit): a patched vLLM tree is
     built one way, the tests'."""
