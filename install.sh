@@ -414,7 +414,7 @@ check_nodes() {
   [[ $NODES =~ ^[^,]+,[^,]+$ && ${NODES%%,*} != "${NODES#*,}" ]] ||
     die "--nodes '$NODES': expected two different ssh addresses, HEAD,WORKER (e.g. spark1,spark2)"
   local user='[A-Za-z0-9_][A-Za-z0-9._-]*'
-  local label='[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?'
+  local label='[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?'  # at most 63 characters (RFC 1035), as cluster's
   local ipv6='[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*(%[A-Za-z0-9_.-]+)?'
   local dest="^($user@)?($label(\.$label)*\.?|$ipv6)\$" name
   for name in "${NODES%%,*}" "${NODES#*,}"; do

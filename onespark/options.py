@@ -115,8 +115,11 @@ def container_name(text: str) -> str:
 
 
 # A DNS name or an ~/.ssh/config alias: labels of letters, digits, `-` and `_`, no leading `-` (an option to the
-# program that gets it), no space or quote. cluster's ssh destinations and every --host share it.
-DNS_NAME = r"[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*\.?"
+# program that gets it), no space or quote, each of at most 63 characters (RFC 1035; a longer one is no name, and
+# Python's resolver fails on it with "UnicodeError: label too long", not OSError). cluster's ssh destinations and
+# every --host share it.
+_LABEL = r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+DNS_NAME = rf"{_LABEL}(\.{_LABEL})*\.?"
 
 
 def bind_host(text: str) -> str:

@@ -817,7 +817,8 @@ NOT_AN_ADDRESS = ("--nodes: '-oProxyCommand=touch pwned' is not an ssh address: 
                   "spark1,user@192.168.100.2")
 GOOD_NAMES = ["spark2", "user@192.168.100.2", "spark-2.lan.", "u_1@spark_2", "u@fe80::1", "fe80::1%enp1s0f1np1"]
 BAD_NAMES = ["-oProxyCommand=touch pwned", "-x", "user@-x", "-@x", "spark 2", "a;touch x", "$(touch x)", "`id`",
-             "@host", "a..b", "b-", "x@y@z", "[::1]", "fe80::1%a b", "ho'st", "h\tx"]
+             "@host", "a..b", "b-", "x@y@z", "[::1]", "fe80::1%a b", "ho'st", "h\tx",
+             "a" * 64, "u@spark." + "b" * 64]  # a label past DNS's 63 characters: idna's UnicodeError (issue 58)
 
 
 def test_a_host_string_is_never_an_ssh_option(tmp_path):

@@ -506,6 +506,28 @@ def test_memory_module_help_is_help():
     assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "--help" in r.stderr, r.stderr
 
 
+LABEL_64 = "a" * 64  # one label past DNS's 63 characters (RFC 1035)
+
+
+@pytest.mark.parametrize("extra", [[], ["--dry-run"]])
+def test_a_head_label_past_63_characters_is_no_ssh_address(tmp_path, extra):
+    """Before: the head's name went to socket.gethostbyname (is it this machine?), whose idna codec raised
+    UnicodeError ("label too long"): a traceback. 63 characters is a name."""
+    r = subprocess.run([sys.executable, "-m", "onespark", "cluster", "--nodes", f"{LABEL_64}.lan,spark2", *extra],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (1, ""), r.stdout + r.stderr
+    assert r.stderr.splitlines() == [f"onespark cluster: error: --nodes: '{LABEL_64}.lan' is not an ssh address: "
+                                     "give [user@]host, host a DNS name or an IP address (letters, digits, '.', '-', "
+                                     "'_'; no leading '-', no spaces), e.g. --nodes spark1,user@192.168.100.2"]
+    from onespark.serving import cluster
+    assert cluster.is_ssh_destination("a" * 63 + ".lan") and not cluster.is_ssh_destination(f"u@{LABEL_64}")
+
+
+def test_a_bind_host_label_past_63_characters_is_refused_by_the_parser(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--checkpoint", str(tmp_path), "--dry-run", "--demo", "--host", f"x.{LABEL_64}"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument --host: 'x.{LABEL_64}' is not an address to bind" in err, err
 def test_the_plans_error_for_a_compressor_dir_without_weights_names_that_flag(tmp_path):
     """The compressor's directory without weights was reported as "--checkpoint must be the checkpoint directory"."""
     model, empty = tmp_path / "m", tmp_path / "llm"
