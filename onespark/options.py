@@ -11,6 +11,7 @@ import ipaddress
 import math
 import re
 import sys
+from pathlib import Path
 
 # Words that make an environment variable's value a secret (serve --env passes it by name): HF_TOKEN, MY_API_KEY,
 # AWS_SECRET_ACCESS_KEY, DB_PASSWORD. A name with one that is no secret (MAX_TOKENS) loses nothing by it.
@@ -76,6 +77,37 @@ def reject_secret_flags(vllm_args: list[str], command: str) -> None:
             flag = arg.split("=", 1)[0]
             raise UserError(f"{flag} after --: vLLM would get the key on its command line (shown in `ps` and the "
                             f"plan): give it to onespark {command} as --api-key-file FILE or $ONESPARK_API_KEY")
+
+
+def reject_own_flags(vllm_args: list[str], command: str) -> None:
+    """--host or --port after -- would be vLLM's, not onespark's: the server would bind where the health check,
+    the smoke request and the exposure warning do not look (they read the command's own flags). vLLM's parser
+    takes `_` for `-`, `--port=N` and any unambiguous abbreviation (--por, --hos): each is refused, naming the
+    command's flag."""
+    from onespark.errors import UserError
+
+    for arg in vllm_args:
+        name = arg.split("=", 1)[0].replace("_", "-")
+        own = next((f for f, shortest in (("--host", 4), ("--port", 5)) if len(name) >= shortest and f.startswith(name)),
+                   None)
+        if own:
+            raise UserError(f"{arg.split('=', 1)[0]} after --: give it to onespark {command} as {own} "
+                            f"{'H' if own == '--host' else 'N'} (before --), which the health check, the smoke "
+                            f"request and the exposure warning follow")
+
+
+def directory(text: str) -> str:
+    """argparse `type=` of a flag that names a directory: "" is refused (an unset variable in
+    `--checkpoint "$DIR"`), where Path("") and os.path.join would take it for the current directory and
+    docker's -v for nothing."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is no directory: give its path (an unset shell variable?)")
+    return text
+
+
+def directory_path(text: str) -> Path:
+    """directory(), as a Path."""
+    return Path(directory(text))
 
 
 def spec_name(text: str) -> str:

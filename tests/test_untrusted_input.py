@@ -528,6 +528,59 @@ def test_a_bind_host_label_past_63_characters_is_refused_by_the_parser(tmp_path,
         cli.main(["serve", "--checkpoint", str(tmp_path), "--dry-run", "--demo", "--host", f"x.{LABEL_64}"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and f"argument --host: 'x.{LABEL_64}' is not an address to bind" in err, err
+
+
+def _serve_or_cluster(command: str, tmp_path: Path) -> list[str]:
+    (tmp_path / "m").mkdir(exist_ok=True)
+    return {"serve": ["serve", "--demo", "--checkpoint", str(tmp_path / "m"), "--dry-run"],
+            "cluster": ["cluster", "--nodes", "spark1,spark2", "--work", str(tmp_path / "w"), "--dry-run"]}[command]
+
+
+def _onespark(argv: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    full = {k: v for k, v in os.environ.items() if k not in ("ONESPARK_API_KEY", "OPENAI_API_KEY")} | env
+    return subprocess.run([sys.executable, "-m", "onespark", *argv], cwd=cwd, env=full, capture_output=True,
+                          text=True, timeout=120)
+@pytest.mark.parametrize("command", ["serve", "cluster"])
+@pytest.mark.parametrize("words, flag, own", [
+    (["--port", "9000"], "--port", "--port N"), (["--port=9000"], "--port", "--port N"),
+    (["--host", "0.0.0.0"], "--host", "--host H"), (["--host=0.0.0.0"], "--host", "--host H"),
+    (["--hos", "0.0.0.0"], "--hos", "--host H"), (["--por", "1"], "--por", "--port N"),
+])
+def test_host_or_port_after_the_double_dash_is_refused_naming_the_commands_flag(tmp_path, command, words, flag, own):
+    """`serve -- --port 9000` made vLLM listen on 9000 while serve waited for /health on 8000 (and `-- --host
+    0.0.0.0` exposed it with no warning): vLLM takes the last --port/--host, its own abbreviations included."""
+    r = _onespark([*_serve_or_cluster(command, tmp_path), "--", "--max-model-len", "4096", *words], tmp_path)
+    assert (r.returncode, r.stdout) == (1, ""), r.stdout + r.stderr
+    assert r.stderr.splitlines() == [f"onespark {command}: error: {flag} after --: give it to onespark {command} as "
+                                     f"{own} (before --), which the health check, the smoke request and the exposure "
+                                     "warning follow"], r.stderr
+    r = _onespark([*_serve_or_cluster(command, tmp_path), "--", "--max-model-len", "4096", "--pooler-config", "{}"],
+                  tmp_path)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["serve", "--demo", "--dry-run", "--checkpoint", ""], "--checkpoint"),
+    (["serve", "--demo", "--dry-run", "--checkpoint", "m", "--drafter-dir", " "], "--drafter-dir"),
+    (["serve", "--dry-run", "--checkpoint", "m", "--compressor-dir", ""], "--compressor-dir"),
+    (["doctor", "--checkpoint", ""], "--checkpoint"),
+    (["tiny-model", "--out", ""], "--out"),
+    (["download", "--dest", ""], "--dest"),
+    (["verify", ""], "dir"),
+])
+def test_an_empty_directory_argument_is_refused(tmp_path, monkeypatch, capsys, argv, flag):
+    """An unset variable (`--checkpoint "$DIR"`) gave "": Path("") is the current directory, and docker's
+    `-v :/model:ro` no mount at all."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    value = " " if flag == "--drafter-dir" else ""
+    assert e.value.code == 2 and err.startswith(f"onespark {argv[0]}: error: argument {flag}: {value!r} is no "
+                                                "directory: give its path (an unset shell variable?)"), err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_plans_error_for_a_compressor_dir_without_weights_names_that_flag(tmp_path):
     """The compressor's directory without weights was reported as "--checkpoint must be the checkpoint directory"."""
     model, empty = tmp_path / "m", tmp_path / "llm"

@@ -35,7 +35,7 @@ import struct
 from pathlib import Path
 from urllib.parse import quote
 
-from onespark import shape
+from onespark import options, shape
 from onespark.checkpoint.lock import locked
 from onespark.checkpoint.safetensors_io import (
     MAX_HEADER_BYTES,
@@ -459,7 +459,7 @@ def _snapshot(repo: str, revision: str, dest: Path, allow: list[str] | None = No
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dest", required=True, type=Path, help="directory for int4/ and fp8/")
+    p.add_argument("--dest", required=True, type=options.directory_path, help="directory for int4/ and fp8/")
     specs.add_model_argument(p)
     p.add_argument("--int4-repo", help="INT4 repo (default: the spec's; required with --model custom)")
     p.add_argument("--int4-revision", "--revision",

@@ -287,7 +287,7 @@ def write(d: Path, doc: dict) -> Path:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", type=Path, help="checkpoint directory (holds tokenizer.json; the file is written there)")
+    p.add_argument("dir", type=options.directory_path, help="checkpoint directory (holds tokenizer.json; the file is written there)")
     p.add_argument("--size", "--draft-vocab-size", dest="size", type=options.COUNT, default=DEFAULT_SIZE,
                    help=f"ids in the subset, special tokens included (default {DEFAULT_SIZE}: 1/8 of Qwen3.5's "
                         f"248,320; FR-Spec used 32K)")

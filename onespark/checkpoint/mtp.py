@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from onespark import options
 from onespark.checkpoint.lock import locked
 from onespark.checkpoint.safetensors_io import copy_file_atomic, read_header, write_json_atomic
 from onespark.checkpoint.writer import (
@@ -161,7 +162,7 @@ def _record_in_manifest(path: Path, changed: list[str], result: dict) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", type=Path, help="checkpoint directory (the output of step 1)")
+    p.add_argument("dir", type=options.directory_path, help="checkpoint directory (the output of step 1)")
     specs.add_model_argument(p, recorded=True)
     p.add_argument("--source", type=Path,
                    help="the original INT4 download, to copy model_extra_tensors.safetensors from if it is missing")

@@ -459,7 +459,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     specs.add_model_argument(p)
     p.add_argument("--format", choices=("int4", "fp8"), required=True,
                    help="int4: the layout of the spec's Intel AutoRound repo; fp8: that of its Qwen FP8 repo")
-    p.add_argument("--out", required=True, type=Path, help="new (or empty) directory to write")
+    p.add_argument("--out", required=True, type=options.directory_path, help="new (or empty) directory to write")
     p.add_argument("--mtp-in-index", action=argparse.BooleanOptionalAction, default=None,
                    help="list model_extra_tensors.safetensors' mtp.* tensors in the index "
                         "(int4; default: as the spec's release: not for the 122B, yes for the 35B)")

@@ -353,7 +353,7 @@ def write_tiny_model(out: str | os.PathLike, seed: int = 0, tie_word_embeddings:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, type=Path, help="directory to create (must not exist, or be empty)")
+    parser.add_argument("--out", required=True, type=options.directory_path, help="directory to create (must not exist, or be empty)")
     parser.add_argument("--seed", type=options.number(int, 0), default=0, help="weights are a function of the seed (default 0)")
     parser.add_argument("--tie-word-embeddings", action="store_true",
                         help="share the LM head with the embedding (default: separate, like Qwen3.5; qwen2-moe only)")

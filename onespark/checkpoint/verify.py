@@ -27,6 +27,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from onespark import options
 from onespark.checkpoint import draft_vocab
 from onespark.checkpoint.writer import (
     INDEX_FILE,
@@ -285,7 +286,7 @@ def drafter_problems(path: Path, spec: specs.Spec) -> tuple[list[str], dict]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", type=Path, nargs="?", help="checkpoint directory (may be left out with --drafter)")
+    p.add_argument("dir", type=options.directory_path, nargs="?", help="checkpoint directory (may be left out with --drafter)")
     specs.add_model_argument(p, recorded=True)
     p.add_argument("--fast", action="store_true", help="skip sha256 (check sizes only)")
     p.add_argument("--drafter", type=Path, metavar="DIR",

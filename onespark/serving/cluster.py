@@ -102,6 +102,7 @@ class Cluster:
         extra = list(args.vllm_args or [])
         extra = extra[1:] if extra and extra[0] == "--" else extra
         options.reject_secret_flags(extra, "cluster")
+        options.reject_own_flags(extra, "cluster")
         api_key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else \
             plain_key(args.api_key, "--api-key (or $ONESPARK_API_KEY)")
         return cls(nodes=args.nodes, work=args.work, image=args.image, iface=args.iface, pp=args.pp, sync=args.sync,
@@ -410,7 +411,7 @@ def preflight(c: Cluster, head: Node, worker: Node, runner: Runner) -> Plan:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", required=True, metavar="HEAD,WORKER",
                    help="ssh addresses of the two Sparks; HEAD is this machine (vLLM's API server runs here)")
-    p.add_argument("--work", default=str(ROOT / ".work"), help="checkpoint root, the same path on both "
+    p.add_argument("--work", type=options.directory, default=str(ROOT / ".work"), help="checkpoint root, the same path on both "
                    "(the model is WORK/hybrid; default: %(default)s)")
     p.add_argument("--image", type=options.image_ref, default=SERVING_IMAGE, help="serving image the cluster image is built from "
                    "(default: %(default)s)")

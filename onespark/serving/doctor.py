@@ -76,7 +76,7 @@ class Check:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="check for ./install.sh --demo (no GPU needed)")
-    p.add_argument("--work", default=".work", help="directory the checkpoints go to (default: .work)")
+    p.add_argument("--work", type=options.directory, default=".work", help="directory the checkpoints go to (default: .work)")
     p.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face check (checkpoint already downloaded)")
     p.add_argument("--model", type=options.spec_name, metavar="NAME",
                    help="model spec (onespark specs) whose disk, memory, repo and serving defaults to check for "
@@ -238,7 +238,7 @@ def check_memory(meminfo: str, *, demo: bool, need_gib: int = MIN_MEMORY_GIB, wh
 # ---- the memory plan (onespark.serving.memory): the same plan `onespark serve` prints and enforces before launch
 
 def add_memory_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", metavar="DIR",
+    p.add_argument("--checkpoint", type=options.directory, metavar="DIR",
                    help="checkpoint the memory plan is made for (default: WORK/hybrid, once it exists)")
     p.add_argument("--gpu-memory-utilization", type=options.number(float, 0, 1, lo_open=True),
                    help=f"the value you will pass to vLLM (default: the image's, {memory.DEFAULT_GPU_UTIL:g})")

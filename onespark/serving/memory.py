@@ -731,7 +731,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-reserve-gib", type=options.number(float, 0), default=HOST_RESERVE_FLOOR_GIB,
                    help=f"refuse a plan that leaves the host less than this (default: {HOST_RESERVE_FLOOR_GIB:g}; "
                         "public Spark reports: 0.82 stable = 21.5 GiB, 0.88 swaps = 14.4 GiB)")
-    p.add_argument("--compressor-dir", type=Path, metavar="DIR",
+    p.add_argument("--compressor-dir", type=options.directory_path, metavar="DIR",
                    help="count `onespark compress serve` beside vLLM in the plan: its LLMLingua-2 checkpoint "
                         "(DEST/llmlingua2/NAME; its weights + 2 GiB)")
     p.add_argument("--guard-floor-gib", type=GIB_ABOVE_0,

@@ -36,7 +36,7 @@ from onespark.serving.serve_launch import DEMO_IMAGE, V2_IMAGE, V2_TQ_IMAGE, Lau
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--checkpoint", required=True, metavar="DIR",
+    p.add_argument("--checkpoint", required=True, type=options.directory, metavar="DIR",
                    help="checkpoint directory on the host (mounted read-only at /model)")
     p.add_argument("--model", type=options.spec_name, metavar="NAME",
                    help="model spec (onespark specs): its serving defaults (served name, --gpu-memory-utilization, "
@@ -46,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", choices=("mtp", "dflash"), default="mtp",
                    help="speculative decoding: mtp (default: the checkpoint's own MTP layer) or dflash (the spec's "
                         "DFlash drafter from --drafter-dir; vLLM 0.32.0 track images only)")
-    p.add_argument("--drafter-dir", help="--drafter dflash: the drafter's directory on the host (onespark download "
+    p.add_argument("--drafter-dir", type=options.directory, help="--drafter dflash: the drafter's directory on the host (onespark download "
                                          "--drafter dflash writes WORK/dflash), mounted read-only at /drafter")
     p.add_argument("--num-draft-tokens", type=options.COUNT, metavar="N",
                    help="--drafter dflash: tokens drafted per step (default: the spec's, the record's 12; others "

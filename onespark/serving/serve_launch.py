@@ -72,6 +72,7 @@ class Launch:
             plain_key(args.api_key, "--api-key (or $ONESPARK_API_KEY)")
         user = _after_dashes(args.vllm_args)
         options.reject_secret_flags(user, "serve")
+        options.reject_own_flags(user, "serve")
         image = image or args.image or (DEMO_IMAGE if args.demo else V2_TQ_IMAGE if args.tq else V2_IMAGE)
         recorded = recorded_spec(args.checkpoint)
         spec = args.model or (recorded if recorded != "custom" else None)  # custom: no serving defaults of its own
