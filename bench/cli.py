@@ -130,11 +130,10 @@ def _read_key(path: str, flag: str) -> str:
 
 def resolve_keys(args) -> tuple[str | None, str | None]:
     """(A's key, B's key) from the file, the flag or the environment, in that order of preference."""
-    if args.api_key and args.api_key_file:
-        raise UserError("give --api-key or --api-key-file, not both")
-    if args.b_api_key and args.b_api_key_file:
-        raise UserError("give --b-api-key or --b-api-key-file, not both")
-    from onespark.errors import plain_key
+    from onespark.errors import check_key_pair, plain_key
+
+    check_key_pair(args.api_key, args.api_key_file, "--api-key")
+    check_key_pair(args.b_api_key, args.b_api_key_file, "--b-api-key")
 
     # held to the key file's rule (printable ASCII): a line break would reach the HTTP client, whose error message
     # quotes the header, key and all, and an accent would fail as a traceback

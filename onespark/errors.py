@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 from collections.abc import Iterator
 
 
@@ -10,9 +11,16 @@ def read_secret(path: str, flag: str) -> str:
     """The first line of a key file (--api-key-file): keys on a command line show in `ps`."""
     try:
         with open(path, "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
             raw = f.readline(64 * 1024)
     except OSError as e:
         raise UserError(f"cannot read {flag} {path}: {e.strerror}") from e
+    # Whoever can write the file chooses the key the server accepts: refused, as ssh refuses a private key
+    # others can touch (a pipe, `--api-key-file <(pass show k)`, is no file anyone else opens).
+    if stat.S_ISREG(mode) and mode & 0o022:
+        who = "group and others" if mode & 0o022 == 0o022 else "others" if mode & 0o002 else "its group"
+        raise UserError(f"{flag} {path}: writable by {who} (mode {stat.S_IMODE(mode):04o}), who could change the key: "
+                        f"chmod go-w {path} (or chmod 600 {path}), then run the same command again")
     # An HTTP header carries ASCII only: a BOM, a UTF-16 file or a binary file would fail deep inside the client
     # (serve's and bench's), with the key's bytes in the traceback. The value itself is never shown.
     key = raw.removeprefix(b"\xef\xbb\xbf").strip()
@@ -22,6 +30,13 @@ def read_secret(path: str, flag: str) -> str:
     if not key:
         raise UserError(f"{flag} {path} is empty: put the key on its first line")
     return key.decode("ascii")
+
+
+def check_key_pair(value: str | None, file: str | None, flag: str) -> None:
+    """FLAG with FLAG-file (--api-key and --api-key-file): refused, in every command that takes both, since which
+    one wins would be a guess."""
+    if value and file:
+        raise UserError(f"give {flag} or {flag}-file, not both")
 
 
 def plain_key(key: str | None, where: str) -> str | None:

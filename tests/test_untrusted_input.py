@@ -540,6 +540,47 @@ def _onespark(argv: list[str], cwd: Path, **env: str) -> subprocess.CompletedPro
     full = {k: v for k, v in os.environ.items() if k not in ("ONESPARK_API_KEY", "OPENAI_API_KEY")} | env
     return subprocess.run([sys.executable, "-m", "onespark", *argv], cwd=cwd, env=full, capture_output=True,
                           text=True, timeout=120)
+
+
+@pytest.mark.parametrize("command", ["serve", "cluster"])
+def test_api_key_with_api_key_file_is_refused_as_bench_refuses_it(tmp_path, command):
+    """Both were taken, the file silently winning; bench refused the pair. The variable beside the file is a
+    default, not a second choice: the file wins, as in bench."""
+    key = tmp_path / "key"
+    key.write_text(LONG_KEY + "\n")
+    key.chmod(0o600)
+    r = _onespark([*_serve_or_cluster(command, tmp_path), "--api-key", "sk-other-0123456789", "--api-key-file",
+                   str(key)], tmp_path)
+    assert (r.returncode, r.stdout) == (1, ""), r.stdout + r.stderr
+    assert r.stderr.splitlines() == [f"onespark {command}: error: give --api-key or --api-key-file, not both"]
+    r = _onespark([*_serve_or_cluster(command, tmp_path), "--api-key-file", str(key)], tmp_path,
+                  ONESPARK_API_KEY="sk-from-env-0123456789")
+    assert r.returncode == 0, r.stderr
+    assert LONG_KEY not in r.stdout + r.stderr and "sk-from-env" not in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "cluster", "bench"])
+@pytest.mark.parametrize("mode, who", [(0o666, "group and others"), (0o602, "others"), (0o620, "its group")])
+def test_a_key_file_others_can_write_is_refused_naming_the_chmod(tmp_path, command, mode, who):
+    """A key file anyone could rewrite was used without a word: whoever writes it picks the key the server
+    accepts. Refused, as ssh refuses a private key others can touch; 0600 and 0644 are used."""
+    key = tmp_path / "key"
+    key.write_text(LONG_KEY + "\n")
+    argv = (_serve_or_cluster(command, tmp_path) if command != "bench" else
+            ["bench", "--base-url", "http://127.0.0.1:9", "--out", str(tmp_path / "b"), "--no-png"])
+    key.chmod(mode)
+    r = _onespark([*argv, "--api-key-file", str(key)], tmp_path)
+    assert (r.returncode, r.stdout) == (1, ""), r.stdout + r.stderr
+    assert r.stderr.splitlines() == [
+        f"onespark {command}: error: --api-key-file {key}: writable by {who} (mode {mode:04o}), who could change the "
+        f"key: chmod go-w {key} (or chmod 600 {key}), then run the same command again"], r.stderr
+    if command != "bench":  # (bench would go on to its unreachable server)
+        for ok in (0o600, 0o644):
+            key.chmod(ok)
+            r = _onespark([*argv, "--api-key-file", str(key)], tmp_path)
+            assert r.returncode == 0 and LONG_KEY not in r.stdout + r.stderr, r.stdout + r.stderr
+
+
 @pytest.mark.parametrize("command", ["serve", "cluster"])
 @pytest.mark.parametrize("words, flag, own", [
     (["--port", "9000"], "--port", "--port N"), (["--port=9000"], "--port", "--port N"),

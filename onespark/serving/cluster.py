@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from onespark import __version__, options, tracks
-from onespark.errors import UserError, plain_key, read_secret
+from onespark.errors import UserError
 from onespark.serving import launch, memory
 from onespark.serving.cluster_link import LINK_PROBE, Node, Plan, Runner, link_preflight
 from onespark.serving.vllm_log import likely_cause
@@ -103,8 +103,7 @@ class Cluster:
         extra = extra[1:] if extra and extra[0] == "--" else extra
         options.reject_secret_flags(extra, "cluster")
         options.reject_own_flags(extra, "cluster")
-        api_key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else \
-            plain_key(args.api_key, "--api-key (or $ONESPARK_API_KEY)")
+        api_key = launch.api_key(args)
         return cls(nodes=args.nodes, work=args.work, image=args.image, iface=args.iface, pp=args.pp, sync=args.sync,
                    allow_sockets=args.allow_sockets, host=args.host, port=args.port, api_key=api_key,
                    timeout=args.timeout, prompt=args.prompt, max_tokens=args.max_tokens, bench=args.bench,

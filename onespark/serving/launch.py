@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from onespark import options
-from onespark.errors import UserError
+from onespark.errors import UserError, check_key_pair, plain_key, read_secret
 from onespark.serving import memory
 from onespark.serving.vllm_log import detect_stage
 
@@ -40,12 +40,26 @@ def base_url(host: str, port: int) -> str:
     return url("http", probe_host(host), port)
 
 
+KEY_ENV = "ONESPARK_API_KEY"
+
+
 def add_key_arguments(p: argparse.ArgumentParser) -> None:
-    """The API key's two flags, as serve and cluster take them (read_secret reads the file)."""
-    p.add_argument("--api-key", default=os.environ.get("ONESPARK_API_KEY"),
+    """The API key's two flags, as serve and cluster take them (api_key reads them)."""
+    p.add_argument("--api-key", default=os.environ.get(KEY_ENV),
                    help="require this key on /v1 (default: $ONESPARK_API_KEY; none); visible in `ps`: prefer "
                         "--api-key-file or the variable")
     p.add_argument("--api-key-file", help="read the key from this file (first line)")
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key of add_key_arguments' flags: --api-key-file's first line, else --api-key, else $ONESPARK_API_KEY
+    (--api-key's default). Both flags at once are refused, as bench refuses them; the variable beside the file is
+    no conflict (the file wins, as in bench)."""
+    given = args.api_key if args.api_key != os.environ.get(KEY_ENV) else None  # the default is no choice
+    check_key_pair(given, args.api_key_file, "--api-key")
+    if args.api_key_file:
+        return read_secret(args.api_key_file, "--api-key-file")
+    return plain_key(args.api_key, f"--api-key (or ${KEY_ENV})")
 
 
 def warn_if_exposed(prog: str, host: str, api_key: str | None) -> None:

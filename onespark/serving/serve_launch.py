@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from onespark import __version__, options
 from onespark.checkpoint.writer import recorded_spec
-from onespark.errors import UserError, plain_key, read_secret
+from onespark.errors import UserError
 from onespark.serving import launch, memory
 from onespark.tracks import SUPPORTED_VLLM
 
@@ -68,8 +68,7 @@ class Launch:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, image: str | None = None) -> Launch:
-        api_key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else \
-            plain_key(args.api_key, "--api-key (or $ONESPARK_API_KEY)")
+        api_key = launch.api_key(args)
         user = _after_dashes(args.vllm_args)
         options.reject_secret_flags(user, "serve")
         options.reject_own_flags(user, "serve")
