@@ -266,6 +266,26 @@ def test_disk_full_and_out_of_inodes(pair, small_fs):
     assert f"{inodes / 'hy'}/" in last and "out of inodes" in last, last
 
 
+@pytest.mark.parametrize("opts, where", [("size=64k", "model.safetensors"), ("size=64m,nr_inodes=3", "tokenizer.json")])
+def test_tiny_model_on_a_full_disk_names_the_file(small_fs, opts, where):
+    """Issue 58: a full disk was "(unknown path)" (the write names no file), and out of inodes the tokenizers
+    library's own save raised a bare Exception: a traceback. The file is named as --out's, the temp dir removed."""
+    full = small_fs("full", opts)
+    last = one_line_error(cli("tiny-model", "--out", str(full / "t")), "tiny-model")
+    assert last.startswith(f"onespark tiny-model: error: {full / 't' / where}: no space left on the device"), last
+    assert list(full.iterdir()) == []
+
+
+def test_verify_says_a_tiny_model_is_one(tmp_path):
+    """Issue 58: verify on `onespark tiny-model`'s output said the index was missing, "download it again"."""
+    out = tmp_path / "tiny"
+    assert cli("tiny-model", "--out", str(out)).returncode == 0
+    last = one_line_error(cli("verify", str(out)), "verify")
+    assert last == (f"onespark verify: error: {out}: a tiny test model that `onespark tiny-model` wrote "
+                    "(onespark-tiny.json), not a checkpoint verify checks (step 0's downloads, the output of steps "
+                    "1-2); if it is damaged, write it again with `onespark tiny-model --out NEWDIR`"), last
+
+
 def test_disk_full_in_process(pair, tmp_path, monkeypatch, capsys):
     """ENOSPC from a descriptor-level write names the file being written (the kernel gives no path)."""
     from onespark import cli as cli_mod

@@ -59,7 +59,8 @@ import ml_dtypes
 import numpy as np
 
 from onespark import options
-from onespark.errors import UserError
+from onespark.checkpoint.writer import TINY_RECORD
+from onespark.errors import UserError, at_path
 
 # Head dim 64 (vLLM's CPU attention supports multiples of 32); hidden 256 = 4 heads x 64.
 TINY = {
@@ -290,8 +291,15 @@ def _config(vocab: int, tie: bool, eos_id: int, pad_id: int) -> dict:
     }
 
 
-def _write_json(path: Path, obj: object) -> None:
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+def _put(tmp: Path, out: Path, name: str, data: bytes) -> None:
+    """tmp/name, written. An error of the write itself (a full disk: the kernel names no file) or of tmp/name is
+    reported as out/name: the file the user asked for (tmp is removed on the way out)."""
+    with at_path(out / name, tmp / name):
+        (tmp / name).write_bytes(data)
+
+
+def _write_json(tmp: Path, out: Path, name: str, obj: object) -> None:
+    _put(tmp, out, name, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def write_tiny_model(out: str | os.PathLike, seed: int = 0, tie_word_embeddings: bool = False,
@@ -310,7 +318,10 @@ def write_tiny_model(out: str | os.PathLike, seed: int = 0, tie_word_embeddings:
     vocab = tok.get_vocab_size()
     eos_id, pad_id = tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")
     rng = np.random.Generator(np.random.PCG64(seed))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:  # out of inodes: named as --out, not as the random temp name it tried
+        raise OSError(e.errno, e.strerror, str(out)) from e
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a container user other than us must read it
         if arch == "qwen2-moe":
@@ -320,13 +331,12 @@ def write_tiny_model(out: str | os.PathLike, seed: int = 0, tie_word_embeddings:
             config = _qwen35_config(vocab, eos_id, pad_id)
             tensors = _qwen35_tensors(rng, config, mtp_init)
         header, blobs = _safetensors_bytes(tensors)
-        with open(tmp / "model.safetensors", "wb") as f:
-            f.write(header)
-            for b in blobs:
-                f.write(b)
-        tok.save(str(tmp / "tokenizer.json"))
-        _write_json(tmp / "config.json", config)
-        _write_json(tmp / "tokenizer_config.json", {
+        _put(tmp, out, "model.safetensors", b"".join([header, *blobs]))  # a few MB
+        # to_str, not tok.save: the library's own write fails as a bare Exception ("No space left on device (os
+        # error 28)"), no OSError; pretty=True is what save writes, byte for byte
+        _put(tmp, out, "tokenizer.json", tok.to_str(pretty=True).encode())
+        _write_json(tmp, out, "config.json", config)
+        _write_json(tmp, out, "tokenizer_config.json", {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": TINY["max_position_embeddings"],
             "eos_token": "<|im_end|>",
@@ -337,9 +347,9 @@ def write_tiny_model(out: str | os.PathLike, seed: int = 0, tie_word_embeddings:
             "clean_up_tokenization_spaces": False,
             "chat_template": CHAT_TEMPLATE,
         })
-        _write_json(tmp / "generation_config.json", {"eos_token_id": eos_id, "pad_token_id": pad_id})
+        _write_json(tmp, out, "generation_config.json", {"eos_token_id": eos_id, "pad_token_id": pad_id})
         hashes = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp.iterdir())}
-        _write_json(tmp / "onespark-tiny.json", {
+        _write_json(tmp, out, TINY_RECORD, {
             "tool": "onespark tiny-model", "seed": seed, "vocab_size": vocab, "arch": arch,
             **({"mtp_init": mtp_init} if arch == "qwen3.5-moe" else {}),
             "tie_word_embeddings": tie_word_embeddings, "sha256": hashes,
@@ -369,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
     out = write_tiny_model(args.out, seed=args.seed, tie_word_embeddings=args.tie_word_embeddings, arch=args.arch,
                            mtp_init=args.mtp_init)
-    meta = json.loads((out / "onespark-tiny.json").read_text())
+    meta = json.loads((out / TINY_RECORD).read_text())
     what = "Qwen2-MoE" if args.arch == "qwen2-moe" else f"Qwen3.5-MoE + MTP ({args.mtp_init})"
     print(f"wrote {out} ({what}, vocab {meta['vocab_size']}, seed {args.seed})")
     return 0

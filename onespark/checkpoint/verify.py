@@ -34,6 +34,7 @@ from onespark.checkpoint.writer import (
     MANIFEST,
     MANIFEST_FILE,
     MANIFEST_FIX,
+    TINY_RECORD,
     Checkpoint,
     load_json,
     open_checkpoint,
@@ -125,6 +126,10 @@ def verify(path: Path, *, fast: bool = False, spec: specs.Spec | None = None) ->
     model than `spec` (default: the default spec)."""
     path = Path(path)
     spec = spec or specs.get(None)
+    if (path / TINY_RECORD).is_file():  # its one model.safetensors has no index: "download it again" would mislead
+        raise UserError(f"{path}: a tiny test model that `onespark tiny-model` wrote ({TINY_RECORD}), not a "
+                        f"checkpoint verify checks (step 0's downloads, the output of steps 1-2); if it is damaged, "
+                        f"write it again with `onespark tiny-model --out NEWDIR`")
     ck = open_checkpoint(path)
     specs.check_config(spec, ck.config, str(path / "config.json"))
     problems = Problems()
