@@ -635,3 +635,22 @@ def test_the_plans_error_for_a_compressor_dir_without_weights_names_that_flag(tm
                             "DEST/llmlingua2/NAME)")
     with pytest.raises(memory.PlanError, match="--checkpoint must be the checkpoint directory"):
         memory.make_plan(empty, [], meminfo=str(tmp_path / "mi"))
+
+
+@pytest.mark.parametrize("content", ["", " \n\t\n\n   \n"], ids=["empty", "whitespace"])
+def test_a_corpus_without_text_is_refused_not_called_corpus_frequency(tmp_path, content):
+    """An empty or blank --corpus file ranked nothing (or blanks) and was recorded as method "corpus-frequency"."""
+    from onespark.checkpoint.tinymodel import write_tiny_model
+
+    d = write_tiny_model(tmp_path / "tiny")
+    text, blank = tmp_path / "text.txt", tmp_path / "blank.txt"
+    text.write_text("the quick brown fox\n")
+    blank.write_text(content)
+    r = _onespark(["draft-vocab", str(d), "--size", "64", "--corpus", str(text), str(blank)], tmp_path)
+    assert (r.returncode, r.stdout) == (1, ""), r.stdout + r.stderr
+    what = "empty" if not content else "only whitespace"
+    assert r.stderr.splitlines() == [f"onespark draft-vocab: error: --corpus {blank}: {what}: give text files of the "
+                                     "traffic to rank for, or leave --corpus out (the tokenizer's BPE merge order)"]
+    assert not (d / "onespark-draft-vocab.json").exists()
+    r = _onespark(["draft-vocab", str(d), "--size", "64", "--corpus", str(text)], tmp_path)
+    assert r.returncode == 0 and "corpus-frequency" in r.stdout, r.stderr

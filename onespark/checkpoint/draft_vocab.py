@@ -150,6 +150,7 @@ def _corpus_counts(tok, files: list[Path]) -> tuple[Counter, list[dict]]:
         h = hashlib.sha256()
         n = 0
         size = 0
+        text_seen = False
         with open(f, "rb") as fh:
             rest = b""
             while True:
@@ -170,11 +171,15 @@ def _corpus_counts(tok, files: list[Path]) -> tuple[Counter, list[dict]]:
                 except UnicodeDecodeError:
                     raise UserError(f"--corpus {f}: not UTF-8 text: convert it (iconv -t utf-8) or leave it "
                                     f"out") from None
+                text_seen = text_seen or bool(text.strip())
                 ids = tok.encode(text, add_special_tokens=False).ids
                 counts.update(ids)
                 n += len(ids)
                 if not block:
                     break
+        if not text_seen:  # its counts would rank blanks (or nothing) and call that "corpus-frequency"
+            raise UserError(f"--corpus {f}: {'empty' if size == 0 else 'only whitespace'}: give text files of the "
+                            f"traffic to rank for, or leave --corpus out (the tokenizer's BPE merge order)")
         record.append({"file": f.name, "sha256": h.hexdigest(), "bytes": size, "tokens": n})
     return counts, record
 
