@@ -399,7 +399,7 @@ def _keep(result: dict, stem: str, error: OSError) -> str:
         if not d.is_dir():  # write_atomic would create it: a fallback never makes directories
             continue
         try:
-            report.write_atomic(p, text)
+            p = report.write_new(p, text)  # the last failed run of this --name keeps its file
         except OSError:
             continue
         return (f"could not write the results ({why}); the measurements are saved in {p} instead: move it "

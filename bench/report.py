@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 import textwrap
@@ -33,6 +34,27 @@ def write_atomic(path: str | Path, data: bytes | str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_new(path: str | Path, data: bytes | str) -> Path:
+    """Write `path`, or NAME-2.json, NAME-3.json ... where that name is taken: never over an existing file (in a
+    shared directory such as /tmp, the next run of the same --name, or another user's file), and whole: written
+    to a temp name first, then hard-linked to the free name (a link fails on an existing name, where a rename
+    would replace it). Returns the path written."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.new")
+    write_atomic(tmp, data)
+    try:
+        for n in range(1, 10_000):
+            final = path if n == 1 else path.with_name(f"{path.stem}-{n}{path.suffix}")
+            try:
+                os.link(tmp, final)
+                return final
+            except FileExistsError:
+                continue
+        raise OSError(errno.EEXIST, "10,000 files of this name exist", str(path))
+    finally:
+        os.unlink(tmp)
 
 
 def check_writable(directory: str | Path) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -297,6 +298,26 @@ def test_a_failed_final_write_keeps_the_measurements_in_the_temp_dir(tmp_path, c
     assert not (out / "r.json").exists()
     _is_result(json.loads(kept.read_text()))
     assert "published" in r.stdout  # the tables were printed too
+
+
+def test_the_next_failed_run_of_the_same_name_never_overwrites_the_kept_copy(tmp_path):
+    """Issue 58: the fallback was always TMPDIR/onespark-bench-NAME.json, written over by the next failed run of
+    that --name (or over whatever file had that name). Each run gets its own file, the first name that is free."""
+    tmp, home = tmp_path / "tmp", tmp_path / "home"
+    tmp.mkdir(), home.mkdir()
+    (tmp / "onespark-bench-r-2.json").write_text("someone else's file\n")
+    kept = []
+    for _ in range(2):
+        _, r = _bench(tmp_path, "ENOSPC", False, tmp, home)
+        last = one_line_error(r, "bench")
+        kept.append(Path(re.search(r"the measurements are saved in (\S+) instead", last)[1]))
+    assert kept == [tmp / "onespark-bench-r.json", tmp / "onespark-bench-r-3.json"], kept
+    first = kept[0].read_text()
+    _is_result(json.loads(first)), _is_result(json.loads(kept[1].read_text()))
+    assert first != kept[1].read_text()  # two runs, two records (created_utc, timings)
+    assert (tmp / "onespark-bench-r-2.json").read_text() == "someone else's file\n"
+    assert sorted(p.name for p in tmp.iterdir()) == ["onespark-bench-r-2.json", "onespark-bench-r-3.json",
+                                                     "onespark-bench-r.json"]  # no temp file left behind
 
 
 def test_with_nowhere_to_write_the_measurements_are_printed_as_json(tmp_path):
