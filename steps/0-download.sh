@@ -67,9 +67,23 @@ done_already() {
     { [[ -z $COMPRESSOR ]] || complete "$WORK/llmlingua2/$COMPRESSOR" 0; }
 }
 
+# check_choice FLAG VALUE CHOICES: VALUE is one of the words in CHOICES, or one line and exit 2. --drafter and
+# --compressor are checked here, so that --dry-run refuses a typo as the run itself does (onespark download's
+# parser); the names come from onespark/model/specs.py, read with the system python3 as spec_get does.
+check_choice() {
+  [[ " $3 " == *" $2 "* ]] || usage_error "$1 '$2': expected one of: ${3// /, } (see $0 --help)"
+}
+
+spec_names() {  # DRAFTERS or COMPRESSORS: that table's names, one line
+  PYTHONPATH=$ONESPARK_ROOT python3 -c 'import sys; from onespark.model import specs
+print(*sorted(getattr(specs, sys.argv[1])))' "$1"
+}
+
 main() {
   parse_options option "$@"
   checkpoint_work
+  check_choice --drafter "$DRAFTER" "$(spec_names DRAFTERS)"
+  [[ -z $COMPRESSOR ]] || check_choice --compressor "$COMPRESSOR" "$(spec_names COMPRESSORS)"
   SPLICE=$(spec_get "$MODEL" splice) || exit 2
   if ((${#EXTRA[@]} == 0)) && done_already; then
     say "step 0 already done: $WORK/int4 and $WORK/fp8 are complete"

@@ -637,6 +637,21 @@ def test_the_plans_error_for_a_compressor_dir_without_weights_names_that_flag(tm
         memory.make_plan(empty, [], meminfo=str(tmp_path / "mi"))
 
 
+@pytest.mark.parametrize("flag, value, choices", [("--compressor", "nosuch", "bert-base, xlm-roberta-large"),
+                                                  ("--drafter", "eagle", "dflash, mtp")])
+def test_step_0_dry_run_refuses_a_name_the_run_refuses(tmp_path, flag, value, choices):
+    """`steps/0-download.sh --dry-run --compressor nosuch` printed the command and exited 0; the run itself ends
+    in argparse's "invalid choice"."""
+    r = subprocess.run(["steps/0-download.sh", "--dry-run", "--work", str(tmp_path / "w"), flag, value], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (2, ""), r.stdout + r.stderr
+    assert r.stderr.splitlines() == [f"onespark: error: {flag} '{value}': expected one of: {choices} (see "
+                                     "steps/0-download.sh --help)"], r.stderr
+    r = subprocess.run(["steps/0-download.sh", "--dry-run", "--work", str(tmp_path / "w"), "--compressor",
+                        "bert-base", "--drafter", "dflash"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--drafter dflash --compressor bert-base" in r.stdout, r.stderr
+
+
 @pytest.mark.parametrize("content", ["", " \n\t\n\n   \n"], ids=["empty", "whitespace"])
 def test_a_corpus_without_text_is_refused_not_called_corpus_frequency(tmp_path, content):
     """An empty or blank --corpus file ranked nothing (or blanks) and was recorded as method "corpus-frequency"."""
