@@ -753,6 +753,47 @@ def test_fp8_fetch_errors_are_one_line(pair, tmp_path, mode, why):
     assert "run the same command again" in last or "HF_ENDPOINT" in last or "try again later" in last, last
 
 
+@pytest.fixture
+def not_a_hub():
+    """A web server that answers every GET with a 200 HTML page (a mistyped HF_ENDPOINT, a login portal)."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<html><body>welcome</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_HEAD = do_GET
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_a_download_from_an_endpoint_that_is_no_hub_says_so(not_a_hub, tmp_path):
+    """Issue 58: the INT4 download from such an endpoint ended in "JSONDecodeError ...; re-run to resume"; a re-run
+    gets the same answer. The line names the endpoint, what it answered and HF_ENDPOINT."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "HF_TOKEN")}
+    r = cli("download", "--dest", str(tmp_path / "d"), env={**env, "HF_ENDPOINT": not_a_hub,
+                                                             "HF_HOME": str(tmp_path / "hf")})
+    last = one_line_error(r, "download")
+    assert last.startswith(f"onespark download: error: {not_a_hub} did not answer as the Hugging Face Hub does: GET "
+                           f"{not_a_hub}/api/models/"), last
+    assert last.endswith("gave HTTP 200 text/html, not the JSON file list: check HF_ENDPOINT (a mirror must serve "
+                         "the Hub's API, /api/models/...)"), last
+    assert "re-run" not in last and "JSONDecodeError" not in r.stderr
+
+
 def test_serve_takes_its_key_from_a_file_and_never_shows_it(tmp_path):
     (tmp_path / "key").write_text("sk-serve-7d1e\n")
     (tmp_path / "model").mkdir()

@@ -442,6 +442,14 @@ def _check_hub(repo: str, revision: str, flags: str) -> None:
         raise UserError(f"{which} on {where} (404): check {flags} (`onespark specs` shows the pinned ones)")
     if r.status_code >= 400:
         raise UserError(f"{repo}: {where} answered HTTP {r.status_code}: try again later (finished files are kept)")
+    try:  # the Hub answers a JSON list of files; a web server that is no Hub, a login page or a proxy, something else
+        listing = r.json()
+    except ValueError:
+        listing = None
+    if not isinstance(listing, list):
+        raise UserError(f"{where} did not answer as the Hugging Face Hub does: GET {url} gave HTTP {r.status_code} "
+                        f"{(r.headers.get('content-type') or 'without a content type').split(';')[0]}, not the JSON "
+                        f"file list: check HF_ENDPOINT (a mirror must serve the Hub's API, /api/models/...)")
 
 
 def _snapshot(repo: str, revision: str, dest: Path, allow: list[str] | None = None) -> None:
@@ -453,6 +461,9 @@ def _snapshot(repo: str, revision: str, dest: Path, allow: list[str] | None = No
                           allow_patterns=allow)
     except OSError:
         raise  # permission denied, disk full...: the CLI names the path and the fix
+    except json.JSONDecodeError as e:  # an answer that is no Hub's: running again would get the same
+        raise UserError(f"download of {repo}@{revision[:12]}: {_endpoint() or 'the Hub'} did not answer as the "
+                        f"Hugging Face Hub does ({type(e).__name__}): check HF_ENDPOINT") from None
     except Exception as e:  # huggingface_hub's errors name the repo and the HTTP status
         raise UserError(f"download of {repo}@{revision[:12]} failed: {type(e).__name__}: {str(e).splitlines()[0]}; "
                         f"re-run to resume") from None
