@@ -578,7 +578,16 @@ class Proxy:
             finally:
                 await client.aclose()
 
-        return Starlette(routes=[Route("/{path:path}", self.gateway, methods=None)], lifespan=lifespan)
+        async def internal(request, exc):  # a bug of ours: one line in the log, and OpenAI's shape to the client
+            from starlette.responses import Response
+
+            self.log(f"onespark compress: internal error on {request.method} {request.url.path[:80]}: "
+                     f"{type(exc).__name__}: {str(exc)[:200]}")
+            return Response(_error("internal error in onespark compress (see its log)", 500), 500,
+                            media_type="application/json")
+
+        return Starlette(routes=[Route("/{path:path}", self.gateway, methods=None)], lifespan=lifespan,
+                         exception_handlers={Exception: internal})
 
     def server(self):
         import uvicorn
