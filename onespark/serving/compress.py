@@ -42,7 +42,6 @@ import copy
 import hmac
 import importlib.util
 import json
-import os
 import socket
 import sys
 import threading
@@ -52,7 +51,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from onespark import options
-from onespark.errors import UserError, plain_key, read_secret
+from onespark.errors import UserError
 from onespark.serving import launch
 from onespark.serving.lingua import (
     CHAT,
@@ -626,7 +625,6 @@ class Proxy:
 
 # ---- CLI ------------------------------------------------------------------------------------------------------
 
-KEY_ENV = "ONESPARK_API_KEY"
 HTTP_STACK = ("starlette", "uvicorn", "httpx")
 
 
@@ -696,11 +694,7 @@ def need_compressor_libs() -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from_env = args.api_key is not None and args.api_key == os.environ.get(KEY_ENV)  # --api-key's default
-    if args.api_key_file and args.api_key and not from_env:
-        raise UserError("give --api-key or --api-key-file, not both")
-    key = read_secret(args.api_key_file, "--api-key-file") if args.api_key_file else \
-        plain_key(args.api_key, f"${KEY_ENV}" if from_env else "--api-key")
+    key = launch.api_key(args)
     upstream_of(args.upstream)  # each of these found now, not after the model has loaded
     need_http_stack()
     if not (args.model_dir / "config.json").is_file():
