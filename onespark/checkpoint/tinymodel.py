@@ -59,7 +59,6 @@ import ml_dtypes
 import numpy as np
 
 from onespark import options
-from onespark.checkpoint.writer import TINY_RECORD
 from onespark.errors import UserError, at_path
 
 # Head dim 64 (vLLM's CPU attention supports multiples of 32); hidden 256 = 4 heads x 64.
@@ -289,6 +288,9 @@ def _config(vocab: int, tie: bool, eos_id: int, pad_id: int) -> dict:
         "eos_token_id": eos_id,
         "pad_token_id": pad_id,
     }
+
+
+TINY_RECORD = "onespark-tiny.json"  # what made the directory; verify knows a tiny model by it
 
 
 def _put(tmp: Path, out: Path, name: str, data: bytes) -> None:

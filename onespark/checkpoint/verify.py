@@ -29,12 +29,12 @@ from pathlib import Path
 
 from onespark import options
 from onespark.checkpoint import draft_vocab
+from onespark.checkpoint.tinymodel import TINY_RECORD
 from onespark.checkpoint.writer import (
     INDEX_FILE,
     MANIFEST,
     MANIFEST_FILE,
     MANIFEST_FIX,
-    TINY_RECORD,
     Checkpoint,
     load_json,
     open_checkpoint,

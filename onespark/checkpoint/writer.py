@@ -30,7 +30,6 @@ from onespark.shape import Bool, FileName, Int, ListOf, MapOf, Nullable, Obj, On
 INDEX_FILE = "model.safetensors.index.json"
 MANIFEST_FILE = "onespark-manifest.json"
 DOWNLOAD_RECORD = "onespark-download.json"
-TINY_RECORD = "onespark-tiny.json"  # what `onespark tiny-model` wrote (a test model, no checkpoint of a spec)
 
 # What the steps read of config.json, declared (onespark.shape): anything else in it is passed through unread.
 # The ranges keep a corrupt number out of the layout's loops: the real models have 40-48 layers of 256 experts.
