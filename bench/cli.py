@@ -4,6 +4,7 @@
   onespark bench --suite depth,concurrency,capacity --server-log server.log
   onespark bench --suite quality --b-base-url http://127.0.0.1:8001   # greedy A/B against a second server
   onespark bench compare results/A.json results/B.json
+  onespark bench spark-model                            # the calibrated Spark estimate's tables
 
 Writes NAME.json (every request), NAME.md (tables for a README) and NAME.png under --out, prints the tables,
 and exits 1 when any request failed (failed requests never enter a summary).
@@ -35,11 +36,15 @@ ALL = SUITES + ("quality",)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.description = __doc__
-    sub = p.add_subparsers(dest="action", metavar="[compare]")
+    sub = p.add_subparsers(dest="action", metavar="[compare | spark-model]")
     c = sub.add_parser("compare", help="B vs A: per-metric deltas with their noise", allow_abbrev=False)
     c.add_argument("a", help="result JSON (the reference, A)")
     c.add_argument("b", help="result JSON (the candidate, B)")
     c.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    m = sub.add_parser("spark-model", help="the calibrated Spark estimate: every published point and each "
+                                           "configuration's tok/s (onespark.bench.spark_model)", allow_abbrev=False)
+    m.add_argument("--steps", help="a tests/gpu_vllm/spark_steps.py result: its verify sweep joins the step times")
+    m.add_argument("--write", metavar="JSON", help="also write the result there (bench/results/spark_model.json)")
 
     g = p.add_argument_group("endpoint")
     g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (default: %(default)s)")
@@ -412,6 +417,10 @@ def _keep(result: dict, stem: str, error: OSError) -> str:
 def run(args) -> int:
     if args.action == "compare":
         return _compare(args)
+    if args.action == "spark-model":
+        from onespark.bench import spark_model
+
+        return spark_model.cli(args.write, args.steps, _command())
     bench_run = read_run(args)
     created = dt.datetime.now(dt.timezone.utc)
     body: dict = {"suites": {}}
