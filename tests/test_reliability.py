@@ -316,7 +316,7 @@ def _parser_calls(path: Path):
 
 
 def test_every_parser_turns_abbreviations_off():
-    tracked = subprocess.run(["git", "ls-files", "onespark", "bench", "patches", "kernels"], cwd=ROOT,
+    tracked = subprocess.run(["git", "ls-files", "onespark", "bench", "patches", "kernels", "lab"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout.split()
     files = [ROOT / f for f in tracked if f.endswith(".py")]
     calls = [(f, line, kw) for f in files for line, kw in _parser_calls(f)]

@@ -47,7 +47,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlsplit
 
 from onespark import options
@@ -632,7 +631,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="action", metavar="serve", required=True)
     s = sub.add_parser("serve", help="the compressing proxy in front of vLLM", allow_abbrev=False,
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("--model-dir", required=True, type=Path,
+    s.add_argument("--model-dir", required=True, type=options.directory_path,
                    help="the LLMLingua-2 checkpoint (onespark download --compressor NAME writes DEST/llmlingua2/NAME)")
     s.add_argument("--upstream", default="http://127.0.0.1:8000",
                    help="vLLM's URL, without credentials (default: %(default)s)")
