@@ -420,7 +420,7 @@ def run(args) -> int:
     if args.action == "spark-model":
         from onespark.bench import spark_model
 
-        return spark_model.cli(args.write, args.steps, _command())
+        return spark_model.cli(args.write, args.steps, _command(), _git_sha())
     bench_run = read_run(args)
     created = dt.datetime.now(dt.timezone.utc)
     body: dict = {"suites": {}}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import json
 import math
 from pathlib import Path
@@ -64,6 +65,7 @@ class Setup:
 
 # ---- bytes a step --------------------------------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
 def _tc(model: str) -> dict:
     tc = dict(specs.get(model).text)
     tc["layer_types"] = qwen35.layer_types(tc)
@@ -87,34 +89,56 @@ def distinct_experts(e: int, k: int, requests: int, q: int, rho: float) -> float
     return e * (1 - (1 - k / e) ** (requests * (1 + (q - 1) * rho)))
 
 
+@functools.lru_cache(maxsize=None)
+def _sizes(model: str) -> dict:
+    """The model's linear layers summed by how a step reads them (parameters, or bytes where the format is
+    fixed): computed once per model from onespark.model.qwen35's module list."""
+    tc = _tc(model)
+    z = dict.fromkeys(("per_expert", "shared", "lm_head", "lm_head_rows", "router", "dense", "mtp_fixed_16",
+                       "mtp_fixed_q", "mtp_per_expert"), 0.0)
+    for m in qwen35.language_modules({"text_config": tc}):
+        if not isinstance(m, qwen35.Linear):
+            continue
+        n = m.out * m.inp
+        if ".mlp.experts." in m.prefix:
+            z["per_expert"] += _int4(n) if ".layers.0.mlp.experts.0." in m.prefix else 0
+        elif ".shared_expert." in m.prefix:
+            z["shared"] += n
+        elif m.prefix == "lm_head":
+            z["lm_head"], z["lm_head_rows"] = n, m.out
+        elif qwen35.INT4_ALWAYS_16BIT.search(m.prefix):
+            z["router"] += 2 * n
+        else:
+            z["dense"] += 2 * n if _sixteen_bit(m.prefix) else _int4(n)
+    for m in qwen35.mtp_modules({"text_config": tc}):
+        if not isinstance(m, qwen35.Linear):
+            continue
+        n = m.out * m.inp
+        if ".mlp.experts." in m.prefix:
+            z["mtp_per_expert"] += n if ".mlp.experts.0." in m.prefix else 0
+        else:
+            z["mtp_fixed_16" if _sixteen_bit(m.prefix) else "mtp_fixed_q"] += n
+    return z
+
+
 def target_bytes(s: Setup, rho: float) -> dict:
     """Bytes the target reads (and GDN states written) in one step, by part: the weights once, whatever the
     tokens; routed experts by the distinct ones; per request its KV cache and, for its GDN layers, the state read
     once and written after each verify position (vLLM keeps one per position, so a rejection can roll back)."""
-    tc = _tc(s.model)
-    mods = [m for m in qwen35.language_modules({"text_config": tc}) if isinstance(m, qwen35.Linear)]
-    per_expert = sum(_int4(m.out * m.inp) for m in mods if ".mlp.experts.0." in m.prefix and ".layers.0." in m.prefix)
+    tc, z = _tc(s.model), _sizes(s.model)
     layers = tc["num_hidden_layers"]
-    parts = dict.fromkeys(("routed_experts", "shared_experts", "attention_and_gdn", "router", "lm_head"), 0.0)
-    parts["routed_experts"] = per_expert * layers * distinct_experts(
-        tc["num_experts"], tc["num_experts_per_tok"], s.requests, s.q, rho)
-    for m in mods:
-        n = m.out * m.inp
-        if ".mlp.experts." in m.prefix:
-            continue
-        if ".shared_expert." in m.prefix:
-            parts["shared_experts"] += n * (1 + 4 / (128 * 128)) if s.fp8_shared else 2 * n
-        elif m.prefix == "lm_head":
-            parts["lm_head"] += n + 4 * m.out if s.int8_head else 2 * n
-        elif qwen35.INT4_ALWAYS_16BIT.search(m.prefix):
-            parts["router"] += 2 * n
-        else:
-            parts["attention_and_gdn"] += 2 * n if _sixteen_bit(m.prefix) else _int4(n)
     attn = tc["layer_types"].count("full_attention")
-    parts["kv_cache"] = attn * KV_BYTES[s.kv] * tc["num_key_value_heads"] * s.ctx * s.requests
     state = tc["linear_num_value_heads"] * tc["linear_key_head_dim"] * tc["linear_value_head_dim"] * 4  # fp32
-    parts["gdn_state"] = (layers - attn) * state * (1 + s.q) * s.requests
-    return parts
+    return {
+        "routed_experts": z["per_expert"] * layers * distinct_experts(
+            tc["num_experts"], tc["num_experts_per_tok"], s.requests, s.q, rho),
+        "shared_experts": z["shared"] * (1 + 4 / (128 * 128)) if s.fp8_shared else 2 * z["shared"],
+        "attention_and_gdn": z["dense"],
+        "router": z["router"],
+        "lm_head": z["lm_head"] + 4 * z["lm_head_rows"] if s.int8_head else 2 * z["lm_head"],
+        "kv_cache": attn * KV_BYTES[s.kv] * tc["num_key_value_heads"] * s.ctx * s.requests,
+        "gdn_state": (layers - attn) * state * (1 + s.q) * s.requests,
+    }
 
 
 def drafter_bytes(s: Setup, rho: float) -> float:
@@ -123,19 +147,16 @@ def drafter_bytes(s: Setup, rho: float) -> float:
     parallel pass over its ~1.6 GB of weights (spec.dflash.size_gb, published) and the target's head once."""
     if s.drafter is None:
         return 0.0
-    spec, tc = specs.get(s.model), _tc(s.model)
+    spec, tc, z = specs.get(s.model), _tc(s.model), _sizes(s.model)
     h, v = tc["hidden_size"], tc["vocab_size"]
     head = (v * h + 4 * v) if s.int8_head else 2 * v * h
     if s.drafter == "dflash":
         return spec.dflash.size_gb * 1e9 + head
     if s.draft_subset:
         head = DRAFT_VOCAB_ROWS * (h + 4) + 4 * DRAFT_VOCAB_ROWS  # rows, row scales, ids
-    weight = 2 if spec.mtp_dtype == "bf16" else 0.5 + 2 / 128
+    fixed = 2 * z["mtp_fixed_16"] + z["mtp_fixed_q"] * (2 if spec.mtp_dtype == "bf16" else 0.5 + 2 / 128)
     bits = s.mtp_expert_bits or (16 if spec.mtp_dtype == "bf16" else 4)
-    expert_b = 2 if bits == 16 else 0.5 + 2 / 128
-    mods = [m for m in qwen35.mtp_modules({"text_config": tc}) if isinstance(m, qwen35.Linear)]
-    fixed = sum(m.out * m.inp * (2 if _sixteen_bit(m.prefix) else weight) for m in mods if ".mlp.experts." not in m.prefix)
-    per_expert = sum(m.out * m.inp for m in mods if ".mlp.experts.0." in m.prefix) * expert_b
+    per_expert = z["mtp_per_expert"] * (2 if bits == 16 else 0.5 + 2 / 128)
     e, k = tc["num_experts"], tc["num_experts_per_tok"]
     experts = distinct_experts(e, k, s.requests, s.q, rho) + (s.draft_tokens - 1) * distinct_experts(e, k, s.requests, 1, 1)
     kv = KV_BYTES["auto"] * tc["num_key_value_heads"] * s.ctx * s.requests  # its one attention layer
@@ -522,10 +543,11 @@ def tables(result: dict) -> str:
     return "\n\n".join([cal, conf, tail])
 
 
-def cli(write: str | None, steps_path: str | None, command: str) -> int:
+def cli(write: str | None, steps_path: str | None, command: str, commit: str | None) -> int:
     steps = STEPS + (load_steps(steps_path) if steps_path else ())
     result = model(steps)
-    result.update(commit=_commit(), command=command, date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    result.update(commit=commit, command=command, steps_file=steps_path,
+                  date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     print(tables(result))
     if write:
         from onespark.bench.report import write_atomic
@@ -534,8 +556,3 @@ def cli(write: str | None, steps_path: str | None, command: str) -> int:
         print(f"wrote {write}")
     return 0
 
-
-def _commit() -> str | None:
-    from onespark.bench.cli import _git_sha
-
-    return _git_sha()
