@@ -42,6 +42,9 @@ V2 = "onespark-arm64/v2:0.32.0"
 V2_TQ = "onespark-arm64/v2-tq:0.32.0"
 LOCK = ROOT / "docker" / "vllm-0.32.0.lock.txt"
 BINFMT = Path("/proc/sys/fs/binfmt_misc/qemu-aarch64")
+# qemu-user 7.2 (Debian 12's) dies of SIGSEGV in the guest loading torch 2.13.0's aarch64 libtorch (torch._C); 10.0.2
+# (bookworm-backports) loads it. Versions between were not tried.
+QEMU_MIN = (10, 0)
 # Which checks run in which image (tests/arm64_check.py): the base's own, then what each later image adds.
 CHECKS = {BASE: ["arch", "lock", "base-check", "modules", "serve-help"],
           V2: ["lock", "plugin"],
@@ -72,8 +75,16 @@ def preflight() -> str:
     if "enabled" not in entry.splitlines()[0] or not re.search(r"^flags:.*F", entry, re.M):
         raise LaneError(f"{BINFMT} must be enabled with the F flag (containers use it): update-binfmts --enable "
                         "qemu-aarch64")
-    qemu = subprocess.run(["qemu-aarch64-static", "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    return f"{platform.machine()} host, linux/arm64 under qemu-user emulation ({qemu or 'qemu-aarch64'})"
+    # The *-binfmt-P name refuses to run by hand; the file it links to answers --version.
+    interpreter = os.path.realpath(re.search(r"^interpreter (\S+)", entry, re.M).group(1))
+    qemu = subprocess.run([interpreter, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    version = tuple(int(x) for x in re.findall(r"version (\d+)\.(\d+)", qemu)[0]) if "version" in qemu else (0, 0)
+    if version < QEMU_MIN:
+        raise LaneError(f"{interpreter} is {qemu or 'of unknown version'}: qemu-user before {QEMU_MIN[0]}.{QEMU_MIN[1]} "
+                        "crashes loading torch 2.13's libtorch (Debian 12's 7.2 does); install a newer one "
+                        "(apt-get install -t bookworm-backports qemu-user-static), then register it again: "
+                        "update-binfmts --disable qemu-aarch64 && update-binfmts --enable qemu-aarch64")
+    return f"{platform.machine()} host, linux/arm64 under qemu-user emulation ({qemu})"
 
 
 def run_logged(name: str, argv: list[str], logs: Path, env: dict | None = None) -> tuple[float, str]:
