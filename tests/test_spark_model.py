@@ -161,3 +161,34 @@ def test_a_verify_sweep_replaces_the_interpolation(tmp_path):
     b13 = sm.step_bytes(sm.Setup(requests=13), 1.0)["total"]
     assert x == pytest.approx(max(5.0 + 0.3 * 13 - 1e3 * b13 / sm.GPU_BW["h100"], 0.0))
     assert "batch 13" in src
+
+
+def _elf_with_fatbin(entries: list[tuple[int, int, bytes]]) -> bytes:
+    """A minimal ELF64: sections null, .nv_fatbin (one fatbin of `entries`: kind, sm, payload), .shstrtab."""
+    import struct
+
+    body = b"".join(struct.pack("<HHIQ", kind, 0, 64, len(p)) + bytes(12) + struct.pack("<I", sm) + bytes(32) + p
+                    for kind, sm, p in entries)
+    fatbin = struct.pack("<IHHQ", 0xBA55ED50, 1, 16, len(body)) + body
+    names = b"\0.nv_fatbin\0.shstrtab\0"
+    fat_off, str_off = 64, 64 + len(fatbin)
+    shoff = str_off + len(names)
+    head = b"\x7fELF" + bytes(36) + struct.pack("<Q", shoff) + bytes(10) + struct.pack("<HHH", 64, 3, 2)
+    head = head.ljust(64, b"\0")
+    sh = bytes(64) + struct.pack("<IIQQQQ", 1, 1, 0, 0, fat_off, len(fatbin)).ljust(64, b"\0") \
+        + struct.pack("<IIQQQQ", 12, 3, 0, 0, str_off, len(names)).ljust(64, b"\0")
+    return head + fatbin + names + sh
+
+
+def test_pack_zeroes_only_foreign_sass():
+    """tests/gpu_vllm/spark_steps.py's pack: SASS for other architectures becomes zeros of the same length;
+    sm_90 SASS and every PTX stay byte for byte, so the loader finds what it found before."""
+    sys.path.insert(0, str(ROOT / "tests" / "gpu_vllm"))
+    import spark_steps
+
+    payloads = [(2, 80, b"\x11" * 40), (2, 90, b"\x22" * 24), (1, 80, b"\x33" * 16), (2, 120, b"\x44" * 8)]
+    so = _elf_with_fatbin(payloads)
+    out, zeroed = spark_steps.zero_foreign_sass(so)
+    assert len(out) == len(so) and zeroed == 48
+    seen = [(kind, sm, out[start:start + size]) for kind, sm, start, size in spark_steps.fatbin_entries(out)]
+    assert seen == [(2, 80, bytes(40)), (2, 90, b"\x22" * 24), (1, 80, b"\x33" * 16), (2, 120, bytes(8))]
