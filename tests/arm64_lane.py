@@ -113,7 +113,7 @@ def build(no_cache: bool, logs: Path) -> list[dict]:
     stages = [
         ("rootfs", ROOTFS, ["demo/rootfs.sh", "--arch", "arm64", "--image", ROOTFS, *nc]),
         ("stand-in", STANDIN, ["docker", "build", "--network", "host", *nc, "--build-arg", f"ROOTFS_IMAGE={ROOTFS}",
-                               "-f", "Dockerfile.cuda-standin", "-t", STANDIN, "demo"]),
+                               "-f", "demo/Dockerfile.cuda-standin", "-t", STANDIN, "demo"]),
         ("base", BASE, ["steps/3-base-image.sh", "--vllm", "0.32.0", "--from", STANDIN, "--python", "3.11",
                         "--tag", BASE, *nc]),
         ("v2", V2, ["steps/4-images.sh", "--vllm", "0.32.0", "--base", BASE, "--tag", V2, *nc]),
