@@ -153,9 +153,11 @@ MEASURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("spark_steps_", "decode-step timings inside vLLM that calibrate the Spark model (tests/gpu_vllm/spark_steps.py)",
      ("kernels", "patches")),
     ("spark_model", "the Spark decode-rate model (tok/s from bytes, calibrated)", ("bench/spark_model.py",)),
-    ("arm64_images", "the arm64 images built and checked under emulation (tests/arm64.sh)",
-     ("Dockerfile.base", "Dockerfile.v2", "Dockerfile.v2-tq", "docker", "steps/3-base-image.sh",
-      "steps/4-images.sh", "tests/arm64.sh")),
+    ("arm64_images", "the arm64 images built and checked under emulation (tests/arm64.sh)",  # tests/arm64_lane.py INPUTS
+     ("Dockerfile.base", "Dockerfile.v2", "Dockerfile.v2-tq", "docker", "demo/rootfs.sh", "demo/Dockerfile.cuda-standin",
+      "demo/cuda-standin.txt", "demo/cuda_stub.py", "steps/3-base-image.sh", "steps/4-images.sh", "pyproject.toml",
+      "patches/__init__.py", "patches/_compat.py", "kernels/turboquant_decode.cu", "kernels/turboquant_decode.cuh",
+      "tests/arm64.sh", "tests/arm64_check.py", "tests/arm64_lane.py")),
 )
 MAX_RESULTS = 30  # files in bench/results/ besides INDEX.md: current results, not a history
 SHA_IN_NAME = re.compile(r"(?:^|[_.-])[0-9a-f]{7,40}(?=[_.-]|$)")

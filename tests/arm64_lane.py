@@ -52,9 +52,11 @@ CHECKS = {BASE: ["arch", "lock", "base-check", "modules", "serve-help"],
 # What the images and the checks are made of: the lane runs again when one of these changes (tests/test_arm64.py
 # holds the committed result to them): the Dockerfiles, the pins, the stand-in, the plugin's import path, the CUDA
 # kernel v2-tq compiles, and the lane itself.
-INPUTS = ("Dockerfile.base", "Dockerfile.v2", "Dockerfile.v2-tq", "docker", "demo/Dockerfile.cuda-standin",
-          "demo/cuda-standin.txt", "demo/cuda_stub.py", "pyproject.toml", "patches/__init__.py", "patches/_compat.py",
-          "kernels/turboquant_decode.cu", "kernels/turboquant_decode.cuh", "tests/arm64_check.py", "tests/arm64_lane.py")
+# docs/generate.py's MEASURES names the same paths for the result's entry in bench/results/INDEX.md.
+INPUTS = ("Dockerfile.base", "Dockerfile.v2", "Dockerfile.v2-tq", "docker", "demo/rootfs.sh", "demo/Dockerfile.cuda-standin",
+          "demo/cuda-standin.txt", "demo/cuda_stub.py", "steps/3-base-image.sh", "steps/4-images.sh", "pyproject.toml",
+          "patches/__init__.py", "patches/_compat.py", "kernels/turboquant_decode.cu", "kernels/turboquant_decode.cuh",
+          "tests/arm64.sh", "tests/arm64_check.py", "tests/arm64_lane.py")
 MODELS = ("qwen3.5-122b-a10b", "qwen3.5-35b-a3b")  # whose serving command each image's entrypoint must print
 
 

@@ -118,6 +118,16 @@ def test_the_stand_in_toolkit_is_the_test_lanes_nvcc_by_hash():
         assert "--hash=sha256:" in block, block
 
 
+def test_the_index_holds_the_result_to_the_lanes_inputs():
+    """bench/results/INDEX.md's staleness rule for this result (docs/generate.py MEASURES) names the lane's inputs."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("onespark_docs_generate", ROOT / "docs" / "generate.py")
+    generate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generate)
+    assert generate.measures("arm64_images.json")[1] == arm64_lane.INPUTS
+
+
 def test_the_committed_result_passed_at_the_code_it_measured():
     """bench/results/arm64_images.json: every stage built or reused, every check passed, on a clean tree, and nothing
     the images are built from changed since its commit (else run tests/arm64.sh again and commit its result)."""
