@@ -35,6 +35,7 @@ for rel in "${touched[@]}"; do
   cp "$rel" "$tree/$rel"
 done
 mkdir -p "$tree/lab" && cp -r lab/. "$tree/lab/"  # the lab's other modules (harness, turboquant) beside its patched script
+mkdir -p "$tree/tests" && cp tests/_vllm_tree.py "$tree/tests/"  # lab/harness.py loads it from the tree's tests/
 patch -s -p1 -d "$tree" <"$diff" || { echo "$me: $diff does not apply to this checkout" >&2; exit 2; }
 for v in shipped "$name"; do
   rm -rf "$work/site_$v"
