@@ -198,7 +198,7 @@ def test_wrong_vllm_version_is_refused_by_name_unless_overridden(scenarios):
     r = scenarios["wrong-version"]
     assert r["error"] is not None, "a vLLM 0.20.0 was accepted"
     assert "installed vLLM is 0.20.0" in r["error"] and "tested for vLLM 0.19.1 or 0.32.0" in r["error"]
-    assert "vllm==0.19.1 (the default track) or vllm==0.32.0" in r["error"]
+    assert "vllm==0.32.0 (the default track) or vllm==0.19.1" in r["error"]
     assert "ONESPARK_ALLOW_ANY_VLLM=1" in r["error"]
     assert r["lm_head_oot"] is None and not r["hybrid_registered"] and r["custom_backend"] is None, \
         "refused, yet something was registered"
