@@ -84,7 +84,7 @@ def test_no_spelling_of_a_key_option_shows_the_key(tmp_path, monkeypatch, capsys
     with pytest.raises(SystemExit):
         cli.main(["bench", "--api-ke", SHORT_KEY])
     err = capsys.readouterr().err
-    assert err.strip() == ("onespark bench: error: argument [compare]: invalid choice: '***' (choose from 'compare') "
+    assert err.strip() == ("onespark bench: error: argument [compare | spark-model]: invalid choice: '***' (choose from 'compare', 'spark-model') "
                            "(see onespark bench --help)"), err
     with pytest.raises(SystemExit):
         cli.main(["serve", "--checkpoint", "m", f"--api_key={SHORT_KEY}"])
