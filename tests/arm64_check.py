@@ -229,11 +229,13 @@ def check_kernels() -> str:
         if r.returncode != 0:
             raise Failed(f"installing the test runner failed: {r.stderr.strip()[-400:]}")
         nvcc = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+        # --import-mode=append: the checkout goes last on sys.path, so `onespark` is the image's installed package
+        # (the checkout's onespark/ has no kernels/: pyproject maps it in) and only `tests` comes from /src.
         argv = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "--noconftest",
-                "-o", "addopts=", "--rootdir", str(SRC),
+                "--import-mode=append", "-o", "addopts=", "--rootdir", str(SRC),
                 f"{SRC}/tests/test_kernels_compile.py", "-k", KERNELS,
                 f"{SRC}/tests/test_kernels_compile_cuda.py::test_the_cuda_decode_kernel_builds_for_the_spark_and_the_h200_without_spills[121]"]
-        r = _run(argv, env={"PYTHONPATH": f"{d}:{SRC}", "ONESPARK_TEST_NVCC": str(nvcc),
+        r = _run(argv, env={"PYTHONPATH": d, "ONESPARK_TEST_NVCC": str(nvcc),
                             "PYTHONDONTWRITEBYTECODE": "1"}, timeout=5400)
     out = r.stdout + r.stderr
     summary = next((x for x in reversed(out.splitlines()) if re.search(r"\d+ (passed|failed)", x)), out[-300:])
