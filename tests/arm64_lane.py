@@ -178,7 +178,9 @@ def check_entrypoint(model: str, image: str, want: dict[str, str]) -> dict:
         cmd = r.stdout.splitlines()
         flag = {a: cmd[i + 1] for i, a in enumerate(cmd[:-1]) if a.startswith("--")}
         wrong = {k: flag.get(k) for k, v in want.items() if flag.get(k) != v}
-        ok = r.returncode == 0 and cmd[:2] == ["vllm", "serve"] and not wrong
+        # docker/entrypoint.sh starts vLLM's OpenAI server as a module (what `vllm serve` runs)
+        server = cmd[:2] == ["vllm", "serve"] or cmd[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+        ok = r.returncode == 0 and server and not wrong
         detail = " ".join(cmd) if ok else f"exit {r.returncode}; wrong flags {wrong}; got {cmd or r.stderr[-400:]}"
     except LaneError as e:
         ok, detail = False, str(e)
