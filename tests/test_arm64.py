@@ -139,6 +139,11 @@ def test_the_committed_result_passed_at_the_code_it_measured():
     assert all(c["detail"] for c in result["checks"] if c["ok"] is None)
     assert result["needs_driver"] == [f"{c['image']}: {c['check']}" for c in result["checks"] if c["ok"] is None]
     assert [s["stage"] for s in result["stages"]] == ["rootfs", "stand-in", "base", "v2", "v2-tq"]
+    # the Spark's three stages were built in this run: their seconds are build times under emulation
+    assert all(s["built"] and s["seconds"] > 0 for s in result["stages"][2:]), result["stages"]
+    # the image's nvcc built every launch of the CUDA decode kernel for sm_121 with no spill
+    kernels = next(c["detail"] for c in result["checks"] if c["check"] == "kernels")
+    assert len(re.findall(r"sm_121 \S+: \d+ registers, 0 B spilled", kernels)) == 8, kernels
     inputs = [p for p in arm64_lane.INPUTS if (ROOT / p).exists()]
     r = subprocess.run(["git", "diff", "--stat", result["commit"], "HEAD", "--", *inputs], cwd=ROOT,
                        capture_output=True, text=True)
