@@ -1,13 +1,14 @@
 """The step times the Spark model (onespark.bench.spark_model) takes from a GPU, and an engine's first and second
-start, in one device call on an offline GPU host with vLLM 0.26.0 (the lane's wheel set, two pieces).
+start, in one device call on an offline GPU host with vLLM 0.26.0 (the lane's wheel set, trimmed to one piece).
 
-  python3 tests/gpu_vllm/spark_steps.py pack [--out .gpu-vllm/spark]     here: the wheel set in two pieces
+  python3 tests/gpu_vllm/spark_steps.py pack [--out .gpu-vllm/spark]     here: the wheel set in one piece
   python3 tests/gpu_vllm/spark_steps.py run --out DIR [--git-sha SHA]     there, after install.sh install
 
-`pack` is tests/gpu_vllm/pack.py's bundle with FlashAttention-2 left out too (nothing here serves through it)
+`pack` is tests/gpu_vllm/pack.py's bundle with FlashAttention-2 and -3 left out too (nothing here serves through them)
 and the device code of every architecture but sm_90 zeroed in vLLM's two large extension libraries (their
-sm_90 SASS and every PTX kept byte for byte; the file layout is unchanged, zeros compress to nothing): 122 MiB
-becomes ~70 MiB, two pieces that fit two calls beside the checkout. Pieces and manifest are install.sh's format:
+sm_90 SASS and every PTX kept byte for byte; the file layout is unchanged, zeros compress to nothing), and the
+dependency wheels stored rather than deflated inside the tar.xz: 55 MiB, one piece that fits one call beside the
+checkout. Piece and manifest are install.sh's format:
 
   STORE=/root/gpu-vllm-spark MANIFEST=.gpu-vllm/spark/manifest.json tests/gpu_vllm/install.sh stash .gpu-vllm/spark/part-00
 
@@ -40,6 +41,7 @@ import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -99,11 +101,26 @@ def zero_foreign_sass(so: bytes) -> tuple[bytes, int]:
     return bytes(buf), zeroed
 
 
+def stored_wheel(whl: bytes) -> bytes:
+    """The same wheel with its members stored, not deflated (pip installs either; the files and RECORD are
+    unchanged): xz then compresses the whole bundle a third smaller than it can compress deflated members."""
+    src, out = zipfile.ZipFile(io.BytesIO(whl)), io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)  # before the entry is marked stored: reading goes by its own compression
+            info.compress_type = zipfile.ZIP_STORED
+            dst.writestr(info, data)
+    return out.getvalue()
+
+
 def pack(out: Path, cache: Path, pieces: int) -> int:
     sys.path.insert(0, str(HERE))
     import pack as lane_pack  # tests/gpu_vllm/pack.py: the lock, the download and the lane's trim
 
     lane_pack.TRIM["vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"] = "FlashAttention-2 (305 MB): TRITON_ATTN serves here"
+    # FlashAttention-3 too: vLLM imports each FlashAttention build under try/except, and without FA3 the bundle
+    # fits one device call beside the checkout, so the install and both starts run on one host in one call
+    lane_pack.TRIM["vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"] = "FlashAttention-3 (153 MB): TRITON_ATTN serves here"
     wheels = lane_pack.download(cache)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as d:
@@ -115,6 +132,9 @@ def pack(out: Path, cache: Path, pieces: int) -> int:
                 data = src.extractfile(m).read()
                 if m.name in ZEROED:
                     data, zeroed[m.name] = zero_foreign_sass(data)
+                elif m.name.startswith("wheels/") and m.name.endswith(".whl"):
+                    data = stored_wheel(data)
+                    m.size = len(data)
                 dst.addfile(m, io.BytesIO(data))
     subprocess.run(["xz", "-f", "-9e", "-T2", str(slim)], check=True)
     blob = slim.with_suffix(".tar.xz").read_bytes()
@@ -216,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     pk = sub.add_parser("pack", allow_abbrev=False)
     pk.add_argument("--out", type=Path, default=ROOT / ".gpu-vllm" / "spark")
     pk.add_argument("--cache", type=Path, default=Path.home() / ".cache/onespark-gpu-vllm")
-    pk.add_argument("--pieces", type=int, default=2)
+    pk.add_argument("--pieces", type=int, default=1)
     r = sub.add_parser("run", allow_abbrev=False)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--git-sha")
