@@ -1,14 +1,14 @@
 """The step times the Spark model (onespark.bench.spark_model) takes from a GPU, and an engine's first and second
-start, in one device call on an offline GPU host with vLLM 0.26.0 (the lane's wheel set, trimmed to one piece).
+start, in one device call on an offline GPU host with vLLM 0.26.0 (the lane's wheel set, two pieces).
 
-  python3 tests/gpu_vllm/spark_steps.py pack [--out .gpu-vllm/spark]     here: the wheel set in one piece
+  python3 tests/gpu_vllm/spark_steps.py pack [--out .gpu-vllm/spark]     here: the wheel set in two pieces
   python3 tests/gpu_vllm/spark_steps.py run --out DIR [--git-sha SHA]     there, after install.sh install
 
-`pack` is tests/gpu_vllm/pack.py's bundle with FlashAttention-2 and -3 left out too (nothing here serves through them)
+`pack` is tests/gpu_vllm/pack.py's bundle with FlashAttention-2 left out too (nothing here serves through it)
 and the device code of every architecture but sm_90 zeroed in vLLM's two large extension libraries (their
 sm_90 SASS and every PTX kept byte for byte; the file layout is unchanged, zeros compress to nothing), and the
-dependency wheels stored rather than deflated inside the tar.xz: 55 MiB, one piece that fits one call beside the
-checkout. Piece and manifest are install.sh's format:
+dependency wheels stored rather than deflated inside the tar.xz (xz compresses them a third smaller so): two
+pieces, each with room for the checkout in one call. Pieces and manifest are install.sh's format:
 
   STORE=/root/gpu-vllm-spark MANIFEST=.gpu-vllm/spark/manifest.json tests/gpu_vllm/install.sh stash .gpu-vllm/spark/part-00
 
@@ -118,9 +118,8 @@ def pack(out: Path, cache: Path, pieces: int) -> int:
     import pack as lane_pack  # tests/gpu_vllm/pack.py: the lock, the download and the lane's trim
 
     lane_pack.TRIM["vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so"] = "FlashAttention-2 (305 MB): TRITON_ATTN serves here"
-    # FlashAttention-3 too: vLLM imports each FlashAttention build under try/except, and without FA3 the bundle
-    # fits one device call beside the checkout, so the install and both starts run on one host in one call
-    lane_pack.TRIM["vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"] = "FlashAttention-3 (153 MB): TRITON_ATTN serves here"
+    # FlashAttention-3 stays: vllm.vllm_flash_attn refuses to import with neither build, and every model module
+    # imports it (through fa_utils), whatever backend serves
     wheels = lane_pack.download(cache)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as d:
@@ -236,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     pk = sub.add_parser("pack", allow_abbrev=False)
     pk.add_argument("--out", type=Path, default=ROOT / ".gpu-vllm" / "spark")
     pk.add_argument("--cache", type=Path, default=Path.home() / ".cache/onespark-gpu-vllm")
-    pk.add_argument("--pieces", type=int, default=1)
+    pk.add_argument("--pieces", type=int, default=2)
     r = sub.add_parser("run", allow_abbrev=False)
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--git-sha")
