@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     m = sub.add_parser("spark-model", help="the calibrated Spark estimate: every published point and each "
                                            "configuration's tok/s (onespark.bench.spark_model)", allow_abbrev=False)
     m.add_argument("--steps", help="a tests/gpu_vllm/spark_steps.py result: its verify sweep joins the step times")
+    m.add_argument("--start", help="a spark_steps.py start result (spark_start_<gpu>.json): both engine starts and "
+                                   "their Spark estimate")
     m.add_argument("--write", metavar="JSON", help="also write the result there (bench/results/spark_model.json)")
 
     g = p.add_argument_group("endpoint")
@@ -420,7 +422,7 @@ def run(args) -> int:
     if args.action == "spark-model":
         from onespark.bench import spark_model
 
-        return spark_model.cli(args.write, args.steps, _command(), _git_sha())
+        return spark_model.cli(args.write, args.steps, _command(), _git_sha(), args.start)
     bench_run = read_run(args)
     created = dt.datetime.now(dt.timezone.utc)
     body: dict = {"suites": {}}

@@ -209,15 +209,19 @@ STEPS = (
 )
 
 
+def _read_json(flag: str, path: str, name: str):
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UserError(f"cannot read {flag} {path}: {e.strerror}") from e
+    except ValueError as e:
+        raise UserError(f"{flag} {path} is not JSON ({e}): give a {name} result") from e
+
+
 def load_steps(path: str) -> tuple[Step, ...]:
     """A tests/gpu_vllm/spark_steps.py result: the product configuration's decode step at batch 1..13 (the
     verify proxy) on its card."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise UserError(f"cannot read --steps {path}: {e.strerror}") from e
-    except ValueError as e:
-        raise UserError(f"--steps {path} is not JSON ({e}): give a spark_steps_<gpu>.json result") from e
+    data = _read_json("--steps", path, "spark_steps_<gpu>.json")
     if not isinstance(data, dict) or data.get("gpu") not in GPU_BW or not isinstance(data.get("engines"), list):
         raise UserError(f"--steps {path}: not a spark_steps result of a known GPU ({', '.join(GPU_BW)}): give the "
                         "JSON tests/gpu_vllm/spark_steps.py wrote")
@@ -485,9 +489,56 @@ def choose_default(rows: list[dict], band: float) -> dict:
             "goal_met_by": [r["config"] for r in rows if r["context"] == 1024 and r["estimate_tok_s"] >= GOAL_TOK_S]}
 
 
+# ---- engine starts ----------------------------------------------------------------------------------------------
+
+# What the GPU run cannot give for the Spark's start: its SSD's read rate and how its CPU compares with the GPU
+# host's for vLLM's start-up work (Dynamo tracing, Inductor and Triton code generation, ptxas, CUDA-graph capture:
+# single-threaded Python and compiler work). Both are assumptions, given as ranges: NVIDIA publishes no read rate
+# for the Spark's NVMe SSD (a PCIe NVMe drive reads 3-7 GB/s sequentially), and the GB10's Cortex-X925 cores are
+# taken as 0.8-1.5x the GPU host's time on that work. On the Spark the checkpoint is read from the SSD at every
+# start: the engine takes 0.82 of the 128 GB for itself, so the page cache cannot keep 71 GB of safetensors.
+SPARK_DISK_GB_S = (3.0, 7.0)
+SPARK_CPU_TIME = (0.8, 1.5)
+START_PHASES = ("model_load_s", "compile_s", "compile_cache_load_s", "profiling_s", "graph_capture_s",
+                "init_engine_s")
+
+
+def load_start(path: str) -> dict:
+    """A tests/gpu_vllm/spark_steps.py start result (spark_start_<gpu>.json): both engines' start-up, checked."""
+    data = _read_json("--start", path, "spark_start_<gpu>.json")
+    engines = data.get("engines") if isinstance(data, dict) else None
+    if data is None or not isinstance(engines, list) or data.get("gpu") not in GPU_BW:
+        raise UserError(f"--start {path}: not a spark_steps start result of a known GPU ({', '.join(GPU_BW)}): "
+                        "give the JSON tests/gpu_vllm/spark_steps.py run --cold-batches 1,13 wrote")
+    got = {e.get("name"): e for e in engines if isinstance(e, dict)}
+    for name in ("cold", "restart"):
+        e = got.get(name, {})
+        if not isinstance(e.get("startup_s"), (int, float)) or not isinstance(e.get("phases"), dict):
+            raise UserError(f"--start {path}: its {name} engine has no start-up time "
+                            f"({str(e.get('error', 'missing'))[:200]}): run it again")
+    return data
+
+
+def starts(data: dict, model: str = _122B) -> list[dict]:
+    """Each engine's start on the GPU and its Spark estimate (a range): the checkpoint read from the SSD, plus the
+    GPU run's start less its weight loading (dummy weights there) at the Spark's CPU time."""
+    gb = specs.get(model).hybrid_gb
+    rows = []
+    for name in ("cold", "restart"):
+        e = next(x for x in data["engines"] if x.get("name") == name)
+        ph = {k: float(v) for k, v in e["phases"].items() if k in START_PHASES and isinstance(v, (int, float))}
+        rest = float(e["startup_s"]) - ph.get("model_load_s", 0.0)
+        low = gb / SPARK_DISK_GB_S[1] + rest * SPARK_CPU_TIME[0]
+        high = gb / SPARK_DISK_GB_S[0] + rest * SPARK_CPU_TIME[1]
+        rows.append({"engine": name, "gpu": data.get("device", data["gpu"]), "commit": data.get("git_sha"),
+                     "startup_s_gpu": round(float(e["startup_s"]), 1), "phases_gpu": ph,
+                     "spark_estimate_s": [round(low), round(high)], "checkpoint_gb": gb})
+    return rows
+
+
 # ---- the result and its tables -------------------------------------------------------------------------------
 
-def model(steps=STEPS) -> dict:
+def model(steps=STEPS, start: dict | None = None) -> dict:
     cal = calibrate(steps)
     fit, band = cal["fit"], cal["band"]
     calibration = [{
@@ -505,6 +556,8 @@ def model(steps=STEPS) -> dict:
                 "band_is": "root-mean-square of the leave-one-out errors of the points in the fit"},
         "calibration": calibration, "configurations": configurations,
         "default": choose_default(configurations, band),
+        "starts": starts(start) if start else [],
+        "starts_assume": {"spark_disk_gb_s": list(SPARK_DISK_GB_S), "spark_cpu_time": list(SPARK_CPU_TIME)},
         "steps": [{"model": s.setup.model, "setup": dataclasses.asdict(s.setup), "step_ms": s.ms, "gpu": s.gpu,
                    "commit": s.commit, "attention": s.attention} for s in steps],
         "note": "Estimates, not Spark measurements: GPU steps from vLLM 0.26.0 with dummy weights; tokens a step are "
@@ -540,13 +593,25 @@ def tables(result: dict) -> str:
     tail = (f"* composed from other measured steps (see `gpu` in the JSON).\nDefault: {d['config']}: "
             f"{d['estimate_tok_s']} +- {d['band_tok_s']} tok/s (estimate; {d['beats_v2_by_pct']:+.1f}% over v2, band "
             f"+-{d['band_pct']}%). 65 tok/s met by: {', '.join(d['goal_met_by']) or 'none'}.")
-    return "\n\n".join([cal, conf, tail])
+    out = [cal, conf, tail]
+    if result.get("starts"):
+        a = result["starts_assume"]
+        out.append(_table(
+            f"Engine starts, 122B (GPU measured; Spark estimated: {a['spark_disk_gb_s'][0]:g}-{a['spark_disk_gb_s'][1]:g} "
+            f"GB/s SSD, {a['spark_cpu_time'][0]:g}-{a['spark_cpu_time'][1]:g}x the GPU host's CPU time)",
+            ["engine", "GPU start s", "compile", "cache load", "profiling", "graphs", "Spark s (estimate)"],
+            [[r["engine"], r["startup_s_gpu"], r["phases_gpu"].get("compile_s", "-"),
+              r["phases_gpu"].get("compile_cache_load_s", "-"), r["phases_gpu"].get("profiling_s", "-"),
+              r["phases_gpu"].get("graph_capture_s", "-"), f"{r['spark_estimate_s'][0]}-{r['spark_estimate_s'][1]}"]
+             for r in result["starts"]]))
+    return "\n\n".join(out)
 
 
-def cli(write: str | None, steps_path: str | None, command: str, commit: str | None) -> int:
+def cli(write: str | None, steps_path: str | None, command: str, commit: str | None,
+        start_path: str | None = None) -> int:
     steps = STEPS + (load_steps(steps_path) if steps_path else ())
-    result = model(steps)
-    result.update(commit=commit, command=command, steps_file=steps_path,
+    result = model(steps, load_start(start_path) if start_path else None)
+    result.update(commit=commit, command=command, steps_file=steps_path, start_file=start_path,
                   date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
     print(tables(result))
     if write:

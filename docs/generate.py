@@ -152,6 +152,8 @@ MEASURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
      ("onespark/checkpoint/hybrid.py", "onespark/checkpoint/writer.py", "onespark/checkpoint/safetensors_io.py")),
     ("spark_steps_", "decode-step timings inside vLLM that calibrate the Spark model (tests/gpu_vllm/spark_steps.py)",
      ("kernels", "patches")),
+    ("spark_start_", "the 122B engine's first start and its restart inside vLLM (tests/gpu_vllm/spark_steps.py)",
+     ("kernels", "patches")),
     ("spark_model", "the Spark decode-rate model (tok/s from bytes, calibrated)", ("bench/spark_model.py",)),
     ("arm64_images", "the arm64 images built and checked under emulation (tests/arm64.sh)",  # tests/arm64_lane.py INPUTS
      ("Dockerfile.base", "Dockerfile.v2", "Dockerfile.v2-tq", "docker", "demo/rootfs.sh", "demo/Dockerfile.cuda-standin",

@@ -32,6 +32,7 @@ Spark estimate is bytes / 273 GB/s plus the H200's measured time beyond its own 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -203,9 +204,11 @@ def engine_kwargs(config_name: str, ctxs: list[int], batches: list[int]) -> dict
     return kw
 
 
-def one(model: str, config_name: str, ctxs: list[int], batches: list[int], out: Path) -> None:
+def one(model: str, config_name: str, ctxs: list[int], batches: list[int], out: Path,
+        model_dir: Path | None = None) -> None:
     """In the child: one engine, every (context, batch) point; `out` is rewritten after each point, so a child
-    stopped at the deadline keeps what it measured."""
+    stopped at the deadline keeps what it measured. `model_dir`: write the config there rather than in a new
+    temporary folder (vLLM's compile-cache key holds the model path: a restart must see the same one)."""
     import random
 
     from vllm import LLM, SamplingParams
@@ -213,7 +216,8 @@ def one(model: str, config_name: str, ctxs: list[int], batches: list[int], out: 
 
     fp8_shared, int8_head, mtp2, extra = CONFIGS[config_name]
     os.environ["ONESPARK_INT8_LM_HEAD"] = "1" if int8_head else "0"
-    with tempfile.TemporaryDirectory() as d:
+    with (contextlib.nullcontext(str(model_dir)) if model_dir else tempfile.TemporaryDirectory()) as d:
+        Path(d).mkdir(parents=True, exist_ok=True)
         config = write_config(Path(d), model, fp8_shared)
         t0 = time.monotonic()
         llm = LLM(model=d, **engine_kwargs(config_name, ctxs, batches))

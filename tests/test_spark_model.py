@@ -117,9 +117,10 @@ def test_the_committed_result_is_what_the_model_computes():
     check_schema(committed)
     assert committed["command"].startswith("onespark bench spark-model")
     steps = sm.STEPS + (sm.load_steps(str(ROOT / committed["steps_file"])) if committed.get("steps_file") else ())
-    fresh = sm.model(steps)
+    start = sm.load_start(str(ROOT / committed["start_file"])) if committed.get("start_file") else None
+    fresh = sm.model(steps, start)
     assert [c["published_tok_s"] for c in committed["calibration"]] == [p.tok_s for p in sm.POINTS]
-    for key in ("calibration", "configurations", "default", "fit"):
+    for key in ("calibration", "configurations", "default", "fit", "starts", "starts_assume"):
         assert committed[key] == fresh[key], key
 
 
@@ -161,6 +162,44 @@ def test_a_verify_sweep_replaces_the_interpolation(tmp_path):
     b13 = sm.step_bytes(sm.Setup(requests=13), 1.0)["total"]
     assert x == pytest.approx(max(5.0 + 0.3 * 13 - 1e3 * b13 / sm.GPU_BW["h100"], 0.0))
     assert "batch 13" in src
+
+
+def _start(cold: dict, restart: dict) -> dict:
+    return {"gpu": "h100", "device": "NVIDIA H100 80GB HBM3", "git_sha": "abc1234",
+            "engines": [{"name": "cold", **cold}, {"name": "restart", **restart}]}
+
+
+def test_start_estimates_read_the_checkpoint_and_scale_the_rest(tmp_path):
+    """The Spark's start = 71 GB from the SSD at 3-7 GB/s + the GPU start less its (dummy) weight loading at 0.8-1.5x:
+    computed here by hand from the same inputs."""
+    path = tmp_path / "spark_start_h100.json"
+    path.write_text(json.dumps(_start({"startup_s": 300.0, "phases": {"model_load_s": 10.0, "compile_s": 50.0}},
+                                      {"startup_s": 60.0, "phases": {"model_load_s": 10.0, "compile_cache_load_s": 5}})))
+    rows = sm.starts(sm.load_start(str(path)))
+    assert [r["engine"] for r in rows] == ["cold", "restart"]
+    assert rows[0]["spark_estimate_s"] == [round(71 / 7 + 290 * 0.8), round(71 / 3 + 290 * 1.5)]
+    assert rows[1]["spark_estimate_s"] == [round(71 / 7 + 50 * 0.8), round(71 / 3 + 50 * 1.5)]
+    assert rows[1]["phases_gpu"] == {"model_load_s": 10.0, "compile_cache_load_s": 5.0}
+    out = tmp_path / "m.json"
+    assert sm.cli(str(out), None, "x", "abc1234", str(path)) == 0
+    assert json.loads(out.read_text())["starts"] == rows
+
+
+@pytest.mark.parametrize("content,says", [
+    (None, "cannot read --start"),
+    ("[1", "is not JSON"),
+    ('{"gpu": "h100"}', "not a spark_steps start result"),
+    (json.dumps(_start({"startup_s": 1.0, "phases": {}}, {"error": "not started: 20 s left"})),
+     "restart engine has no start-up time (not started: 20 s left)"),
+])
+def test_bad_start_file_is_one_line_naming_it(tmp_path, content, says):
+    path = tmp_path / "start.json"
+    if content is not None:
+        path.write_text(content)
+    r = subprocess.run([sys.executable, "-m", "onespark", "bench", "spark-model", "--start", str(path)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert says in r.stderr and str(path) in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def _elf_with_fatbin(entries: list[tuple[int, int, bytes]]) -> bytes:

@@ -172,7 +172,9 @@ def child(out: Path, batches: list[int]) -> int:
     import vllm_step  # lab/, on PYTHONPATH (the run's environment)
 
     vllm_step.CAPTURE_SIZES = sorted(set(batches))
-    vllm_step.one("122b", "product", [CTX], batches, out)
+    # one model folder for both engines, as the images serve /model at every start: vLLM's compile-cache key
+    # holds the model path, so a new temporary folder would make the restart compile again
+    vllm_step.one("122b", "product", [CTX], batches, out, Path(tempfile.gettempdir()) / "onespark-spark-steps-122b")
     return 0
 
 
