@@ -609,6 +609,8 @@ def test_host_or_port_after_the_double_dash_is_refused_naming_the_commands_flag(
     (["download", "--dest", ""], "--dest"),
     (["verify", ""], "dir"),
     (["compress", "serve", "--model-dir", ""], "--model-dir"),
+    (["hybrid", "--int4", "", "--fp8", "f", "--out", "o"], "--int4"),
+    (["hybrid", "--int4", "i", "--fp8", "f", "--out", " "], "--out"),
 ])
 def test_an_empty_directory_argument_is_refused(tmp_path, monkeypatch, capsys, argv, flag):
     """An unset variable (`--checkpoint "$DIR"`) gave "": Path("") is the current directory, and docker's
@@ -617,7 +619,7 @@ def test_an_empty_directory_argument_is_refused(tmp_path, monkeypatch, capsys, a
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
     err = capsys.readouterr().err
-    value = " " if flag == "--drafter-dir" else ""
+    value = " " if flag == "--drafter-dir" or argv[-1] == " " else ""
     command = " ".join(argv[:2]) if argv[0] == "compress" else argv[0]  # compress's action is a subcommand
     assert e.value.code == 2 and err.startswith(f"onespark {command}: error: argument {flag}: {value!r} is no "
                                                 "directory: give its path (an unset shell variable?)"), err

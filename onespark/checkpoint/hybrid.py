@@ -42,7 +42,7 @@ import os
 import shutil
 from pathlib import Path
 
-from onespark import __version__
+from onespark import __version__, options
 from onespark.checkpoint.lock import locked
 from onespark.checkpoint.safetensors_io import Header, Range, copy_file_tmp, encode_header, write_safetensors_tmp
 from onespark.checkpoint.writer import (
@@ -455,12 +455,13 @@ def _hybrid_config(config: dict, plan: Plan) -> dict:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     specs.add_model_argument(p)
-    p.add_argument("--int4", required=True, type=Path, help="the Intel AutoRound INT4 checkpoint directory")
+    p.add_argument("--int4", required=True, type=options.directory_path,
+                   help="the Intel AutoRound INT4 checkpoint directory")
     p.add_argument("--fp8", help="the Qwen FP8 checkpoint: a directory (full, or what step 0 fetched), or "
                                  "hf:OWNER/NAME to fetch its shared experts from the Hub by byte range "
                                  "(required unless the spec has no FP8 source)")
     p.add_argument("--fp8-revision", help="with hf:OWNER/NAME: the commit to fetch (default: the pinned one)")
-    p.add_argument("--out", required=True, type=Path, help="new directory for the hybrid checkpoint")
+    p.add_argument("--out", required=True, type=options.directory_path, help="new directory for the hybrid checkpoint")
     p.add_argument("--hash", action=argparse.BooleanOptionalAction, default=True,
                    help="record each output file's sha256 in the manifest (default: yes)")
 
