@@ -232,9 +232,16 @@ async def _idle(port: int) -> float:
 async def _trickle(port: int, head: bytes, body: bytes) -> tuple[float, bytes]:
     """Send `head` at once, then `body` one byte a second: (seconds until the proxy answered and closed, its
     answer, or None when the connection was reset)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    # Connect and send the first bytes in one synchronous step: the proxy's header deadline runs from its accept,
+    # and on a loaded machine this event loop can resume a coroutine over a second after the kernel connected it,
+    # so a first byte sent from the loop could arrive after the deadline (a silent close, rightly, not a 408).
+    sock = socket.create_connection(("127.0.0.1", port))
     t0 = time.perf_counter()
-    writer.write(head)
+    first = head or body[:1]
+    sock.sendall(first)
+    body = body if head else body[1:]
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock)
 
     async def drip():
         for b in body:
