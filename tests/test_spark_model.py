@@ -136,17 +136,27 @@ def test_cli_prints_both_tables_and_the_default():
     assert f"Default: {result['default']['config']}: {result['default']['estimate_tok_s']}" in r.stdout
 
 
-@pytest.mark.parametrize("content,says", [
-    (None, "cannot read --steps"),
-    ("{not json", "is not JSON"),
-    ('{"gpu": "a100", "engines": []}', "not a spark_steps result"),
-    ('{"gpu": "h100", "engines": [{"name": "cold", "points": []}]}', "measured no point"),
+def _start(cold: dict, restart: dict) -> dict:
+    return {"gpu": "h100", "device": "NVIDIA H100 80GB HBM3", "git_sha": "abc1234",
+            "engines": [{"name": "cold", **cold}, {"name": "restart", **restart}]}
+
+
+@pytest.mark.parametrize("flag,content,says", [
+    ("--steps", None, "cannot read --steps"),
+    ("--steps", "{not json", "is not JSON"),
+    ("--steps", '{"gpu": "a100", "engines": []}', "not a spark_steps result"),
+    ("--steps", '{"gpu": "h100", "engines": [{"name": "cold", "points": []}]}', "measured no point"),
+    ("--start", None, "cannot read --start"),
+    ("--start", "[1", "is not JSON"),
+    ("--start", '{"gpu": "h100"}', "not a spark_steps start result"),
+    ("--start", json.dumps(_start({"startup_s": 1.0, "phases": {}}, {"error": "not started: 20 s left"})),
+     "restart engine has no start-up time (not started: 20 s left)"),
 ])
-def test_bad_steps_file_is_one_line_naming_it(tmp_path, content, says):
-    path = tmp_path / "steps.json"
+def test_a_bad_input_file_is_one_line_naming_it(tmp_path, flag, content, says):
+    path = tmp_path / "input.json"
     if content is not None:
         path.write_text(content)
-    r = subprocess.run([sys.executable, "-m", "onespark", "bench", "spark-model", "--steps", str(path)],
+    r = subprocess.run([sys.executable, "-m", "onespark", "bench", "spark-model", flag, str(path)],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert says in r.stderr and str(path) in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -164,11 +174,6 @@ def test_a_verify_sweep_replaces_the_interpolation(tmp_path):
     assert "batch 13" in src
 
 
-def _start(cold: dict, restart: dict) -> dict:
-    return {"gpu": "h100", "device": "NVIDIA H100 80GB HBM3", "git_sha": "abc1234",
-            "engines": [{"name": "cold", **cold}, {"name": "restart", **restart}]}
-
-
 def test_start_estimates_read_the_checkpoint_and_scale_the_rest(tmp_path):
     """The Spark's start = 71 GB from the SSD at 3-7 GB/s + the GPU start less its (dummy) weight loading at 0.8-1.5x:
     computed here by hand from the same inputs."""
@@ -183,23 +188,6 @@ def test_start_estimates_read_the_checkpoint_and_scale_the_rest(tmp_path):
     out = tmp_path / "m.json"
     assert sm.cli(str(out), None, "x", "abc1234", str(path)) == 0
     assert json.loads(out.read_text())["starts"] == rows
-
-
-@pytest.mark.parametrize("content,says", [
-    (None, "cannot read --start"),
-    ("[1", "is not JSON"),
-    ('{"gpu": "h100"}', "not a spark_steps start result"),
-    (json.dumps(_start({"startup_s": 1.0, "phases": {}}, {"error": "not started: 20 s left"})),
-     "restart engine has no start-up time (not started: 20 s left)"),
-])
-def test_bad_start_file_is_one_line_naming_it(tmp_path, content, says):
-    path = tmp_path / "start.json"
-    if content is not None:
-        path.write_text(content)
-    r = subprocess.run([sys.executable, "-m", "onespark", "bench", "spark-model", "--start", str(path)],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode == 1 and "Traceback" not in r.stderr
-    assert says in r.stderr and str(path) in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def _elf_with_fatbin(entries: list[tuple[int, int, bytes]]) -> bytes:
