@@ -133,8 +133,9 @@ def results_page() -> str:
 # ---- bench/results/INDEX.md: the current results, and what each one measures ---------------------------------
 
 # A result is current while the code it measures is the code at the commit it records: no file under these paths
-# has changed since, docstrings and comments aside (a .py file compares by its syntax tree without docstrings;
-# any other file byte for byte). First matching name prefix wins. A new kind of result adds its line here.
+# has changed since, docstrings, comments and Markdown aside (a .py file compares by its syntax tree without
+# docstrings; a .md file not at all; any other file byte for byte). First matching name prefix wins. A new kind
+# of result adds its line here.
 MEASURES: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("gpu_lane_", "the kernel tests and benchmarks on a GPU (tests/gpu.sh)",
      ("kernels", "patches/turboquant_backend.py", "patches/lm_head.py", "patches/int8_head.py")),
@@ -201,6 +202,8 @@ def changed_code(sha: str, paths: tuple[str, ...], root: Path = ROOT) -> list[st
         raise ValueError(f"commit {sha} is not in this repository's history")
     out = []
     for f in r.stdout.split():
+        if f.endswith(".md"):  # prose beside the code (patches/README.md): it changes no measurement
+            continue
         old, new = _git(root, "show", f"{sha}:{f}"), root / f
         if old.returncode or not new.is_file() or _code(old.stdout, f) != _code(new.read_text(errors="replace"), f):
             out.append(f)

@@ -370,6 +370,10 @@ def test_a_result_older_than_its_code_or_named_by_commit_fails(tmp_path):
     assert gen.index_problems(tmp_path) == []
     (tmp_path / "kernels" / "k.py").write_text('"""A kernel, in other words."""\n\n\ndef f():  # why\n    return 1\n')
     assert gen.index_problems(tmp_path) == []  # words only: the code measured is the same
+    (tmp_path / "kernels" / "README.md").write_text("What the kernels are.\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-qm", "b")
+    assert gen.index_problems(tmp_path) == []  # prose beside the code: not a change to it
     (tmp_path / "kernels" / "k.py").write_text('"""A kernel."""\n\n\ndef f():\n    return 2\n')
     (res / "turboquant_h100_1234abc.json").write_text(json.dumps({"git_sha": sha}))
     (res / "lm_head_h200.json").write_text(json.dumps({"git_sha": "unknown"}))
