@@ -17,7 +17,7 @@ Queries are rotated by one matmul with R^T (entries +-1/16: exact in every dtype
 Bytes moved per decode step and KV head: L * (k_bytes + v_bytes + 8), e.g. 264 B/token for K4V4
 against 1024 B for BF16: at 256K tokens, 2 KV heads, 138 MB, a 32 us floor at an H200's 4.27 TB/s copy
 rate, 0.51 ms at a DGX Spark's 273 GB/s (BF16: 1.97 ms). On Hopper the kernel is bound by decode work, not
-bytes (the current timings against BF16 flash with the GQA heads folded: lab/results/turboquant_cuda_h100.json,
+bytes (the current timings against BF16 flash with the GQA heads folded: bench/results/turboquant_cuda_h100.json,
 read in docs/concepts/turboquant.md).
 No host syncs: split bounds come from seq_lens on the device, the grid only from host-known sizes, so the
 launch is CUDA-graph safe.

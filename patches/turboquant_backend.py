@@ -90,7 +90,7 @@ def install() -> None:
 DECODE_ONCE = {"auto": None, "once": True, "pure": False}
 # ONESPARK_TQ_KERNEL, which kernel serves decode steps on CUDA: "auto" (turboquant_cuda.chosen: the CUDA C++ kernel at
 # K4V4 verify steps on mma.sync-only GPUs such as the Spark, where it took 1.26-2.27x less time than the Triton
-# kernel's Spark code on an H200 (bench/results/turboquant_cuda_h200_mma_sync.json), and every K4V4 step on sm_90
+# kernel's Spark code on an H200 (lab/results/turboquant_cuda_h200_mma_sync.json), and every K4V4 step on sm_90
 # (H100, H200: less time at 14-15 of 16 cases, kernels/turboquant_cuda.py says where); Triton elsewhere, and wherever no build of it is found: one warning line says how to build
 # it), "triton" (always Triton) or "cuda" (the CUDA kernel at every K4V4 decode step; built on first use if missing).
 
@@ -205,7 +205,7 @@ class TurboQuantMetadata:
 
 class TurboQuantMetadataBuilder(AttentionMetadataBuilder[TurboQuantMetadata]):
     # full graphs of decode and MTP verify batches (vLLM 0.26.0 on the H200 while this was NEVER: a 35B decode step
-    # 3.2x v2's, all attention and GDN ops eager: bench/results/vllm_step_h200_35b_tq_c207b19.json)
+    # 3.2x v2's, all attention and GDN ops eager: lab/results/vllm_step_h200_35b_tq_c207b19.json)
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_BATCH
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
