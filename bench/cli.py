@@ -5,7 +5,7 @@
   onespark bench --suite quality --b-base-url http://127.0.0.1:8001   # greedy A/B against a second server
   onespark bench compare results/A.json results/B.json
   onespark bench spark-model                            # the calibrated Spark estimate's tables
-  onespark bench spark-model --start bench/results/spark_start_h200.json   # and the engine starts' table
+  onespark bench spark-model --start bench/results/spark_start_h100.json   # and the engine starts' table
 
 Writes NAME.json (every request), NAME.md (tables for a README) and NAME.png under --out, prints the tables,
 and exits 1 when any request failed (failed requests never enter a summary).
