@@ -227,7 +227,7 @@ step_host_tools() {
 }
 
 step_doctor() {
-  local -a args=(doctor --work "$MODEL_WORK" --model "$MODEL")
+  local -a args=(doctor --work "$MODEL_WORK" --model "$MODEL" --vllm "$TRACK")
   ((DEMO)) && args+=(--demo)
   # The checkpoint is on disk already: Hugging Face is not needed any more.
   local done_file=$MODEL_WORK/hybrid/onespark-manifest.json

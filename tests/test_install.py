@@ -377,6 +377,7 @@ def test_dry_run_prints_the_019_plan(fakebin, tmp_path):
         f"serve --host 127.0.0.1 --port 8000 --replace --image {v2}", f"{v2} --host 127.0.0.1 --port 8000",
     ])
     assert "--target vllm-wheels" not in out and "vllm-base:0.32.0" not in out
+    assert re.search(r"onespark doctor --work \S+ --model \S+ --vllm 0\.19\.1\s", out), out  # its base's disk
     assert _calls(fakebin) == [] and not venv.exists() and not work.exists()
     tq = _run([BASH, "steps/4-images.sh", "--dry-run", "--vllm", "0.19.1", "--tq"], fakebin)
     assert tq.returncode == 0 and f"-t onespark/v2-tq:{__version__}-vllm0.19.1" in tq.stdout, tq.stderr
@@ -606,12 +607,12 @@ def _meminfo(tmp_path, total_gib, avail_gib) -> str:
     return str(p)
 
 
-def _doctor(fb, tmp_path, monkeypatch, *, demo=False, total=119, avail=115):
+def _doctor(fb, tmp_path, monkeypatch, *, demo=False, total=119, avail=115, track=None):
     monkeypatch.setenv("PATH", fb["path"])
     p = argparse.ArgumentParser(prog="onespark doctor")
     doctor.add_arguments(p)
     args = p.parse_args(["--work", str(tmp_path / "work"), "--skip-hf", "--meminfo", _meminfo(tmp_path, total, avail),
-                         *(["--demo"] if demo else [])])
+                         *(["--demo"] if demo else []), *(["--vllm", track] if track else [])])
     return {c.name: c for c in doctor.run_checks(doctor.Preflight.from_args(args))}, args
 
 
@@ -666,6 +667,34 @@ def test_doctor_demo_needs_no_gpu(fakebin, tmp_path, monkeypatch):
     checks, _ = _doctor(fakebin, tmp_path, monkeypatch, demo=True, total=23, avail=20)
     assert "GPU" not in checks and checks["Docker"].status == "ok"
     assert checks["memory"].status == "ok" and checks["debootstrap"].status == "ok"
+
+
+@pytest.mark.parametrize("demo", [True, False], ids=["demo", "spark"])
+@pytest.mark.parametrize("track", ["0.19.1", "0.32.0"])
+def test_doctor_docker_disk_counts_the_tracks_own_base(fakebin, tmp_path, monkeypatch, track, demo):
+    """With the track's base image built, step 4 adds only v2 and v2-tq's layers: 9.6 GB free is enough. (A CI machine
+    with both demo bases built had 9.6 GB left and failed: doctor asked 10 GB whatever the base, and looked for the
+    0.19.1 base on every track.) Another track's base does not count."""
+    other = "0.32.0" if track == "0.19.1" else "0.19.1"
+    # the names steps 3-4 build (their dry runs above print the same tags)
+    base = f"onespark-demo/vllm-cpu:{track}" if demo else f"onespark/vllm-base:{track}-cu130-sm121"
+    assert doctor.base_image(track, demo=demo) == base
+    _fake_docker(fakebin)
+    state = fakebin["dir"].parent / "docker-state.json"
+    images = {"onespark-demo/debian:bookworm": "", doctor.base_image(other, demo=demo): ""}
+    state.write_text(json.dumps(images))
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(doctor.shutil, "disk_usage", lambda path: usage._replace(free=int(9.6e9)))
+    checks, _ = _doctor(fakebin, tmp_path, monkeypatch, demo=demo, track=track)
+    disk = checks["disk (Docker)"]
+    need = doctor.DEMO_DOCKER_DISK_GB if demo else doctor.DOCKER_DISK_GB
+    assert disk.status == "FAIL" and "docker system prune" in disk.fix, disk
+    assert disk.detail == f"9.6 GB free at /var/lib/docker, the images need {need} GB"
+    state.write_text(json.dumps({**images, base: ""}))
+    checks, _ = _doctor(fakebin, tmp_path, monkeypatch, demo=demo, track=track)
+    disk = checks["disk (Docker)"]
+    assert disk.status == "ok", disk
+    assert disk.detail == f"9.6 GB free at /var/lib/docker, v2 and v2-tq on {base} need {doctor.LAYERS_DISK_GB} GB"
 
 
 # ---------------------------------------------------------------------------------------------------------

