@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from onespark import __version__
+from onespark import __version__, tracks
 from onespark.errors import UserError
 from onespark.serving import cluster, cluster_link
 from tests._compare import int8_rows_reference
@@ -93,6 +93,12 @@ def socket_node(root: Path, ip: str) -> Path:
                          mtu={"enP7s7": 1500, "eno1": 9000})
 
 
+def read_only(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The preflight's read-only commands, for every track the images may name (doctor's command carries it)."""
+    c = cluster.Cluster.from_args(args)
+    return [item for track in ("", *tracks.SUPPORTED_VLLM) for item in cluster.read_commands(c, track).items()]
+
+
 class FakeNodes:
     """The injectable runner: answers each preflight command from a per-node table; LINK_PROBE runs for
     real in bash against the node's made-up /sys and stub `ip`. Records every command it was given."""
@@ -117,7 +123,7 @@ class FakeNodes:
             env = {**os.environ, "ONESPARK_SYSROOT": str(d), "PATH": f"{d / 'bin'}:{os.environ['PATH']}"}
             p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=timeout)
             return p.returncode, p.stdout + p.stderr
-        for what, known in cluster.read_commands(cluster.Cluster.from_args(self.args)).items():
+        for what, known in read_only(self.args):
             if cmd == known:
                 return self.answers[node.name][what]
         raise AssertionError(f"the preflight ran a command that is not read-only: {cmd!r}")
@@ -145,9 +151,13 @@ def nodes(tmp_path):
 
 
 def test_good_nodes_give_the_roce_plan(nodes):
-    plan = preflight(FakeNodes(nodes))
+    fake = FakeNodes(nodes)
+    plan = preflight(fake)
     assert plan.problems == []
     assert plan.vllm_track == "0.19.1"
+    # doctor checks the Docker disk against the images' own track (the other track's base counts as missing)
+    doctors = [c for _, c in fake.calls if " doctor " in c]
+    assert len(doctors) == 2 and all(c.endswith(" doctor --work /data/w --skip-hf --vllm 0.19.1") for c in doctors)
     head, worker = plan.link["head"], plan.link["worker"]
     # The link is the RoCE port, not the management subnet both nodes share too (10.0.0.0/24).
     assert (head.iface, str(head.ip), head.hca, head.gid_index, head.mtu) == (
@@ -217,7 +227,7 @@ def test_bad_node_is_one_line_naming_node_and_fix(nodes, case, capsys):
     # Through run(): the same line on stderr, exit 1, and every command it ran was a read-only one.
     fake.calls.clear()
     assert cluster.run(fake.args, runner=fake, nodes=(HEAD, WORKER)) == 1
-    assert all(c in cluster.read_commands(cluster.Cluster.from_args(fake.args)).values() for _, c in fake.calls)
+    assert all(c in [known for _, known in read_only(fake.args)] for _, c in fake.calls)
     err = capsys.readouterr().err
     assert f"onespark cluster: error: {line}" in err and "nothing was started" in err
 
@@ -417,7 +427,7 @@ def test_run_end_to_end_against_fake_nodes(nodes, fake_vllm, capsys):
     fake.args = cluster_args("--sync", "--port", str(fake_vllm))
     assert cluster.run(fake.args, runner=fake, nodes=(HEAD, WORKER)) == 0
     out = capsys.readouterr().out
-    changing = [(n, c) for n, c in fake.calls if c not in cluster.read_commands(cluster.Cluster.from_args(fake.args)).values()]
+    changing = [(n, c) for n, c in fake.calls if c not in [known for _, known in read_only(fake.args)]]
     order = [next(k for k in ("docker build", "docker save", "mkdir", "rsync", " verify ", "--entrypoint ray",
                               "load_general_plugins", "ray.nodes()", "docker exec -d", "kill -0", "tail -n")
                   if k in c) for _, c in changing]

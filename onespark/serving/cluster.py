@@ -290,8 +290,9 @@ def print_plan(plan: Plan, cmds: list[tuple[str, Node, str]]) -> None:
 # ---- preflight ----------------------------------------------------------------------------------------
 
 
-def read_commands(c: Cluster) -> dict[str, str]:
-    """The preflight's read-only commands, run on both nodes (the serving image only on the head)."""
+def read_commands(c: Cluster, track: str = "") -> dict[str, str]:
+    """The preflight's read-only commands, run on both nodes (the serving image only on the head). `track`, once the
+    images named it: doctor checks that track's base image (the other track's would count as missing)."""
     osp = onespark_cmd(ROOT)
     return {
         "ssh": "true",
@@ -299,7 +300,7 @@ def read_commands(c: Cluster) -> dict[str, str]:
         "image": image_probe(cluster_image(c.image)),
         "serving image": image_probe(c.image),
         "checkpoint": f"{osp} verify --fast {shlex.quote(str(Path(c.work, 'hybrid').absolute()))}",
-        "doctor": f"{osp} doctor --work {shlex.quote(c.work)} --skip-hf",
+        "doctor": f"{osp} doctor --work {shlex.quote(c.work)} --skip-hf" + (f" --vllm {track}" if track else ""),
         "link": LINK_PROBE,
     }
 
@@ -396,7 +397,7 @@ def preflight(c: Cluster, head: Node, worker: Node, runner: Runner) -> Plan:
     image_problems, track = _check_images(c, rd, head, worker, runner)
     problems += image_problems
     problems += _check_checkpoints(c, rd, head, worker, runner)
-    problems += _check_doctor(rd, head, worker, runner)
+    problems += _check_doctor(read_commands(c, track), head, worker, runner)
     plan = link_preflight(head, worker, runner, iface=c.iface, allow_sockets=c.allow_sockets,
                           track=track or "0.19.1")
     plan.problems[:0] = problems
