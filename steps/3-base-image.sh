@@ -114,7 +114,10 @@ main() {
   # The track label is also in the Dockerfiles; set here too, so that every base this script builds has it.
   args+=(--label "$LABEL_KEY=$fp" --label "$TRACK_LABEL=$TRACK" -f "$dockerfile" -t "$TAG" .)
   say "step 3: building $TAG (vLLM $TRACK) from $dockerfile"
+  local old=""
+  [[ $DRY_RUN == 1 ]] || old=$(image_id "$TAG")
   timed "docker build $TAG" "${args[@]}"
+  [[ $DRY_RUN == 1 ]] || drop_replaced "$TAG" "$old"
   timing_summary
 }
 

@@ -75,6 +75,7 @@ build_image() {
   ((NO_CACHE)) && args+=(--no-cache)
   args+=(-f "$dockerfile" -t "$tag" .)
   say "step 4: building $tag (vLLM $track) from $dockerfile on $from"
+  [[ $DRY_RUN == 1 ]] || REPLACED+=("$tag" "$(image_id "$tag")")
   timed "docker build $tag" "${args[@]}"
 }
 
@@ -100,10 +101,14 @@ main() {
   if ((TQ)) && [[ $tq_tag == "$TAG" ]]; then
     usage_error "--tq with --tag $TAG: the v2-tq image is named after the tag with /v2: replaced by /v2-tq:, so give a tag of the form REPO/v2:TAG"
   fi
+  REPLACED=()  # (tag, the image it named before) per build
   build_image "$TAG" Dockerfile.v2 "$BASE" VLLM_BASE "$TRACK"
   if ((TQ)); then
     build_image "$tq_tag" Dockerfile.v2-tq "$TAG" ONESPARK_V2 "$TRACK"
   fi
+  # v2-tq's old image first: Docker's classic builder makes it a child of v2's, which stays while it exists.
+  local i
+  for ((i = ${#REPLACED[@]} - 2; i >= 0; i -= 2)); do drop_replaced "${REPLACED[i]}" "${REPLACED[i + 1]}"; done
   timing_summary
 }
 

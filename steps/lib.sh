@@ -127,6 +127,24 @@ image_label() {
   docker image inspect --format "{{ index .Config.Labels \"$label\" }}" "$image" 2>/dev/null || true
 }
 
+# The ID of the image TAG names, or nothing when there is none.
+image_id() { docker image inspect --format '{{.Id}}' "$1" 2>/dev/null || true; }
+
+# drop_replaced TAG OLD_ID: after TAG was rebuilt, remove the image it named before (OLD_ID, from image_id) once no
+# tag names it; otherwise every rebuild of a base (10-30 GB) stays on Docker's disk, untagged. An image a container
+# or another image still uses stays, with one note.
+drop_replaced() {
+  local tag=$1 old=$2
+  [[ -n $old && $old != "$(image_id "$tag")" ]] || return 0
+  [[ -z $(docker image inspect --format '{{join .RepoTags " "}}' "$old" 2>/dev/null) ]] || return 0
+  if docker image rm "$old" >/dev/null 2>&1; then
+    say "removed the image $tag named before this build (${old#sha256:}) to free its disk"
+  else
+    say "note: the image $tag named before this build (${old#sha256:}) is still used by a container or another" \
+      "image: docker image prune removes it once nothing does"
+  fi
+}
+
 # sha256 (first 16 hex) over the named files' contents and any extra words: what an image was built from.
 # Files, not directories: image_sources lists the files a Dockerfile's COPY of a directory takes.
 fingerprint() {

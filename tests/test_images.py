@@ -149,3 +149,55 @@ def test_the_package_builds_from_the_image_sources_alone(tree, tmp_path):
                  "onespark/bench/prompts/published.json"):
         assert want in names
     assert not [n for n in names if "README" in n or "/lab/" in n or "/results/" in n]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# steps 3-4: a rebuild removes the image its tag named before (steps/lib.sh drop_replaced), with a real engine
+
+def _build(tag: str, n: int, ctx: Path) -> str:
+    """A one-label image on an empty base: a rebuild with another n gives the tag a new image ID."""
+    (ctx / "Dockerfile").write_text(f"FROM onespark-test/empty:1\nLABEL dev.onespark.test.n={n}\n")
+    subprocess.run(["docker", "build", "-q", "-t", tag, str(ctx)], check=True, capture_output=True, timeout=300)
+    return _image_id(tag)
+
+
+def _image_id(ref: str) -> str:
+    r = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", ref], capture_output=True, text=True)
+    return r.stdout.strip() if r.returncode == 0 else ""
+
+
+def _drop_replaced(tag: str, old: str) -> str:
+    r = subprocess.run(["bash", "-c", f'source steps/lib.sh && drop_replaced "{tag}" "{old}"'], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@pytest.mark.docker
+def test_a_rebuild_drops_the_image_its_tag_named_before(tmp_path):
+    empty = tmp_path / "empty.tar"
+    subprocess.run(["tar", "cf", str(empty), "--files-from", "/dev/null"], check=True)
+    subprocess.run(["docker", "import", str(empty), "onespark-test/empty:1"], check=True, capture_output=True)
+    tag, keep, box = f"onespark-test/replaced:{os.getpid()}", f"onespark-test/kept:{os.getpid()}", f"onespark-test-{os.getpid()}"
+    try:
+        a = _build(tag, 1, tmp_path)
+        assert _drop_replaced(tag, a) == ""  # not rebuilt: the tag still names it
+        b = _build(tag, 2, tmp_path)
+        assert b != a and _image_id(a) == a  # the replaced image is still on disk, untagged
+        out = _drop_replaced(tag, a)
+        assert _image_id(a) == "" and _image_id(tag) == b
+        assert out == f"onespark: removed the image {tag} named before this build ({a.removeprefix('sha256:')}) " \
+                      "to free its disk\n"
+        # a container made from it keeps it, with the note
+        subprocess.run(["docker", "create", "--name", box, b, "/x"], check=True, capture_output=True)
+        c = _build(tag, 3, tmp_path)
+        out = _drop_replaced(tag, b)
+        assert _image_id(b) == b and "is still used by a container or another image: docker image prune" in out, out
+        # another tag names it: not ours to remove
+        subprocess.run(["docker", "tag", c, keep], check=True, capture_output=True)
+        _build(tag, 4, tmp_path)
+        assert _drop_replaced(tag, c) == "" and _image_id(keep) == c
+    finally:
+        subprocess.run(["docker", "rm", "-f", box], capture_output=True)
+        subprocess.run(["docker", "image", "rm", "-f", tag, keep], capture_output=True)
+        subprocess.run(["docker", "image", "prune", "-f", "--filter", "label=dev.onespark.test.n"], capture_output=True)

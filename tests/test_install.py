@@ -83,12 +83,16 @@ if args[:1] == ["info"]:
     print({runtimes!r} if "Runtimes" in fmt else "/var/lib/docker"); sys.exit(0)
 if args[:2] == ["buildx", "version"]:
     sys.exit(0 if {buildx!r} else 1)
+if args[:2] == ["image", "inspect"] and args[-1].startswith("sha256:"):  # by ID: the tags that name it
+    print(" ".join(t for t, v in state.items() if isinstance(v, dict) and v.get("__id__") == args[-1])); sys.exit(0)
 if args[:2] == ["image", "inspect"]:
     tag = args[-1]
     if tag not in state: sys.exit(1)
     labels = state[tag] if isinstance(state[tag], dict) else {{"dev.onespark.fingerprint": state[tag]}}
     fmt = " ".join(args)
-    if "Labels" in fmt:
+    if "{{{{.Id}}}}" in fmt:
+        print(labels.get("__id__", "sha256:" + "ab" * 32))
+    elif "Labels" in fmt:
         key = fmt.split('"')[1]  # {{{{ index .Config.Labels "KEY" }}}}
         print(labels.get(key, ""))
     else:
@@ -96,6 +100,8 @@ if args[:2] == ["image", "inspect"]:
     sys.exit(0)
 if args[:1] == ["build"]:
     labels = dict(args[i + 1].split("=", 1) for i, a in enumerate(args) if a == "--label")
+    state["__builds__"] = state.get("__builds__", 0) + 1  # each build a new image ID: 1, 2, ...
+    labels["__id__"] = "sha256:%064x" % state["__builds__"]
     state[args[args.index("-t") + 1]] = labels
     json.dump(state, open(state_path, "w")); print("Successfully built"); sys.exit(0)
 sys.exit(0)
@@ -403,6 +409,20 @@ def test_dry_run_prints_both_demo_plans(fakebin, tmp_path):
     v2 = f"onespark-demo/v2:{__version__}-vllm0.19.1"
     assert "-t onespark-demo/vllm-cpu:0.19.1" in r.stdout and "REQUIREMENTS=tests/requirements.txt" in r.stdout
     assert f"-t {v2} ." in r.stdout and f"--replace --image {v2}" in r.stdout
+
+
+def test_a_rebuild_removes_the_images_it_replaced_children_first(fakebin):
+    """steps/lib.sh drop_replaced after a rebuild; v2-tq's old image before v2's, since Docker's classic builder
+    keeps a parent while its child exists (a real engine: tests/test_images.py)."""
+    _fake_docker(fakebin)
+    assert _run([BASH, "steps/3-base-image.sh"], fakebin).returncode == 0  # image 1
+    first = _run([BASH, "steps/4-images.sh", "--tq"], fakebin)  # v2: 2, v2-tq: 3
+    assert first.returncode == 0 and "removed the image" not in first.stdout, first.stdout + first.stderr
+    again = _run([BASH, "steps/4-images.sh", "--tq", "--no-cache"], fakebin)  # v2: 4, v2-tq: 5
+    assert again.returncode == 0, again.stderr
+    assert [c for c in _calls(fakebin) if c.startswith("docker image rm")] == [
+        f"docker image rm sha256:{3:064x}", f"docker image rm sha256:{2:064x}"]
+    assert f"removed the image onespark/v2-tq:{__version__} named before this build ({3:064x})" in again.stdout
 
 
 def test_step4_refuses_a_base_of_the_other_track(fakebin):
